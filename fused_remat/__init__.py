@@ -1,0 +1,14 @@
+"""fused_remat: Transformer ops on Triton kernels that keep minimal state for backward.
+
+Public ops (autograd-aware; CUDA runs compiled Triton, CPU runs the Triton interpreter when
+TRITON_INTERPRET=1, otherwise the plain-PyTorch reference in ``fused_remat.reference``):
+
+- ``layer_norm(x, weight, bias=None, eps=1e-5)`` and ``rms_norm(x, weight, eps=1e-6)``
+- ``gelu(x, approximate="none")`` and ``swiglu(gate, up)``
+"""
+
+from . import memory, reference
+from .activations import gelu, swiglu
+from .norms import layer_norm, rms_norm
+
+__all__ = ["gelu", "layer_norm", "memory", "reference", "rms_norm", "swiglu"]

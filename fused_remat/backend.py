@@ -1,0 +1,59 @@
+"""Which implementation runs an op: compiled Triton, interpreted Triton, or the PyTorch reference.
+
+CUDA tensors run the compiled Triton kernels. CPU tensors run the same kernels in Triton's
+interpreter when ``TRITON_INTERPRET=1`` was set before triton was imported, and the plain-PyTorch
+reference otherwise. ``FUSED_REMAT_BACKEND=auto|triton|reference`` overrides the choice.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+BACKEND_ENV = "FUSED_REMAT_BACKEND"
+BACKENDS = ("auto", "triton", "reference")
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def requested_backend() -> str:
+    name = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if name not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={name!r} is not one of {', '.join(BACKENDS)}")
+    return name
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_can_run_on(device: torch.device) -> bool:
+    if not triton_installed():
+        return False
+    if device.type == "cuda":
+        return not triton_interpreting()
+    return device.type == "cpu" and triton_interpreting()
+
+
+def use_triton(op: str, device: torch.device) -> bool:
+    """True when ``op`` on tensors of ``device`` should run the Triton kernels."""
+    backend = requested_backend()
+    if backend == "reference":
+        return False
+    runnable = triton_can_run_on(device)
+    if backend == "triton" and not runnable:
+        if not triton_installed():
+            why = "triton is not installed"
+        elif device.type == "cpu":
+            why = "CPU tensors need TRITON_INTERPRET=1 set before triton is imported"
+        elif device.type == "cuda":
+            why = "TRITON_INTERPRET=1 is set, and the interpreter runs on CPU tensors only"
+        else:
+            why = f"Triton has no backend for device type {device.type!r}"
+        raise RuntimeError(f"{op}: {BACKEND_ENV}=triton but the Triton kernels cannot run here: {why}")
+    return runnable

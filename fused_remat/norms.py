@@ -1,0 +1,105 @@
+"""LayerNorm and RMSNorm whose backward keeps only x and fp32 per-row statistics.
+
+Saved for backward: x, plus mean and rstd (LayerNorm) or rstd (RMSNorm), fp32, one per row.
+Recomputed in the backward kernel: x_hat = (x - mean) * rstd, never stored.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from .backend import use_triton
+from .checks import check_same_device, check_tensor
+
+
+def _validate(op: str, x, weight, bias, eps) -> None:
+    check_tensor(op, "x", x)
+    check_tensor(op, "weight", weight)
+    if bias is not None:
+        check_tensor(op, "bias", bias)
+    check_same_device(op, "x", x, weight=weight, bias=bias)
+    if x.dim() == 0:
+        raise ValueError(f"{op}: x must have at least one dimension (the normalized one), got a scalar")
+    from .kernels.norm import MAX_N
+
+    hidden = x.shape[-1]
+    if not 1 <= hidden <= MAX_N:
+        raise ValueError(f"{op}: x's last dim (the normalized size) must be in 1..{MAX_N}, got {hidden}")
+    if weight.shape != (hidden,):
+        raise ValueError(f"{op}: weight must have shape ({hidden},) to match x's last dim, got {tuple(weight.shape)}")
+    if bias is not None:
+        if bias.shape != (hidden,):
+            raise ValueError(f"{op}: bias must have shape ({hidden},) to match x's last dim, got {tuple(bias.shape)}")
+        if bias.dtype != weight.dtype:
+            raise TypeError(f"{op}: bias has dtype {bias.dtype} but weight has {weight.dtype}; they must match")
+    if not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"{op}: eps must be a non-negative number, got {eps!r}")
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as (rows, hidden) with unit column stride, a view whenever possible."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+class LayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        from .kernels.norm import layer_norm_fwd
+
+        x_rows = _rows(x)
+        y, mean, rstd = layer_norm_fwd(x_rows, weight.contiguous(), None if bias is None else bias.contiguous(), eps)
+        ctx.save_for_backward(x_rows, weight, mean, rstd)
+        ctx.has_bias = bias is not None
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from .kernels.norm import layer_norm_bwd
+
+        x_rows, weight, mean, rstd = ctx.saved_tensors
+        dx, dweight, dbias = layer_norm_bwd(_rows(dy), x_rows, weight.contiguous(), mean, rstd, ctx.has_bias)
+        return dx.view(dy.shape), dweight, dbias, None
+
+
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        from .kernels.norm import rms_norm_fwd
+
+        x_rows = _rows(x)
+        y, rstd = rms_norm_fwd(x_rows, weight.contiguous(), eps)
+        ctx.save_for_backward(x_rows, weight, rstd)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from .kernels.norm import rms_norm_bwd
+
+        x_rows, weight, rstd = ctx.saved_tensors
+        dx, dweight = rms_norm_bwd(_rows(dy), x_rows, weight.contiguous(), rstd)
+        return dx.view(dy.shape), dweight, None
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+    """LayerNorm over the last dim of x (..., hidden), hidden in 1..65536.
+
+    weight, bias: (hidden,), fp32 or x's dtype (fp32 weights with bf16 x is mixed precision).
+    Returns x's shape and dtype. Backward keeps x plus fp32 mean and rstd per row.
+    """
+    _validate("layer_norm", x, weight, bias, eps)
+    if not use_triton("layer_norm", x.device):
+        return reference.layer_norm(x, weight, bias, eps)
+    return LayerNormFunction.apply(x, weight, bias, float(eps))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm over the last dim of x (..., hidden), hidden in 1..65536: x * rsqrt(mean(x^2) + eps) * weight.
+
+    weight: (hidden,), fp32 or x's dtype. Returns x's shape and dtype. Backward keeps x plus fp32 rstd per row.
+    """
+    _validate("rms_norm", x, weight, None, eps)
+    if not use_triton("rms_norm", x.device):
+        return reference.rms_norm(x, weight, eps)
+    return RMSNormFunction.apply(x, weight, float(eps))

@@ -1,0 +1,255 @@
+"""LayerNorm and RMSNorm over the last dim, forward and backward, keeping only per-row statistics.
+
+Forward writes y and the fp32 statistics (mean and rstd for LayerNorm, rstd for RMSNorm). Backward
+rebuilds x-hat from x and the statistics in registers, so the normalized output is never stored.
+RMSNorm is LayerNorm without centering: one pair of kernels serves both through ``IS_RMS``.
+
+Rows of up to ``MAX_SINGLE_PASS_N`` columns are held in registers, ``BLOCK_M`` rows per program.
+Wider rows (up to ``MAX_N``) are streamed in ``BLOCK_N`` chunks, one row per program, reading x
+again for each pass instead of holding it.
+
+Weight/bias gradients are deterministic: each program of the backward grid accumulates its own
+rows into its own row of an fp32 partial buffer, and the host sums that buffer in a fixed order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import next_power_of_2, persistent_program_count
+
+MAX_N = 65536
+MAX_SINGLE_PASS_N = 16384
+STREAM_BLOCK_N = 4096
+
+
+@triton.jit
+def _row_statistics(X, rows64, row_mask, N, stride_x, eps, IS_RMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Mean (0 for RMSNorm) and rstd of rows streamed in chunks: first the mean, then the centred
+    second moment, which stays accurate when |mean| is large against the spread."""
+    cols = tl.arange(0, BLOCK_N)
+    mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if not IS_RMS:
+        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            mask = row_mask[:, None] & ((start + cols)[None, :] < N)
+            x = tl.load(X + rows64[:, None] * stride_x + (start + cols)[None, :], mask=mask, other=0.0)
+            total += x.to(tl.float32)
+        mean = tl.sum(total, axis=1) / N
+    squares = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        mask = row_mask[:, None] & ((start + cols)[None, :] < N)
+        x = tl.load(X + rows64[:, None] * stride_x + (start + cols)[None, :], mask=mask, other=0.0)
+        centred = tl.where(mask, x.to(tl.float32) - mean[:, None], 0.0)
+        squares += centred * centred
+    rstd = tl.math.rsqrt(tl.sum(squares, axis=1) / N + eps)
+    return mean, rstd
+
+
+@triton.jit
+def _norm_fwd(
+    X, W, B, Y, MEAN, RSTD,
+    M, N, stride_x, stride_y, eps,
+    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    rows64 = rows.to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    if SINGLE_PASS:
+        mask = row_mask[:, None] & (cols[None, :] < N)
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if IS_RMS:
+            mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+            centred = x
+        else:
+            mean = tl.sum(x, axis=1) / N
+            centred = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = tl.math.rsqrt(tl.sum(centred * centred, axis=1) / N + eps)
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+        y = centred * rstd[:, None] * w[None, :]
+        if HAS_BIAS:
+            y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    else:
+        mean, rstd = _row_statistics(X, rows64, row_mask, N, stride_x, eps, IS_RMS, BLOCK_M, BLOCK_N)
+        for start in range(0, N, BLOCK_N):
+            col = start + cols
+            mask = row_mask[:, None] & (col[None, :] < N)
+            x = tl.load(X + rows64[:, None] * stride_x + col[None, :], mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(W + col, mask=col < N, other=0.0).to(tl.float32)
+            y = (x - mean[:, None]) * rstd[:, None] * w[None, :]
+            if HAS_BIAS:
+                y += tl.load(B + col, mask=col < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(Y + rows64[:, None] * stride_y + col[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    if not IS_RMS:
+        tl.store(MEAN + rows, mean, mask=row_mask)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _norm_bwd(
+    X, W, DY, DX, MEAN, RSTD, DW_PARTIAL, DB_PARTIAL,
+    M, N, stride_x, stride_dy, stride_dx,
+    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dx = rstd * (w*dy - x_hat * mean(x_hat*w*dy) - mean(w*dy)), the last term for LayerNorm only.
+
+    Program p owns row blocks p, p + P, p + 2P, ... and row p of the partial buffers."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    partial_row = DW_PARTIAL + pid.to(tl.int64) * N
+    bias_partial_row = DB_PARTIAL + pid.to(tl.int64) * N
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for row_block in range(pid, tl.cdiv(M, BLOCK_M), programs):
+        rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        rows64 = rows.to(tl.int64)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        if IS_RMS:
+            mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+        else:
+            mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+        if SINGLE_PASS:
+            mask = row_mask[:, None] & (cols[None, :] < N)
+            x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+            x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+            w_dy = w[None, :] * dy
+            c1 = tl.sum(x_hat * w_dy, axis=1) / N
+            if IS_RMS:
+                dx = (w_dy - x_hat * c1[:, None]) * rstd[:, None]
+            else:
+                c2 = tl.sum(w_dy, axis=1) / N
+                dx = (w_dy - x_hat * c1[:, None] - c2[:, None]) * rstd[:, None]
+            tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            dw_acc += tl.sum(dy * x_hat, axis=0)
+            if HAS_BIAS:
+                db_acc += tl.sum(dy, axis=0)
+        else:
+            c1 = tl.zeros([BLOCK_M], dtype=tl.float32)
+            c2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for start in range(0, N, BLOCK_N):
+                col = start + cols
+                mask = row_mask[:, None] & (col[None, :] < N)
+                x = tl.load(X + rows64[:, None] * stride_x + col[None, :], mask=mask, other=0.0).to(tl.float32)
+                dy = tl.load(DY + rows64[:, None] * stride_dy + col[None, :], mask=mask, other=0.0).to(tl.float32)
+                w = tl.load(W + col, mask=col < N, other=0.0).to(tl.float32)
+                x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+                c1 += tl.sum(x_hat * w[None, :] * dy, axis=1)
+                c2 += tl.sum(w[None, :] * dy, axis=1)
+            c1 = c1 / N
+            c2 = c2 / N
+            for start in range(0, N, BLOCK_N):
+                col = start + cols
+                col_mask = col < N
+                mask = row_mask[:, None] & col_mask[None, :]
+                x = tl.load(X + rows64[:, None] * stride_x + col[None, :], mask=mask, other=0.0).to(tl.float32)
+                dy = tl.load(DY + rows64[:, None] * stride_dy + col[None, :], mask=mask, other=0.0).to(tl.float32)
+                w = tl.load(W + col, mask=col_mask, other=0.0).to(tl.float32)
+                x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+                w_dy = w[None, :] * dy
+                if IS_RMS:
+                    dx = (w_dy - x_hat * c1[:, None]) * rstd[:, None]
+                else:
+                    dx = (w_dy - x_hat * c1[:, None] - c2[:, None]) * rstd[:, None]
+                tl.store(DX + rows64[:, None] * stride_dx + col[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+                dw = tl.load(partial_row + col, mask=col_mask, other=0.0)
+                tl.store(partial_row + col, dw + tl.sum(dy * x_hat, axis=0), mask=col_mask)
+                if HAS_BIAS:
+                    db = tl.load(bias_partial_row + col, mask=col_mask, other=0.0)
+                    tl.store(bias_partial_row + col, db + tl.sum(dy, axis=0), mask=col_mask)
+    if SINGLE_PASS:
+        tl.store(partial_row + cols, dw_acc, mask=cols < N)
+        if HAS_BIAS:
+            tl.store(bias_partial_row + cols, db_acc, mask=cols < N)
+
+
+def _tiling(n_cols: int) -> tuple[bool, int, int, int]:
+    """(single_pass, BLOCK_M, BLOCK_N, num_warps) for rows of ``n_cols`` elements."""
+    if n_cols > MAX_SINGLE_PASS_N:
+        return False, 1, STREAM_BLOCK_N, 8
+    block_n = next_power_of_2(n_cols)
+    block_m = max(1, min(16, 2048 // block_n))
+    tile = block_m * block_n
+    num_warps = max(1, min(16, tile // 512))
+    return True, block_m, block_n, num_warps
+
+
+def _check_launch(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"norm kernels take a 2-D x with unit column stride, got shape {tuple(x.shape)} strides {x.stride()}")
+    rows, cols = x.shape
+    if not 1 <= cols <= MAX_N:
+        raise ValueError(f"norm kernels support 1 to {MAX_N} columns, got {cols}")
+    if weight.shape != (cols,) or not weight.is_contiguous():
+        raise ValueError(f"weight must be contiguous with shape ({cols},), got {tuple(weight.shape)}")
+    return rows, cols
+
+
+def _forward(x, weight, bias, eps, is_rms):
+    rows, cols = _check_launch(x, weight)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    mean = torch.empty(0 if is_rms else rows, device=x.device, dtype=torch.float32)
+    rstd = torch.empty(rows, device=x.device, dtype=torch.float32)
+    if rows == 0:
+        return y, mean, rstd
+    single_pass, block_m, block_n, num_warps = _tiling(cols)
+    _norm_fwd[(triton.cdiv(rows, block_m),)](
+        x, weight, bias if bias is not None else weight, y, mean if not is_rms else rstd, rstd,
+        rows, cols, x.stride(0), y.stride(0), float(eps),
+        IS_RMS=is_rms, HAS_BIAS=bias is not None, SINGLE_PASS=single_pass,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    return y, mean, rstd
+
+
+def _backward(dy, x, weight, mean, rstd, has_bias, is_rms):
+    rows, cols = _check_launch(x, weight)
+    if dy.shape != x.shape or dy.stride(-1) != 1:
+        raise ValueError(f"dy must match x's shape {tuple(x.shape)} with unit column stride, got {tuple(dy.shape)}")
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    single_pass, block_m, block_n, num_warps = _tiling(cols)
+    programs = persistent_program_count(x.device, triton.cdiv(rows, block_m))
+    dw_partial = torch.zeros((programs, cols), device=x.device, dtype=torch.float32)
+    db_partial = torch.zeros((programs, cols), device=x.device, dtype=torch.float32) if has_bias else dw_partial
+    if rows > 0:
+        _norm_bwd[(programs,)](
+            x, weight, dy, dx, mean if not is_rms else rstd, rstd, dw_partial, db_partial,
+            rows, cols, x.stride(0), dy.stride(0), dx.stride(0),
+            IS_RMS=is_rms, HAS_BIAS=has_bias, SINGLE_PASS=single_pass,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )
+    dw = dw_partial.sum(dim=0).to(weight.dtype)
+    db = db_partial.sum(dim=0).to(weight.dtype) if has_bias else None
+    return dx, dw, db
+
+
+def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float):
+    """x: (M, N) with unit column stride; weight, bias: (N,). Returns y (M, N) in x's dtype and the
+    fp32 per-row mean and rstd (M,)."""
+    return _forward(x, weight, bias, eps, is_rms=False)
+
+
+def layer_norm_bwd(dy, x, weight, mean, rstd, has_bias: bool):
+    """Returns dx (x's dtype), dweight and dbias (weight's dtype; dbias None without bias)."""
+    return _backward(dy, x, weight, mean, rstd, has_bias, is_rms=False)
+
+
+def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """x: (M, N) with unit column stride; weight: (N,). Returns y (M, N) and the fp32 rstd (M,)."""
+    y, _, rstd = _forward(x, weight, None, eps, is_rms=True)
+    return y, rstd
+
+
+def rms_norm_bwd(dy, x, weight, rstd):
+    """Returns dx (x's dtype) and dweight (weight's dtype)."""
+    dx, dw, _ = _backward(dy, x, weight, None, rstd, has_bias=False, is_rms=True)
+    return dx, dw
