@@ -1,0 +1,587 @@
+"""FlashAttention-style attention: forward and backward without ever storing the Nq x Nk matrix.
+
+Shapes: q (B, Hq, Nq, D); k, v (B, Hkv, Nk, D), Hq a multiple of Hkv (query head h reads kv head
+h // (Hq // Hkv): GQA, MQA). Any strides as long as the last dim is contiguous: every stride goes to
+the kernels, so views into a packed qkv projection need no copy.
+
+Forward (``_attn_fwd``): one program per (query block, query head, batch) streams key blocks with an
+online softmax in the log2 domain (log2(e) is folded into the scale), and writes o (input dtype) and
+the per-row log-sum-exp (fp32, natural log). Backward recomputes P = exp(S - lse) block by block:
+``_attn_bwd_preprocess`` computes delta = rowsum(dO * O) (minus dLSE when the lse output has a
+gradient), ``_attn_bwd_dkdv`` gives each program one key block of one kv head and loops over the
+query heads of its GQA group and over query blocks, ``_attn_bwd_dq`` gives each program one query
+block and loops over key blocks. Every output element is written by exactly one program: no
+atomics, so gradients are bitwise reproducible.
+
+Causal masks are aligned to the bottom-right (FlashAttention 2): query i sees keys
+j <= i + Nk - Nq. Blocks that no query of a block can see are skipped; blocks that every query of a
+block sees fully run without a mask; only the blocks crossing the diagonal (and the ragged last key
+block) run the masked loop. A row that sees no key (causal, Nq > Nk) gets o = 0, lse = -inf, and
+zero gradients.
+
+Head dims 1..256 are padded to HEAD_DIM = next power of two (at least 16) with masks; any Nq, Nk >= 1.
+Scores, softmax statistics and all accumulators are fp32. On CUDA the launch configuration is
+autotuned per (length buckets, HEAD_DIM, causal, dtype); in the interpreter one small fixed
+configuration runs, and dot operands are upcast to fp32 (the interpreter's bf16 dot is wrong).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import next_power_of_2
+
+MAX_HEAD_DIM = 256
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# The one configuration the interpreter runs (CPU; no autotuning, small blocks keep CI fast).
+INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+
+
+# --------------------------------------------------------------------------------------------
+# Device helpers
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot(a, b, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """a @ b with fp32 accumulation. UPCAST_DOT (interpreter): fp32 operands, exact products."""
+    if UPCAST_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _load_rows(base, row0, offs_r, n_rows, stride_r, offs_d, D, CHECK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
+    """Load rows row0 + offs_r (all HEAD_DIM columns) of a (n_rows, D) matrix with row stride
+    stride_r; out-of-range rows and columns read as zero. row0 is scaled in int64 so long
+    sequences with big strides cannot overflow the offset."""
+    ptrs = base + tl.cast(row0, tl.int64) * stride_r + (offs_r[:, None] * stride_r + offs_d[None, :])
+    if CHECK_ROWS:
+        if EVEN_D:
+            tile = tl.load(ptrs, mask=(row0 + offs_r)[:, None] < n_rows, other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=((row0 + offs_r)[:, None] < n_rows) & (offs_d[None, :] < D), other=0.0)
+    else:
+        if EVEN_D:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
+    return tile
+
+
+@triton.jit
+def _store_rows(base, row0, offs_r, n_rows, stride_r, offs_d, D, value, EVEN_D: tl.constexpr):
+    ptrs = base + tl.cast(row0, tl.int64) * stride_r + (offs_r[:, None] * stride_r + offs_d[None, :])
+    if EVEN_D:
+        tl.store(ptrs, value, mask=(row0 + offs_r)[:, None] < n_rows)
+    else:
+        tl.store(ptrs, value, mask=((row0 + offs_r)[:, None] < n_rows) & (offs_d[None, :] < D))
+
+
+@triton.jit
+def _key_ranges(start_m, Nq, Nk, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For the query block starting at start_m: key blocks [0, full_end) need no mask, key blocks
+    [full_end, masked_end) need the causal and/or key-bound mask, keys from masked_end on are unseen."""
+    whole_blocks_end = (Nk // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        # Query i sees keys j <= i + (Nk - Nq). A key block is unmasked for every row of the query
+        # block when its last key is visible from the block's first row.
+        first_row_sees = tl.maximum(start_m + (Nk - Nq) + 1, 0)  # keys visible to row start_m
+        full_end = tl.minimum((first_row_sees // BLOCK_N) * BLOCK_N, whole_blocks_end)
+        masked_end = tl.minimum(tl.maximum(start_m + BLOCK_M + (Nk - Nq), 0), Nk)
+        masked_end = tl.maximum(masked_end, full_end)
+    else:
+        full_end = whole_blocks_end
+        masked_end = Nk
+    return full_end, masked_end
+
+
+@triton.jit
+def _load_lse_log2(LSE_row, offs_m, Nq):
+    """lse in log2 units, with rows that see no key (lse = -inf) and padding rows set to +inf, so that
+    P = exp2(S2 - lse2) is exactly 0 for them instead of NaN."""
+    lse = tl.load(LSE_row + offs_m, mask=offs_m < Nq, other=float("-inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+
+
+# --------------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attn_fwd_inner(
+    acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_vn, start_m, lo, hi, Nq, Nk, D, qk_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        k = _load_rows(K_head, start_n, offs_n, Nk, stride_kn, offs_d, D, MASKED, EVEN_D)
+        v = _load_rows(V_head, start_n, offs_n, Nk, stride_vn, offs_d, D, MASKED, EVEN_D)
+        s = _dot(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION) * qk_scale  # log2 units
+        if MASKED:
+            keys = start_n + offs_n
+            visible = keys[None, :] < Nk
+            if CAUSAL:
+                visible = visible & (keys[None, :] <= offs_m[:, None] + (Nk - Nq))
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_shift = m_new
+        p = tl.math.exp2(s - m_shift[:, None])
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST_DOT, DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_on,
+    Hq, Nq, Nk, D, GROUP, qk_scale,
+    N_CTX_Q_KEY, N_CTX_K_KEY,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """o = softmax(q k^T * scale) v and lse per row. Grid: (query blocks, Hq, B).
+
+    N_CTX_Q_KEY and N_CTX_K_KEY are unused here: they are the autotuner's length buckets."""
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        # Later query blocks see more keys: start them first for a shorter tail.
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    head = tl.program_id(1)
+    batch = tl.program_id(2).to(tl.int64)
+    kv_head = (head // GROUP).to(tl.int64)
+    head64 = head.to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    Q_head = Q + batch * stride_qb + head64 * stride_qh
+    K_head = K + batch * stride_kb + kv_head * stride_kh
+    V_head = V + batch * stride_vb + kv_head * stride_vh
+    q = _load_rows(Q_head, start_m, tl.arange(0, BLOCK_M), Nq, stride_qn, offs_d, D, True, EVEN_D)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    full_end, masked_end = _key_ranges(start_m, Nq, Nk, CAUSAL, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_vn, start_m, 0, full_end, Nq, Nk, D, qk_scale,
+        False, CAUSAL, HEAD_DIM, EVEN_D, UPCAST_DOT, DOT_PRECISION, BLOCK_M, BLOCK_N,
+    )
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_vn, start_m, full_end, masked_end, Nq, Nk, D, qk_scale,
+        True, CAUSAL, HEAD_DIM, EVEN_D, UPCAST_DOT, DOT_PRECISION, BLOCK_M, BLOCK_N,
+    )
+
+    empty = l_i == 0.0  # rows that saw no key
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    O_head = O + batch * stride_ob + head64 * stride_oh
+    _store_rows(O_head, start_m, tl.arange(0, BLOCK_M), Nq, stride_on, offs_d, D, o.to(O.dtype.element_ty), EVEN_D)
+    LSE_row = LSE + (batch * Hq + head64) * Nq
+    tl.store(LSE_row + offs_m, lse, mask=offs_m < Nq)
+
+
+# --------------------------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attn_bwd_preprocess(
+    O, DO, DLSE, DELTA,
+    stride_ob, stride_oh, stride_on,
+    stride_dob, stride_doh, stride_don,
+    Hq, Nq, D,
+    HAS_DLSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """delta = rowsum(dO * O) in fp32, minus dLSE when lse has a gradient (dS = P (dP - delta)).
+    DLSE and DELTA are contiguous (B, Hq, Nq). Grid: (query blocks, Hq, B)."""
+    start_m = tl.program_id(0) * BLOCK_M
+    head = tl.program_id(1).to(tl.int64)
+    batch = tl.program_id(2).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    o = _load_rows(O + batch * stride_ob + head * stride_oh, start_m, offs_r, Nq, stride_on, offs_d, D, True, False)
+    do = _load_rows(DO + batch * stride_dob + head * stride_doh, start_m, offs_r, Nq, stride_don, offs_d, D, True, False)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    offs_m = start_m + offs_r
+    row = (batch * Hq + head) * Nq
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + row + offs_m, mask=offs_m < Nq, other=0.0).to(tl.float32)
+    tl.store(DELTA + row + offs_m, delta, mask=offs_m < Nq)
+
+
+@triton.jit
+def _attn_bwd_dkdv_inner(
+    dk, dv, k, v, Q_head, DO_head, LSE_row, DELTA_row, stride_qn, stride_don, start_n, lo, hi, Nq, Nk, D, qk_scale,
+    MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Accumulate dK, dV of one key block over query blocks [lo, hi), working on transposed tiles
+    (keys along rows). Query rows past Nq read lse = +inf, hence P = 0: they add nothing."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + offs_r
+        q = _load_rows(Q_head, start_m, offs_r, Nq, stride_qn, offs_d, D, True, EVEN_D)
+        do = _load_rows(DO_head, start_m, offs_r, Nq, stride_don, offs_d, D, True, EVEN_D)
+        lse2 = _load_lse_log2(LSE_row, offs_m, Nq)
+        delta = tl.load(DELTA_row + offs_m, mask=offs_m < Nq, other=0.0)
+        # P^T recomputed from the saved lse: exp2(S^T * scale * log2 e - lse * log2 e).
+        p_t = tl.math.exp2(_dot(k, tl.trans(q), UPCAST_DOT, DOT_PRECISION) * qk_scale - lse2[None, :])
+        if MASKED:  # the causal diagonal: query i sees key j iff j <= i + Nk - Nq
+            p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + (Nk - Nq), p_t, 0.0)
+        dv += _dot(p_t.to(do.dtype), do, UPCAST_DOT, DOT_PRECISION)
+        dp_t = _dot(v, tl.trans(do), UPCAST_DOT, DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += _dot(ds_t.to(q.dtype), q, UPCAST_DOT, DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_don,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    Hq, Nq, Nk, D, GROUP, sm_scale, qk_scale,
+    N_CTX_Q_KEY, N_CTX_K_KEY,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dK, dV for one key block of one kv head, summed over the GROUP query heads that share it.
+    Grid: (key blocks, Hkv, B). Rows of the key block past Nk are computed but never stored."""
+    start_n = tl.program_id(0) * BLOCK_N
+    kv_head = tl.program_id(1).to(tl.int64)
+    batch = tl.program_id(2).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k = _load_rows(K + batch * stride_kb + kv_head * stride_kh, start_n, offs_r, Nk, stride_kn, offs_d, D, True, EVEN_D)
+    v = _load_rows(V + batch * stride_vb + kv_head * stride_vh, start_n, offs_r, Nk, stride_vn, offs_d, D, True, EVEN_D)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+
+    if CAUSAL:
+        # Key j is seen by queries i >= j - (Nk - Nq); every key of the block by i >= last - (Nk - Nq).
+        first_query = tl.maximum(start_n - (Nk - Nq), 0)
+        masked_lo = (first_query // BLOCK_M) * BLOCK_M
+        all_see = tl.maximum(start_n + BLOCK_N - 1 - (Nk - Nq), 0)
+        full_lo = tl.cdiv(all_see, BLOCK_M) * BLOCK_M
+        masked_hi = tl.minimum(full_lo, Nq)
+    else:
+        masked_lo = 0
+        full_lo = 0
+        masked_hi = 0
+
+    for g in range(GROUP):
+        head = kv_head * GROUP + g
+        Q_head = Q + batch * stride_qb + head * stride_qh
+        DO_head = DO + batch * stride_dob + head * stride_doh
+        LSE_row = LSE + (batch * Hq + head) * Nq
+        DELTA_row = DELTA + (batch * Hq + head) * Nq
+        if CAUSAL:
+            dk, dv = _attn_bwd_dkdv_inner(
+                dk, dv, k, v, Q_head, DO_head, LSE_row, DELTA_row, stride_qn, stride_don, start_n, masked_lo, masked_hi,
+                Nq, Nk, D, qk_scale, True, HEAD_DIM, EVEN_D, UPCAST_DOT, DOT_PRECISION, BLOCK_M, BLOCK_N,
+            )
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, Q_head, DO_head, LSE_row, DELTA_row, stride_qn, stride_don, start_n, full_lo, Nq,
+            Nq, Nk, D, qk_scale, False, HEAD_DIM, EVEN_D, UPCAST_DOT, DOT_PRECISION, BLOCK_M, BLOCK_N,
+        )
+
+    dk = dk * sm_scale
+    _store_rows(DK + batch * stride_dkb + kv_head * stride_dkh, start_n, offs_r, Nk, stride_dkn, offs_d, D,
+                dk.to(DK.dtype.element_ty), EVEN_D)
+    _store_rows(DV + batch * stride_dvb + kv_head * stride_dvh, start_n, offs_r, Nk, stride_dvn, offs_d, D,
+                dv.to(DV.dtype.element_ty), EVEN_D)
+
+
+@triton.jit
+def _attn_bwd_dq_inner(
+    dq, q, do, lse2, delta, K_head, V_head, stride_kn, stride_vn, start_m, lo, hi, Nq, Nk, D, qk_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        k = _load_rows(K_head, start_n, offs_n, Nk, stride_kn, offs_d, D, MASKED, EVEN_D)
+        v = _load_rows(V_head, start_n, offs_n, Nk, stride_vn, offs_d, D, MASKED, EVEN_D)
+        p = tl.math.exp2(_dot(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION) * qk_scale - lse2[:, None])
+        if MASKED:
+            keys = start_n + offs_n
+            visible = keys[None, :] < Nk
+            if CAUSAL:
+                visible = visible & (keys[None, :] <= offs_m[:, None] + (Nk - Nq))
+            p = tl.where(visible, p, 0.0)
+        dp = _dot(do, tl.trans(v), UPCAST_DOT, DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, UPCAST_DOT, DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_don,
+    stride_dqb, stride_dqh, stride_dqn,
+    Hq, Nq, Nk, D, GROUP, sm_scale, qk_scale,
+    N_CTX_Q_KEY, N_CTX_K_KEY,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dQ for one query block of one query head, looping over key blocks. Grid: (query blocks, Hq, B)."""
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    head = tl.program_id(1)
+    batch = tl.program_id(2).to(tl.int64)
+    kv_head = (head // GROUP).to(tl.int64)
+    head64 = head.to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_m = start_m + offs_r
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = _load_rows(Q + batch * stride_qb + head64 * stride_qh, start_m, offs_r, Nq, stride_qn, offs_d, D, True, EVEN_D)
+    do = _load_rows(DO + batch * stride_dob + head64 * stride_doh, start_m, offs_r, Nq, stride_don, offs_d, D, True, EVEN_D)
+    row = (batch * Hq + head64) * Nq
+    lse2 = _load_lse_log2(LSE + row, offs_m, Nq)
+    delta = tl.load(DELTA + row + offs_m, mask=offs_m < Nq, other=0.0)
+    K_head = K + batch * stride_kb + kv_head * stride_kh
+    V_head = V + batch * stride_vb + kv_head * stride_vh
+
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    full_end, masked_end = _key_ranges(start_m, Nq, Nk, CAUSAL, BLOCK_M, BLOCK_N)
+    dq = _attn_bwd_dq_inner(
+        dq, q, do, lse2, delta, K_head, V_head, stride_kn, stride_vn, start_m, 0, full_end, Nq, Nk, D, qk_scale,
+        False, CAUSAL, HEAD_DIM, EVEN_D, UPCAST_DOT, DOT_PRECISION, BLOCK_M, BLOCK_N,
+    )
+    dq = _attn_bwd_dq_inner(
+        dq, q, do, lse2, delta, K_head, V_head, stride_kn, stride_vn, start_m, full_end, masked_end, Nq, Nk, D,
+        qk_scale, True, CAUSAL, HEAD_DIM, EVEN_D, UPCAST_DOT, DOT_PRECISION, BLOCK_M, BLOCK_N,
+    )
+    dq = dq * sm_scale
+    _store_rows(DQ + batch * stride_dqb + head64 * stride_dqh, start_m, offs_r, Nq, stride_dqn, offs_d, D,
+                dq.to(DQ.dtype.element_ty), EVEN_D)
+
+
+# --------------------------------------------------------------------------------------------
+# Autotuning (CUDA only)
+# --------------------------------------------------------------------------------------------
+
+_TUNE_KEY = ["N_CTX_Q_KEY", "N_CTX_K_KEY", "HEAD_DIM", "CAUSAL"]
+_SMEM_BYTES = 200 * 1024  # conservative budget under Hopper's 227 KiB per block
+
+
+def _configs(shapes):
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+        for m, n, w, s in shapes
+    ]
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). Forward and dQ stream key tiles past a resident query
+# tile; dK/dV streams query tiles past a resident key tile (so its BLOCK_N is the resident side).
+_FWD_CONFIGS = _configs([
+    (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4),
+    (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 32, 4, 2),
+])
+_DQ_CONFIGS = _configs([
+    (128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 4), (64, 128, 8, 2),
+])
+_DKDV_CONFIGS = _configs([
+    (64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4), (64, 128, 4, 2), (64, 32, 4, 3),
+])
+
+
+def _smem_estimate(config, head_dim: int, elem: int, resident: str, streamed: str) -> int:
+    """Rough shared memory: the pipelined stream of two tiles plus the resident tile."""
+    rows = config.kwargs
+    return (config.num_stages * 2 * rows[streamed] + rows[resident]) * head_dim * elem
+
+
+def _pruner(resident: str, streamed: str):
+    def prune(configs, named_args, **kwargs):
+        args = {**named_args, **kwargs}
+        head_dim = args["HEAD_DIM"]
+        elem = args["Q"].element_size()
+        keep = []
+        for config in configs:
+            if _smem_estimate(config, head_dim, elem, resident, streamed) > _SMEM_BYTES:
+                continue
+            # Register budget: a 128-row fp32 accumulator of width 256 needs 8 warps.
+            if head_dim >= 256 and config.kwargs[resident] >= 128 and config.num_warps < 8:
+                continue
+            keep.append(config)
+        if not keep:  # always leave the smallest configuration
+            keep = [min(configs, key=lambda c: _smem_estimate(c, head_dim, elem, resident, streamed))]
+        return keep
+
+    return prune
+
+
+_attn_fwd_tuned = triton.autotune(
+    configs=_FWD_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _pruner("BLOCK_M", "BLOCK_N")}
+)(_attn_fwd)
+_attn_bwd_dq_tuned = triton.autotune(
+    configs=_DQ_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _pruner("BLOCK_M", "BLOCK_N")}
+)(_attn_bwd_dq)
+_attn_bwd_dkdv_tuned = triton.autotune(
+    configs=_DKDV_CONFIGS, key=_TUNE_KEY + ["GROUP"],
+    prune_configs_by={"early_config_prune": _pruner("BLOCK_N", "BLOCK_M")},
+)(_attn_bwd_dkdv)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+
+
+def _interpreting(t: torch.Tensor) -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1" or t.device.type == "cpu"
+
+
+def _check(q, k, v):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("attention kernels take 4-D q, k, v (B, H, N, D)")
+    batch, q_heads, _, head_dim = q.shape
+    if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != head_dim:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be (B, Hkv, Nk, D) for q {tuple(q.shape)}")
+    if k.shape[1] < 1 or q_heads % k.shape[1]:
+        raise ValueError(f"q heads {q_heads} must be a multiple of kv heads {k.shape[1]}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim {head_dim} outside 1..{MAX_HEAD_DIM}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
+
+
+def _common(q, k, causal, scale):
+    batch, q_heads, q_len, head_dim = q.shape
+    k_len = k.shape[2]
+    head_dim_p2 = max(16, next_power_of_2(head_dim))
+    consts = dict(
+        CAUSAL=bool(causal), HEAD_DIM=head_dim_p2, EVEN_D=head_dim == head_dim_p2,
+        UPCAST_DOT=_interpreting(q), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    sizes = (q_heads, q_len, k_len, head_dim, q_heads // k.shape[1])
+    keys = (next_power_of_2(q_len), next_power_of_2(k_len))
+    return batch, sizes, keys, consts, float(scale), float(scale) * LOG2E
+
+
+def _strides(t):
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def attention_fwd(q, k, v, causal: bool, scale: float, *, config: dict | None = None):
+    """q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D), last dims contiguous.
+
+    Returns o (B, Hq, Nq, D) in q's dtype (contiguous) and lse (B, Hq, Nq) fp32, natural log, -inf on
+    rows that see no key. ``config`` ({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}) pins the
+    launch configuration; by default CUDA autotunes and the interpreter uses INTERPRETER_CONFIG."""
+    _check(q, k, v)
+    batch, (q_heads, q_len, k_len, head_dim, group), keys, consts, _, qk_scale = _common(q, k, causal, scale)
+    o = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    lse = torch.empty((batch, q_heads, q_len), device=q.device, dtype=torch.float32)
+    if o.numel() == 0:
+        return o, lse
+    args = (
+        q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+        q_heads, q_len, k_len, head_dim, group, qk_scale, *keys,
+    )
+    kernel, config = _pick(_attn_fwd, _attn_fwd_tuned, q, config)
+    grid = lambda meta: (triton.cdiv(q_len, meta["BLOCK_M"]), q_heads, batch)  # noqa: E731
+    kernel[grid](*args, **consts, **config)
+    return o, lse
+
+
+def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, dlse=None, config: dict | None = None,
+                  dkdv_config: dict | None = None):
+    """Gradients of attention_fwd. do like o (last dim contiguous; other strides free); lse as
+    returned by attention_fwd; dlse (optional, (B, Hq, Nq)) the gradient reaching lse.
+
+    Returns dq, dk, dv, contiguous, in the dtypes of q, k, v. ``config`` pins the dQ kernel's
+    launch configuration and ``dkdv_config`` the dK/dV kernel's (default: ``config``)."""
+    _check(q, k, v)
+    batch, (q_heads, q_len, k_len, head_dim, group), keys, consts, sm_scale, qk_scale = _common(q, k, causal, scale)
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
+    dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    if dq.numel() == 0:
+        return dq, dk.zero_(), dv.zero_()
+    lse = lse.contiguous()
+    delta = torch.empty((batch, q_heads, q_len), device=q.device, dtype=torch.float32)
+    if dlse is not None:
+        dlse = dlse.contiguous()
+    pre_block = 16 if _interpreting(q) else max(16, min(128, 8192 // consts["HEAD_DIM"]))
+    _attn_bwd_preprocess[(triton.cdiv(q_len, pre_block), q_heads, batch)](
+        o, do, dlse if dlse is not None else delta, delta, *_strides(o), *_strides(do), q_heads, q_len, head_dim,
+        HAS_DLSE=dlse is not None, HEAD_DIM=consts["HEAD_DIM"], BLOCK_M=pre_block,
+    )
+
+    kernel, cfg = _pick(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, q, dkdv_config or config)
+    kernel[lambda meta: (triton.cdiv(k_len, meta["BLOCK_N"]), k.shape[1], batch)](
+        q, k, v, do, lse, delta, dk, dv,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
+        q_heads, q_len, k_len, head_dim, group, sm_scale, qk_scale, *keys, **consts, **cfg,
+    )
+    kernel, cfg = _pick(_attn_bwd_dq, _attn_bwd_dq_tuned, q, config)
+    kernel[lambda meta: (triton.cdiv(q_len, meta["BLOCK_M"]), q_heads, batch)](
+        q, k, v, do, lse, delta, dq,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
+        q_heads, q_len, k_len, head_dim, group, sm_scale, qk_scale, *keys, **consts, **cfg,
+    )
+    return dq, dk, dv
+
+
+def _pick(plain, tuned, q, config):
+    """(kernel, launch kwargs): a pinned config, the interpreter's fixed one, or the autotuner."""
+    if config is not None:
+        return plain, dict(config)
+    if _interpreting(q):
+        return plain, dict(INTERPRETER_CONFIG)
+    return tuned, {}
+
+
+def attention_flops(batch: int, q_heads: int, q_len: int, k_len: int, head_dim: int, causal: bool) -> float:
+    """Forward FLOPs by the usual convention (4 B H Nq Nk D, half when causal); backward is 2.5x."""
+    flops = 4.0 * batch * q_heads * q_len * k_len * head_dim
+    return flops / 2 if causal else flops
+
+
+__all__ = ["attention_fwd", "attention_bwd", "attention_flops", "MAX_HEAD_DIM", "INTERPRETER_CONFIG"]
