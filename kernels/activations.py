@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .precision import round_to
+
 BLOCK = 1024
 NUM_WARPS = 4
 
@@ -21,8 +23,11 @@ GELU_APPROXIMATIONS = ("none", "tanh")
 
 @triton.jit
 def _tanh(z):
-    # tanh through exp: portable to every Triton version and the interpreter; saturates cleanly.
-    return 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
+    # Through exp of a non-positive argument: portable to every Triton version and the
+    # interpreter, never overflows, and saturates to +-1 cleanly.
+    e = tl.exp(-2.0 * tl.abs(z))
+    magnitude = (1.0 - e) / (1.0 + e)
+    return tl.where(z < 0, -magnitude, magnitude)
 
 
 @triton.jit
@@ -48,7 +53,7 @@ def _gelu_fwd(X, Y, n_elements, APPROXIMATE_TANH: tl.constexpr, BLOCK: tl.conste
     mask = offsets < n_elements
     x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
     y, _ = _gelu_and_derivative(x, APPROXIMATE_TANH)
-    tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + offsets, round_to(y, Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -58,7 +63,7 @@ def _gelu_bwd(X, DY, DX, n_elements, APPROXIMATE_TANH: tl.constexpr, BLOCK: tl.c
     x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
     _, derivative = _gelu_and_derivative(x, APPROXIMATE_TANH)
-    tl.store(DX + offsets, (dy * derivative).to(DX.dtype.element_ty), mask=mask)
+    tl.store(DX + offsets, round_to(dy * derivative, DX.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -68,7 +73,7 @@ def _swiglu_fwd(GATE, UP, Y, n_elements, BLOCK: tl.constexpr):
     gate = tl.load(GATE + offsets, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(UP + offsets, mask=mask, other=0.0).to(tl.float32)
     y = gate * tl.sigmoid(gate) * up
-    tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + offsets, round_to(y, Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -81,10 +86,11 @@ def _swiglu_bwd(GATE, UP, DY, DGATE, DUP, Y, n_elements, WRITE_Y: tl.constexpr, 
     dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(gate)
     silu = gate * sig
-    tl.store(DGATE + offsets, (dy * up * sig * (1.0 + gate * (1.0 - sig))).to(DGATE.dtype.element_ty), mask=mask)
-    tl.store(DUP + offsets, (dy * silu).to(DUP.dtype.element_ty), mask=mask)
+    dgate = dy * up * sig * (1.0 + gate * (1.0 - sig))
+    tl.store(DGATE + offsets, round_to(dgate, DGATE.dtype.element_ty), mask=mask)
+    tl.store(DUP + offsets, round_to(dy * silu, DUP.dtype.element_ty), mask=mask)
     if WRITE_Y:
-        tl.store(Y + offsets, (silu * up).to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + offsets, round_to(silu * up, Y.dtype.element_ty), mask=mask)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

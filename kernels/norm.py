@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .precision import round_to
 from .launch import next_power_of_2, persistent_program_count
 
 MAX_N = 65536
@@ -73,7 +74,7 @@ def _norm_fwd(
         y = centred * rstd[:, None] * w[None, :]
         if HAS_BIAS:
             y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + rows64[:, None] * stride_y + cols[None, :], round_to(y, Y.dtype.element_ty), mask=mask)
     else:
         mean, rstd = _row_statistics(X, rows64, row_mask, N, stride_x, eps, IS_RMS, BLOCK_M, BLOCK_N)
         for start in range(0, N, BLOCK_N):
@@ -84,7 +85,7 @@ def _norm_fwd(
             y = (x - mean[:, None]) * rstd[:, None] * w[None, :]
             if HAS_BIAS:
                 y += tl.load(B + col, mask=col < N, other=0.0).to(tl.float32)[None, :]
-            tl.store(Y + rows64[:, None] * stride_y + col[None, :], y.to(Y.dtype.element_ty), mask=mask)
+            tl.store(Y + rows64[:, None] * stride_y + col[None, :], round_to(y, Y.dtype.element_ty), mask=mask)
     if not IS_RMS:
         tl.store(MEAN + rows, mean, mask=row_mask)
     tl.store(RSTD + rows, rstd, mask=row_mask)
@@ -129,7 +130,7 @@ def _norm_bwd(
             else:
                 c2 = tl.sum(w_dy, axis=1) / N
                 dx = (w_dy - x_hat * c1[:, None] - c2[:, None]) * rstd[:, None]
-            tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], round_to(dx, DX.dtype.element_ty), mask=mask)
             dw_acc += tl.sum(dy * x_hat, axis=0)
             if HAS_BIAS:
                 db_acc += tl.sum(dy, axis=0)
@@ -160,7 +161,7 @@ def _norm_bwd(
                     dx = (w_dy - x_hat * c1[:, None]) * rstd[:, None]
                 else:
                     dx = (w_dy - x_hat * c1[:, None] - c2[:, None]) * rstd[:, None]
-                tl.store(DX + rows64[:, None] * stride_dx + col[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+                tl.store(DX + rows64[:, None] * stride_dx + col[None, :], round_to(dx, DX.dtype.element_ty), mask=mask)
                 dw = tl.load(partial_row + col, mask=col_mask, other=0.0)
                 tl.store(partial_row + col, dw + tl.sum(dy * x_hat, axis=0), mask=col_mask)
                 if HAS_BIAS:
@@ -184,7 +185,7 @@ def _tiling(n_cols: int) -> tuple[bool, int, int, int]:
 
 
 def _check_launch(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
-    if x.dim() != 2 or x.stride(-1) != 1:
+    if x.dim() != 2 or (x.stride(-1) != 1 and x.numel() > 0):
         raise ValueError(f"norm kernels take a 2-D x with unit column stride, got shape {tuple(x.shape)} strides {x.stride()}")
     rows, cols = x.shape
     if not 1 <= cols <= MAX_N:
@@ -213,7 +214,7 @@ def _forward(x, weight, bias, eps, is_rms):
 
 def _backward(dy, x, weight, mean, rstd, has_bias, is_rms):
     rows, cols = _check_launch(x, weight)
-    if dy.shape != x.shape or dy.stride(-1) != 1:
+    if dy.shape != x.shape or (dy.stride(-1) != 1 and dy.numel() > 0):
         raise ValueError(f"dy must match x's shape {tuple(x.shape)} with unit column stride, got {tuple(dy.shape)}")
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     single_pass, block_m, block_n, num_warps = _tiling(cols)
