@@ -14,6 +14,7 @@ storage is shared with a tensor passed in ``exclude`` (weights are not activatio
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ class SavedMemoryMeter:
         return sum(r.storage_bytes for r in self.records.values())
 
     def breakdown(self) -> dict[tuple[torch.dtype, tuple[int, ...]], int]:
-        """Bytes per (dtype, shape of the first tensor seen on each storage)."""
+        """Bytes per (dtype, shape of the largest tensor seen on each storage)."""
         totals: dict[tuple[torch.dtype, tuple[int, ...]], int] = defaultdict(int)
         for record in self.records.values():
             totals[(record.dtype, record.shape)] += record.storage_bytes
@@ -65,7 +66,8 @@ class SavedMemoryMeter:
             self.excluded_count += 1
         else:
             key = _storage_key(tensor)
-            if key not in self.records:
+            seen = self.records.get(key)
+            if seen is None or tensor.numel() > math.prod(seen.shape):
                 storage_bytes = tensor.untyped_storage().nbytes()
                 self.records[key] = SavedTensorRecord(tensor.dtype, tuple(tensor.shape), storage_bytes)
         return tensor
