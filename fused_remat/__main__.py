@@ -1,0 +1,97 @@
+"""`python -m fused_remat`: a short demo of the ops on whatever device is present.
+
+With CUDA the kernels compile for the GPU; without it they run on the CPU in Triton's interpreter
+(slow, so the demo's shapes are small there). For each op it prints the largest error against a
+float64 reference and the bytes autograd keeps for backward, ours beside eager PyTorch's.
+"""
+
+import os
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+import torch.nn.functional as F  # noqa: E402
+
+import fused_remat  # noqa: E402
+from fused_remat import reference  # noqa: E402
+from fused_remat.memory import saved_memory  # noqa: E402
+
+
+def _demo_cases(device, dtype, rows, hidden):
+    def tensor(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+
+    x, gate, up = tensor(rows, hidden), tensor(rows, hidden), tensor(rows, hidden)
+    weight = (1 + 0.1 * torch.randn(hidden, device=device)).requires_grad_()
+    bias = torch.randn(hidden, device=device, requires_grad=True)
+    cases = {
+        "layer_norm": (
+            lambda *a: fused_remat.layer_norm(*a),
+            lambda x_, w, b: F.layer_norm(x_, (hidden,), w.to(dtype), b.to(dtype)),
+            lambda x_, w, b: reference.layer_norm(x_, w, b),
+            (x, weight, bias),
+        ),
+        "rms_norm": (
+            lambda *a: fused_remat.rms_norm(*a),
+            lambda x_, w: F.rms_norm(x_, (hidden,), w.to(dtype), 1e-6),
+            lambda x_, w: reference.rms_norm(x_, w),
+            (x, weight),
+        ),
+        "gelu": (fused_remat.gelu, F.gelu, F.gelu, (x,)),
+        "gelu_tanh": (
+            lambda x_: fused_remat.gelu(x_, "tanh"),
+            lambda x_: F.gelu(x_, approximate="tanh"),
+            lambda x_: F.gelu(x_, approximate="tanh"),
+            (x,),
+        ),
+        "swiglu": (fused_remat.swiglu, lambda g, u: F.silu(g) * u, lambda g, u: F.silu(g) * u, (gate, up)),
+    }
+    if hasattr(fused_remat, "attention"):
+        heads, head_dim = 4, 64
+        seq = max(1, rows * hidden // (heads * head_dim))
+        q, k, v = (torch.randn(1, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+        cases["attention (causal)"] = (
+            lambda *a: fused_remat.attention(*a, causal=True),
+            lambda *a: F.scaled_dot_product_attention(*(t.float() for t in a), is_causal=True).to(dtype),
+            lambda *a: reference.attention(*a, causal=True),
+            (q, k, v),
+        )
+    return cases
+
+
+def _saved_bytes(fn, inputs, parameters):
+    with saved_memory(exclude=parameters) as meter:
+        out = fn(*inputs)
+    return out, meter.bytes
+
+
+def main() -> int:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows, hidden = (8192, 4096) if device.type == "cuda" else (64, 256)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU, Triton interpreter"
+    print(f"fused_remat demo on {where}: {rows} rows x {hidden}, {str(dtype).removeprefix('torch.')}\n")
+    print(f"{'op':<20} {'max |err| y':>12} {'max |err| grads':>16} {'saved (ours)':>14} {'saved (eager)':>14}")
+    started = time.perf_counter()
+    for name, (ours_fn, eager_fn, reference_fn, inputs) in _demo_cases(device, dtype, rows, hidden).items():
+        parameters = [t for t in inputs if t.dim() == 1]
+        ours, ours_bytes = _saved_bytes(ours_fn, inputs, parameters)
+        _, eager_bytes = _saved_bytes(eager_fn, inputs, parameters)
+        dy = torch.randn_like(ours)
+        grads = torch.autograd.grad(ours, inputs, dy)
+        inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+        ref = reference_fn(*inputs64)
+        grads64 = torch.autograd.grad(ref, inputs64, dy.double())
+        y_error = (ours.double() - ref).abs().max().item()
+        grad_error = max((g.double() - g64).abs().max().item() for g, g64 in zip(grads, grads64))
+        print(f"{name:<20} {y_error:>12.2e} {grad_error:>16.2e} {ours_bytes / 2**20:>11.2f} MiB {eager_bytes / 2**20:>10.2f} MiB")
+    print(f"\n({time.perf_counter() - started:.1f} s; saved = bytes autograd keeps for backward, parameters left out)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
