@@ -1,4 +1,4 @@
-"""Test set-up: on a machine without CUDA the Triton kernels run in Triton's interpreter.
+"""Test set-up for tests/ and bench/: without CUDA the Triton kernels run in Triton's interpreter.
 
 TRITON_INTERPRET must be set before anything imports triton, so it is set here, at the top of the
 first module pytest loads. With CUDA present the kernels compile for the GPU instead.

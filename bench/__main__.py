@@ -1,0 +1,81 @@
+"""`python -m bench`: run benchmark suites on the GPU and write results, tables and plots.
+
+    python -m bench                      # every suite, full mode (under ~9 minutes on an H100)
+    python -m bench --quick norms        # chosen suites, quick mode (under ~5 minutes for all)
+    python -m bench readme               # rebuild the README's results section from bench/results/
+
+Results go to bench/results/<gpu-name>/ (or --out): <suite>.json with the device, versions, date
+and commit; <suite>.md; <suite>*.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench import harness, report
+
+SUITES = {"norms": "bench.bench_norms", "attention": "bench.bench_attention", "memory": "bench.bench_memory"}
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("suites", nargs="*", help=f"'readme', or suites among {', '.join(SUITES)} (default: all)")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and shorter timing windows")
+    parser.add_argument("--out", type=Path, help="results folder (default: bench/results/<gpu-name>/)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU only, tiny cases through the Triton interpreter, to prove the pipeline runs "
+                        "(CI does this); its timings say nothing about speed and --out is required")
+    args = parser.parse_args(argv)
+    unknown = [s for s in args.suites if s not in SUITES and s != "readme"]
+    if unknown:
+        parser.error(f"unknown suite(s) {', '.join(unknown)}; choose from {', '.join(SUITES)} or 'readme'")
+    return args
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    if args.suites == ["readme"]:
+        report.update_readme()
+        print(f"updated {report.README}")
+        return 0
+    if args.smoke and args.out is None:
+        print("--smoke needs --out: its timings are meaningless and never go to bench/results/", file=sys.stderr)
+        return 2
+    if not args.smoke and not torch.cuda.is_available():
+        print("python -m bench measures kernel speed and needs a CUDA GPU (or --smoke --out DIR to test the pipeline on CPU).", file=sys.stderr)
+        return 2
+    device = "cpu" if args.smoke else "cuda"
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before any suite imports triton
+        os.environ.setdefault("FUSED_REMAT_BACKEND", "triton")
+    started = time.perf_counter()
+    environment = harness.environment()
+    folder = args.out or report.device_folder(environment["device"])
+    print(f"{environment['device']}: torch {environment['torch']}, triton {environment['triton']}, CUDA {environment['cuda']}, commit {environment['commit']}")
+    ceilings = harness.measure_ceilings(args.quick)
+    if ceilings:
+        print(f"measured ceilings: copy {ceilings['copy_GBps']:,.0f} GB/s, bf16 matmul {ceilings['bf16_matmul_TFLOPs']:,.0f} TFLOP/s\n")
+    for suite in args.suites or list(SUITES):
+        module = importlib.import_module(SUITES[suite])
+        suite_started = time.perf_counter()
+        results = []
+        for case in module.cases(quick=args.quick, device=device):
+            results += harness.run_case(case, args.quick, measure_memory=getattr(module, "MEASURE_MEMORY", False))
+        report.write_json(folder, suite, environment, ceilings, results)
+        report.write_markdown(folder, suite, environment, ceilings, results)
+        module.plots(folder, results, ceilings)
+        print(report.markdown_table(suite, environment, ceilings, results))
+        print(f"({suite}: {time.perf_counter() - suite_started:.0f} s)\n")
+    print(f"results in {folder} ({time.perf_counter() - started:.0f} s in all)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""What every suite shares: cases, providers, timing, ceilings and the run's metadata.
+
+A suite module defines ``cases(quick: bool) -> list[Case]``. A ``Case`` holds, per provider, a
+factory that builds fresh inputs and returns the zero-argument callable to time; ``work`` turns a
+median time into the case's metric (GB/s from bytes moved, or TFLOP/s from FLOPs).
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import platform
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+INPUT_SETS = 3  # inputs rotate through this many fresh random sets, so no call sees warm inputs twice
+
+
+@dataclass
+class Case:
+    suite: str
+    name: str
+    params: dict
+    providers: dict[str, Callable[[], Callable[[], object]]]
+    unit: str  # "GB/s" or "TFLOP/s"
+    work: float  # bytes moved or FLOPs per call
+    ceiling: str = ""  # which device ceiling the metric is a fraction of: "copy" or "matmul"
+
+    def metric(self, ms: float) -> float:
+        per_second = self.work / (ms * 1e-3)
+        return per_second / 1e9 if self.unit == "GB/s" else per_second / 1e12
+
+
+@dataclass
+class Result:
+    suite: str
+    case: str
+    params: dict
+    provider: str
+    ms: float | None = None
+    ms_p20: float | None = None
+    ms_p80: float | None = None
+    metric: float | None = None
+    unit: str = ""
+    peak_mib: float | None = None
+    error: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def rotating(make_inputs: Callable[[], tuple], run: Callable[..., object]) -> Callable[[], object]:
+    """A zero-argument callable that runs ``run(*inputs)`` on the next of INPUT_SETS fresh input sets."""
+    sets = itertools.cycle([make_inputs() for _ in range(INPUT_SETS)])
+    return lambda: run(*next(sets))
+
+
+def time_ms(fn: Callable[[], object], quick: bool) -> tuple[float, float, float]:
+    """(median, 20th, 80th percentile) ms over repeated synchronized calls after warm-up.
+
+    triton.testing.do_bench synchronizes around the timed region and flushes the L2 cache between
+    calls, so a memory-bound kernel is measured from DRAM. Without CUDA (the CLI's --smoke mode,
+    which only proves the pipeline runs) three wall-clock calls stand in: meaningless as speed.
+    """
+    import triton.testing
+
+    if not torch.cuda.is_available():
+        times = sorted(_wall_ms(fn) for _ in range(3))
+        return times[1], times[0], times[2]
+
+    warmup, rep = (10, 40) if quick else (25, 100)
+    median, p20, p80 = triton.testing.do_bench(fn, warmup=warmup, rep=rep, quantiles=[0.5, 0.2, 0.8])
+    return median, p20, p80
+
+
+def _wall_ms(fn: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    fn()
+    return (time.perf_counter() - started) * 1e3
+
+
+def peak_memory_mib(fn: Callable[[], object]) -> float | None:
+    """Peak CUDA memory allocated while ``fn`` runs, above what was allocated before it."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def run_case(case: Case, quick: bool, measure_memory: bool = False) -> list[Result]:
+    results = []
+    for provider, factory in case.providers.items():
+        result = Result(case.suite, case.name, case.params, provider, unit=case.unit)
+        try:
+            fn = factory()
+            result.ms, result.ms_p20, result.ms_p80 = time_ms(fn, quick)
+            result.metric = case.metric(result.ms)
+            if measure_memory:
+                result.peak_mib = peak_memory_mib(fn)
+            del fn
+        except torch.OutOfMemoryError:
+            result.error = "out of memory"
+        except Exception as exc:  # a failing peer is reported in the table, not fatal to the run
+            result.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        results.append(result)
+    return results
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def environment() -> dict:
+    import triton
+
+    return {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": _git_commit(),
+    }
+
+
+def measure_ceilings(quick: bool) -> dict:
+    """The device's measured copy bandwidth (GB/s, read + write) and dense bf16 matmul rate (TFLOP/s)."""
+    if not torch.cuda.is_available():
+        return {}
+    elements = 2**28  # 512 MiB of bf16: far beyond L2
+    src = torch.randn(elements, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms, _, _ = time_ms(lambda: dst.copy_(src), quick)
+    copy_gbs = 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
+    del src, dst
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms, _, _ = time_ms(lambda: torch.matmul(a, b), quick)
+    matmul_tflops = 2 * n**3 / (ms * 1e-3) / 1e12
+    return {"copy_GBps": copy_gbs, "bf16_matmul_TFLOPs": matmul_tflops}
+
+
+def best_peer(results: list[Result], ours: str = "fused_remat") -> Result | None:
+    """The fastest successful provider other than ours."""
+    peers = [r for r in results if r.provider != ours and r.ms is not None]
+    return min(peers, key=lambda r: r.ms, default=None)
+
+
+def optional_import(module: str):
+    """A module when it is installed (Liger-Kernel, for instance), else None: never required."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        return None

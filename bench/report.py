@@ -1,0 +1,157 @@
+"""Results on disk: a JSON file per suite, a Markdown table, PNG plots, and the README section.
+
+Everything here reads what a run wrote; nothing types a figure by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from dataclasses import asdict
+from pathlib import Path
+
+from bench.harness import REPO, Result
+
+RESULTS = REPO / "bench" / "results"
+README = REPO / "README.md"
+OURS = "fused_remat"
+
+
+def device_folder(device_name: str) -> Path:
+    return RESULTS / re.sub(r"[^A-Za-z0-9._-]+", "-", device_name).strip("-")
+
+
+def write_json(folder: Path, suite: str, environment: dict, ceilings: dict, results: list[Result]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{suite}.json"
+    payload = {"suite": suite, "environment": environment, "ceilings": ceilings, "results": [asdict(r) for r in results]}
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+    return path
+
+
+def load_json(path: Path) -> tuple[dict, list[Result]]:
+    payload = json.loads(path.read_text())
+    return payload, [Result(**row) for row in payload["results"]]
+
+
+def _ceiling_value(unit: str, ceilings: dict) -> float | None:
+    return ceilings.get("copy_GBps") if unit == "GB/s" else ceilings.get("bf16_matmul_TFLOPs")
+
+
+def _cell(result: Result, ceilings: dict) -> str:
+    if result.error:
+        return result.error
+    text = f"{result.metric:,.1f} ({result.ms:.3f} ms)" if result.metric is not None else f"{result.ms:.3f} ms"
+    ceiling = _ceiling_value(result.unit, ceilings)
+    if result.provider == OURS and ceiling and result.metric is not None:
+        text += f", {100 * result.metric / ceiling:.0f}% of peak"
+    if result.peak_mib is not None:
+        text += f", {result.peak_mib:,.0f} MiB"
+    return text
+
+
+def markdown_table(suite: str, environment: dict, ceilings: dict, results: list[Result]) -> str:
+    by_case: dict[str, dict[str, Result]] = defaultdict(dict)
+    for result in results:
+        by_case[result.case][result.provider] = result
+    providers = [OURS] + sorted({r.provider for r in results} - {OURS})
+    unit = results[0].unit if results else ""
+    ceiling_note = ", ".join(f"{k} {v:,.0f}" for k, v in ceilings.items())
+    lines = [
+        f"**{suite}** on {environment['device']} (torch {environment['torch']}, triton {environment['triton']}, "
+        f"CUDA {environment['cuda']}, {environment['date']}, commit {environment['commit']}); "
+        f"measured ceilings: {ceiling_note or 'n/a'}. Cells: {unit} (median ms); last column: best peer's time / ours (>1: we are faster).",
+        "",
+        "| case | " + " | ".join(providers) + " | speed-up vs best peer |",
+        "|---" * (len(providers) + 2) + "|",
+    ]
+    for case, row in by_case.items():
+        cells = [_cell(row[p], ceilings) if p in row else "" for p in providers]
+        ours = row.get(OURS)
+        peers = [r for p, r in row.items() if p != OURS and r.ms is not None]
+        ratio = f"{min(r.ms for r in peers) / ours.ms:.2f}x" if ours and ours.ms and peers else ""
+        lines.append(f"| {case} | " + " | ".join(cells) + f" | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(folder: Path, suite: str, environment: dict, ceilings: dict, results: list[Result]) -> Path:
+    path = folder / f"{suite}.md"
+    path.write_text(markdown_table(suite, environment, ceilings, results))
+    return path
+
+
+def _series(results: list[Result], x_key: str, group_keys: tuple[str, ...], value):
+    """{group: {provider: ([x], [y])}} for successful results, sorted by x."""
+    series: dict[tuple, dict[str, tuple[list, list]]] = defaultdict(lambda: defaultdict(lambda: ([], [])))
+    for result in sorted(results, key=lambda r: r.params.get(x_key, 0)):
+        y = value(result)
+        if y is None:
+            continue
+        group = tuple(result.params.get(k) for k in group_keys)
+        xs, ys = series[group][result.provider]
+        xs.append(result.params[x_key])
+        ys.append(y)
+    return series
+
+
+def plot(folder: Path, name: str, title: str, results: list[Result], x_key: str, group_keys: tuple[str, ...],
+         value, ylabel: str, ceiling: float | None = None, log_y: bool = False) -> Path | None:
+    """One subplot per group, one line per provider; returns the PNG's path (None without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    series = _series(results, x_key, group_keys, value)
+    if not series:
+        return None
+    columns = min(3, len(series))
+    rows = -(-len(series) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.6 * rows), squeeze=False)
+    for ax, (group, lines) in zip(axes.flat, sorted(series.items(), key=lambda item: str(item[0]))):
+        for provider, (xs, ys) in sorted(lines.items(), key=lambda item: item[0] != OURS):
+            ax.plot(xs, ys, marker="o", linewidth=2.5 if provider == OURS else 1.2, label=provider)
+        if ceiling:
+            ax.axhline(ceiling, color="gray", linestyle="--", label="measured ceiling")
+        ax.set_title(", ".join(f"{k}={v}" for k, v in zip(group_keys, group)), fontsize=9)
+        ax.set_xscale("log", base=2)
+        if log_y:
+            ax.set_yscale("log")
+        ax.set_xlabel(x_key)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(series):]:
+        ax.set_visible(False)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = folder / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+MARK_START, MARK_END = "<!-- results:start -->", "<!-- results:end -->"
+
+
+def readme_section() -> str:
+    """The README's results section, rebuilt from the committed JSON files."""
+    parts = []
+    for folder in sorted(p for p in RESULTS.glob("*") if p.is_dir()):
+        for path in sorted(folder.glob("*.json")):
+            payload, results = load_json(path)
+            parts.append(markdown_table(payload["suite"], payload["environment"], payload["ceilings"], results))
+            for png in sorted(folder.glob(f"{payload['suite']}*.png")):
+                parts.append(f"![{png.stem}]({png.relative_to(REPO).as_posix()})\n")
+    if not parts:
+        return "Not yet measured: no GPU run has been recorded. Kernel speed is only ever reported from a GPU run.\n"
+    return "Generated by `python -m bench readme` from `bench/results/`.\n\n" + "\n".join(parts)
+
+
+def update_readme() -> None:
+    text = README.read_text()
+    start, end = text.index(MARK_START) + len(MARK_START), text.index(MARK_END)
+    README.write_text(text[:start] + "\n" + readme_section() + text[end:])
