@@ -3,6 +3,7 @@
     python -m bench                      # every suite, full mode (under ~9 minutes on an H100)
     python -m bench --quick norms        # chosen suites, quick mode (under ~5 minutes for all)
     python -m bench readme               # rebuild the README's results section from bench/results/
+    python -m bench summary --out DIR    # one line per suite of the run in DIR
 
 Results go to bench/results/<gpu-name>/ (or --out): <suite>.json with the device, versions, date
 and commit; <suite>.md; <suite>*.png.
@@ -26,14 +27,14 @@ SUITES = {"norms": "bench.bench_norms", "attention": "bench.bench_attention", "m
 
 def _parse(argv):
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("suites", nargs="*", help=f"'readme', or suites among {', '.join(SUITES)} (default: all)")
+    parser.add_argument("suites", nargs="*", help=f"'readme', 'summary', or suites among {', '.join(SUITES)} (default: all)")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and shorter timing windows")
     parser.add_argument("--out", type=Path, help="results folder (default: bench/results/<gpu-name>/)")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU only, tiny cases through the Triton interpreter, to prove the pipeline runs "
                         "(CI does this); its timings say nothing about speed and --out is required")
     args = parser.parse_args(argv)
-    unknown = [s for s in args.suites if s not in SUITES and s != "readme"]
+    unknown = [s for s in args.suites if s not in SUITES and s not in ("readme", "summary")]
     if unknown:
         parser.error(f"unknown suite(s) {', '.join(unknown)}; choose from {', '.join(SUITES)} or 'readme'")
     return args
@@ -41,6 +42,9 @@ def _parse(argv):
 
 def main(argv=None) -> int:
     args = _parse(argv)
+    if args.suites == ["summary"]:
+        print(report.summary(args.out or report.device_folder(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")))
+        return 0
     if args.suites == ["readme"]:
         report.update_readme()
         print(f"updated {report.README}")

@@ -1,0 +1,53 @@
+"""The benchmark CLI end to end on CPU (--smoke: tiny cases through the interpreter), so the
+pipeline that a GPU run depends on cannot rot. Its timings are meaningless and stay in tmp_path."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import report
+from bench.__main__ import SUITES
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _bench(*args):
+    env = {k: v for k, v in os.environ.items() if k != "FUSED_REMAT_BACKEND"}
+    return subprocess.run([sys.executable, "-m", "bench", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("suite", sorted(SUITES))
+def test_smoke_run_writes_results_tables_and_plots(suite, tmp_path):
+    out = tmp_path / "results" / "cpu-smoke"
+    run = _bench("--smoke", "--quick", suite, "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    payload = json.loads((out / f"{suite}.json").read_text())
+    assert {"device", "torch", "triton", "cuda", "date", "commit"} <= payload["environment"].keys()
+    assert payload["results"], "no case ran"
+    failures = [(r["case"], r["provider"], r["error"]) for r in payload["results"] if r["error"]]
+    assert not failures, failures
+    assert "fused_remat" in {r["provider"] for r in payload["results"]}
+    assert (out / f"{suite}.md").read_text().count("\n|") >= 2
+    assert list(out.glob(f"{suite}*.png")), "no plot written"
+    section = report.readme_section(tmp_path / "results")
+    assert f"**{suite}**" in section and "Not yet measured" not in section
+
+
+def test_readme_section_says_not_measured_without_results(tmp_path):
+    assert report.readme_section(tmp_path).startswith("Not yet measured")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU this would start a real run")
+def test_speed_run_refuses_without_a_gpu():
+    run = _bench("--quick", "norms")
+    assert run.returncode == 2 and "needs a CUDA GPU" in run.stderr
+
+
+def test_unknown_suite_is_named():
+    run = _bench("--smoke", "nonsense")
+    assert run.returncode == 2 and "unknown suite(s) nonsense" in run.stderr
