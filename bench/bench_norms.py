@@ -172,5 +172,6 @@ def plots(folder, results, ceilings):
 
     rows = max((r.params["rows"] for r in results), default=0)
     chosen = [r for r in results if r.params["rows"] == rows]
-    plot(folder, "norms", f"norms and activations, bf16, {rows} rows: GB/s (higher is better)", chosen,
+    dtype = chosen[0].params["dtype"] if chosen else ""
+    plot(folder, "norms", f"norms and activations, {dtype}, {rows} rows: GB/s (higher is better)", chosen,
          x_key="hidden", group_keys=("op", "mode"), value=lambda r: r.metric, ylabel="GB/s", ceiling=ceilings.get("copy_GBps"))

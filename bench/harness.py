@@ -49,6 +49,7 @@ class Result:
     metric: float | None = None
     unit: str = ""
     peak_mib: float | None = None
+    saved_mib: float | None = None
     error: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -96,6 +97,15 @@ def peak_memory_mib(fn: Callable[[], object]) -> float | None:
     return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
+def saved_memory_mib(fn: Callable[[], object]) -> float:
+    """MiB that autograd keeps for backward during one call (fused_remat's saved-memory meter)."""
+    from fused_remat.memory import saved_memory
+
+    with saved_memory() as meter:
+        fn()
+    return meter.bytes / 2**20
+
+
 def run_case(case: Case, quick: bool, measure_memory: bool = False) -> list[Result]:
     results = []
     for provider, factory in case.providers.items():
@@ -106,6 +116,7 @@ def run_case(case: Case, quick: bool, measure_memory: bool = False) -> list[Resu
             result.metric = case.metric(result.ms)
             if measure_memory:
                 result.peak_mib = peak_memory_mib(fn)
+                result.saved_mib = saved_memory_mib(fn)
             del fn
         except torch.OutOfMemoryError:
             result.error = "out of memory"

@@ -48,7 +48,9 @@ def _cell(result: Result, ceilings: dict) -> str:
     if result.provider == OURS and ceiling and result.metric is not None:
         text += f", {100 * result.metric / ceiling:.0f}% of peak"
     if result.peak_mib is not None:
-        text += f", {result.peak_mib:,.0f} MiB"
+        text += f", peak {result.peak_mib:,.0f} MiB"
+    if result.saved_mib is not None:
+        text += f", saved {result.saved_mib:,.1f} MiB"
     return text
 
 
