@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import fused_remat
-from bench.harness import Case, optional_import, rotating
+from bench.harness import Case, optional_import, pytest_benchmark_case, rotating
 
 MODES = ("fwd", "bwd", "fwd+bwd")
 
@@ -155,15 +155,7 @@ def test_smoke_on_cpu(case, triton_backend):
     ids=lambda value: value.name if isinstance(value, Case) else value,
 )
 def test_gpu(case, provider, benchmark):
-    fn = case.providers[provider]()
-
-    def synchronized():
-        fn()
-        torch.cuda.synchronize()
-
-    benchmark.pedantic(synchronized, warmup_rounds=5, rounds=30)
-    if benchmark.stats is not None:
-        benchmark.extra_info[case.unit] = case.metric(benchmark.stats.stats.median * 1e3)
+    pytest_benchmark_case(benchmark, case, provider)
 
 
 def plots(folder, results, ceilings):

@@ -128,6 +128,19 @@ def run_case(case: Case, quick: bool, measure_memory: bool = False) -> list[Resu
     return results
 
 
+def pytest_benchmark_case(benchmark, case: Case, provider: str) -> None:
+    """Time one provider of ``case`` with pytest-benchmark, synchronizing the GPU in every round."""
+    fn = case.providers[provider]()
+
+    def synchronized():
+        fn()
+        torch.cuda.synchronize()
+
+    benchmark.pedantic(synchronized, warmup_rounds=5, rounds=30)
+    if benchmark.stats is not None:
+        benchmark.extra_info[case.unit] = case.metric(benchmark.stats.stats.median * 1e3)
+
+
 def _git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
