@@ -149,7 +149,7 @@ def _attn_fwd_inner(
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Nq", "Nk"])  # lengths of 1 stay runtime values
 def _attn_fwd(
     Q, K, V, O, LSE,
     stride_qb, stride_qh, stride_qn,
@@ -262,7 +262,7 @@ def _attn_bwd_dkdv_inner(
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Nq", "Nk"])  # lengths of 1 stay runtime values
 def _attn_bwd_dkdv(
     Q, K, V, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qn,
@@ -349,7 +349,7 @@ def _attn_bwd_dq_inner(
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Nq", "Nk"])  # lengths of 1 stay runtime values
 def _attn_bwd_dq(
     Q, K, V, DO, LSE, DELTA, DQ,
     stride_qb, stride_qh, stride_qn,
@@ -416,11 +416,12 @@ def _configs(shapes):
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). Forward and dQ stream key tiles past a resident query
 # tile; dK/dV streams query tiles past a resident key tile (so its BLOCK_N is the resident side).
 _FWD_CONFIGS = _configs([
-    (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4),
-    (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 32, 4, 2),
+    (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4), (128, 32, 8, 2),
+    (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 32, 4, 2), (64, 32, 4, 3),
 ])
 _DQ_CONFIGS = _configs([
-    (128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 4), (64, 128, 8, 2),
+    (128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 4, 2), (128, 32, 8, 2), (64, 64, 4, 3), (64, 32, 4, 4),
+    (64, 128, 8, 2), (64, 32, 4, 2),
 ])
 _DKDV_CONFIGS = _configs([
     (64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4), (64, 128, 4, 2), (64, 32, 4, 3),
@@ -446,8 +447,8 @@ def _pruner(resident: str, streamed: str):
             if head_dim >= 256 and config.kwargs[resident] >= 128 and config.num_warps < 8:
                 continue
             keep.append(config)
-        if not keep:  # always leave the smallest configuration
-            keep = [min(configs, key=lambda c: _smem_estimate(c, head_dim, elem, resident, streamed))]
+        if not keep:  # nothing fits (fp32 at D=256): small tiles without pipelining
+            keep = [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
         return keep
 
     return prune

@@ -1,0 +1,197 @@
+"""Attention: forward, backward and forward+backward TFLOP/s of ``fused_remat.attention`` against
+PyTorch SDPA's flash, cuDNN and memory-efficient backends, and peak memory against SDPA's math
+backend (which materializes the N x N matrix).
+
+bf16, head dims 64 and 128, causal and not, N from 1k to 16k with B x N = 16k tokens and
+H x D = 2048. FLOPs: 4 B H Nq Nk D forward (half when causal), backward 2.5x forward.
+
+    python bench/bench_attention.py [--quick]             # GPU: Markdown tables, do_bench medians
+    pytest bench/bench_attention.py --benchmark-enable    # GPU: pytest-benchmark
+On CPU, pytest runs one tiny case through the Triton interpreter so this file cannot rot.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # before triton is imported, as in tests/conftest.py
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+if __package__ in (None, ""):  # run as a script: make `bench` and `fused_remat` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import fused_remat  # noqa: E402
+from bench.harness import Case, environment, peak_memory_mib, rotating, run_case  # noqa: E402
+
+MODES = ("fwd", "bwd", "fwd+bwd")
+WORK = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
+SDPA_BACKENDS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION", "sdpa-efficient": "EFFICIENT_ATTENTION"}
+TOKENS, WIDTH = 16384, 2048
+GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+needs_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA device with compiled Triton")
+
+
+def ours(q, k, v, causal):
+    return fused_remat.attention(q, k, v, causal=causal)
+
+
+def sdpa(backend: str):
+    def run(q, k, v, causal):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(getattr(SDPBackend, backend)):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return run
+
+
+def _provider(fn, mode, make_inputs, causal):
+    """A factory of the zero-argument callable to time; backward runs on a retained graph."""
+    if mode == "fwd":
+        return lambda: rotating(make_inputs, lambda q, k, v, do: fn(q, k, v, causal))
+    if mode == "bwd":
+        def prepare():
+            q, k, v, do = make_inputs()
+            return fn(q, k, v, causal), (q, k, v), do
+
+        return lambda: rotating(prepare, lambda o, inputs, do: torch.autograd.grad(o, inputs, do, retain_graph=True))
+    return lambda: rotating(make_inputs, lambda q, k, v, do: torch.autograd.grad(fn(q, k, v, causal), (q, k, v), do))
+
+
+def _shape(n, d, device):
+    if device != "cuda":
+        return 1, 2, 64, 32  # interpreter smoke size
+    return max(1, TOKENS // n), WIDTH // d, n, d
+
+
+def _make_inputs(batch, heads, n, d, dtype, device):
+    def make():
+        q, k, v = (torch.randn(batch, heads, n, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+        return q, k, v, torch.randn(batch, heads, n, d, device=device, dtype=dtype)
+
+    return make
+
+
+def cases(quick: bool, device: str = "cuda") -> list[Case]:
+    """Speed cases: one per (mode, head dim, causal, N); providers ours and the SDPA backends."""
+    if device != "cuda":
+        grid, dtype, peers = [(64, 32, True)], torch.float32, {}
+    else:
+        lengths = (1024, 4096, 16384) if quick else (1024, 2048, 4096, 8192, 16384)
+        grid = [(n, d, causal) for d in (64, 128) for causal in (False, True) for n in lengths]
+        dtype, peers = torch.bfloat16, {name: sdpa(backend) for name, backend in SDPA_BACKENDS.items()}
+    result = []
+    for n, d, causal in grid:
+        batch, heads, n, d = _shape(n, d, device)
+        make = _make_inputs(batch, heads, n, d, dtype, device)
+        flops = 4.0 * batch * heads * n * n * d / (2 if causal else 1)
+        for mode in MODES:
+            providers = {"fused_remat": _provider(ours, mode, make, causal)}
+            providers.update({name: _provider(fn, mode, make, causal) for name, fn in peers.items()})
+            result.append(Case(
+                suite="attention", name=f"attention {mode} d{d} {'causal' if causal else 'full'} N{n}",
+                params={"mode": mode, "batch": batch, "heads": heads, "n": n, "d": d, "causal": causal,
+                        "dtype": str(dtype).removeprefix("torch.")},
+                providers=providers, unit="TFLOP/s", work=flops * WORK[mode], ceiling="matmul",
+            ))
+    return result
+
+
+def memory_cases(quick: bool) -> list[Case]:
+    """Peak memory of one forward+backward: ours against SDPA's math backend, d128 causal."""
+    lengths = (1024, 4096, 16384) if quick else (1024, 2048, 4096, 8192, 16384)
+    result = []
+    for n in lengths:
+        batch, heads, n, d = _shape(n, 128, "cuda")
+        make = _make_inputs(batch, heads, n, d, torch.bfloat16, "cuda")
+        flops = 4.0 * batch * heads * n * n * d / 2 * WORK["fwd+bwd"]
+        providers = {"fused_remat": _provider(ours, "fwd+bwd", make, True),
+                     "sdpa-math": _provider(sdpa("MATH"), "fwd+bwd", make, True)}
+        result.append(Case(suite="attention-memory", name=f"attention memory d128 causal N{n}",
+                           params={"n": n, "batch": batch, "heads": heads, "d": d}, providers=providers,
+                           unit="TFLOP/s", work=flops, ceiling="matmul"))
+    return result
+
+
+def test_smoke_on_cpu(benchmark, monkeypatch):
+    """Our kernels through the interpreter on a tiny case (forward and backward)."""
+    if GPU:
+        pytest.skip("the GPU cases cover this")
+    monkeypatch.setenv("FUSED_REMAT_BACKEND", "triton")
+    fns = {case.params["mode"]: case.providers["fused_remat"]() for case in cases(quick=True, device="cpu")}
+    out = benchmark(fns["fwd+bwd"])
+    assert all(torch.isfinite(g).all() for g in out)
+    assert torch.isfinite(fns["fwd"]()).all()
+
+
+@pytest.mark.parametrize(
+    "case,provider",
+    [(c, p) for c in cases(quick=True) for p in c.providers],
+    ids=lambda value: value.name.removeprefix("attention ") if isinstance(value, Case) else value,
+)
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu(case, provider, benchmark):
+    fn = case.providers[provider]()
+
+    def synchronized():
+        fn()
+        torch.cuda.synchronize()
+
+    benchmark.pedantic(synchronized, warmup_rounds=5, rounds=30)
+    if benchmark.stats is not None:
+        benchmark.extra_info["TFLOP/s"] = case.metric(benchmark.stats.stats.median * 1e3)
+
+
+@pytest.mark.parametrize("case", memory_cases(quick=True), ids=lambda c: c.name.removeprefix("attention memory "))
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_peak_memory_below_math_backend(case):
+    peaks = {}
+    for provider, factory in case.providers.items():
+        try:
+            peaks[provider] = peak_memory_mib(factory())
+        except torch.cuda.OutOfMemoryError:
+            peaks[provider] = float("inf")
+        torch.cuda.empty_cache()
+    assert peaks["fused_remat"] < peaks["sdpa-math"], peaks
+
+
+def _markdown(results, title, value, fmt) -> str:
+    """One row per case, one column per provider."""
+    providers = list(dict.fromkeys(r.provider for r in results))
+    rows = {}
+    for r in results:
+        rows.setdefault(r.case.removeprefix("attention "), {})[r.provider] = fmt(value(r)) if not r.error else r.error[:24]
+    lines = [f"### {title}", "", "| case | " + " | ".join(providers) + " |", "|---" * (len(providers) + 1) + "|"]
+    lines += [f"| {name} | " + " | ".join(cells.get(p, "") for p in providers) + " |" for name, cells in rows.items()]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="attention TFLOP/s and peak memory: fused_remat against SDPA backends")
+    parser.add_argument("--quick", action="store_true", help="fewer lengths and shorter timing")
+    args = parser.parse_args(argv)
+    if not GPU:
+        raise SystemExit("bench_attention needs a CUDA device (run pytest for the CPU smoke case)")
+    env = environment()
+    print(" | ".join(f"{k}: {v}" for k, v in env.items()), "\n")
+    speed = [r for case in cases(args.quick) for r in run_case(case, args.quick)]
+    for mode in MODES:
+        chosen = [r for r in speed if r.params["mode"] == mode]
+        print(_markdown(chosen, f"{mode} TFLOP/s (bf16, B x N = {TOKENS}, H x D = {WIDTH})",
+                        lambda r: r.metric, lambda x: f"{x:.1f}"), "\n")
+    memory = [r for case in memory_cases(args.quick) for r in run_case(case, args.quick, measure_memory=True)]
+    print(_markdown(memory, "peak memory of forward+backward, MiB (d128 causal)", lambda r: r.peak_mib, lambda x: f"{x:,.0f}"))
+
+
+if __name__ == "__main__":
+    main()

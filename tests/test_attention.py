@@ -1,0 +1,315 @@
+"""attention against a float64 reference and plain PyTorch in the same dtype, plus its contracts:
+saved memory, determinism, rows that see no key, GQA, strided inputs and argument errors.
+
+On CPU the kernels run in Triton's interpreter, so the sweep is a covering set (every length pair,
+head dim, GQA ratio, causal value and dtype appears) rather than the full product.
+"""
+
+import math
+
+import pytest
+import torch
+
+import fused_remat
+from fused_remat import reference
+from fused_remat.memory import saved_memory
+from numerics import assert_error_rule
+
+F16, F32, BF16 = torch.float16, torch.float32, torch.bfloat16
+
+# (B, Hq, Hkv, Nq, Nk, D, causal, dtype)
+SWEEP = [
+    (1, 1, 1, 1, 1, 16, False, F32),
+    (2, 8, 1, 1, 1, 256, True, F16),
+    (1, 4, 1, 1, 300, 40, True, F16),
+    (2, 1, 1, 1, 300, 128, False, F32),
+    (1, 2, 2, 113, 203, 96, True, F32),
+    (1, 8, 1, 113, 203, 64, False, F16),
+    (1, 4, 1, 128, 128, 128, True, F16),
+    (2, 2, 2, 128, 128, 40, False, F32),
+    (1, 8, 1, 257, 64, 16, True, F32),
+    (1, 4, 1, 257, 64, 256, False, F16),
+    (1, 1, 1, 1000, 1000, 64, True, F16),
+    (1, 1, 1, 1000, 1000, 96, False, F32),
+    # bf16 dots run upcast in the interpreter; this case checks the rest of the bf16 path.
+    (1, 2, 1, 113, 203, 64, True, BF16),
+]
+
+
+def _case_id(case):
+    b, hq, hkv, nq, nk, d, causal, dtype = case
+    return f"b{b}-h{hq}:{hkv}-{nq}x{nk}-d{d}-{'causal' if causal else 'full'}-{str(dtype).removeprefix('torch.')}"
+
+
+def manual_attention(q, k, v, do, causal, scale, dtype):
+    """Plain PyTorch attention forward and backward, every product in ``dtype``, one query head at
+    a time (so long GPU cases fit). Returns o, lse, dq, dk, dv. Rows that see no key give zeros."""
+    q, k, v, do = (t.to(dtype) for t in (q, k, v, do))
+    batch, q_heads, q_len, _ = q.shape
+    kv_heads, k_len = k.shape[1], k.shape[2]
+    group = q_heads // kv_heads
+    o, dq = torch.zeros_like(q), torch.zeros_like(q)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    visible = None
+    if causal:
+        rows = torch.arange(q_len, device=q.device)[:, None]
+        visible = torch.arange(k_len, device=q.device)[None, :] <= rows + (k_len - q_len)
+    for b in range(batch):
+        for h in range(q_heads):
+            qh, kh, vh, doh = q[b, h], k[b, h // group], v[b, h // group], do[b, h]
+            s = (qh @ kh.T) * scale
+            if visible is not None:
+                s = s.masked_fill(~visible, float("-inf"))
+            p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+            lse[b, h] = torch.logsumexp(s.to(lse.dtype), dim=-1)
+            o[b, h] = p @ vh
+            dv[b, h // group] += p.T @ doh
+            dp = doh @ vh.T
+            ds = p * (dp - (doh * o[b, h]).sum(-1, keepdim=True))
+            dq[b, h] = (ds @ kh) * scale
+            dk[b, h // group] += (ds.T @ qh) * scale
+    return o, lse, dq, dk, dv
+
+
+def _inputs(b, hq, hkv, nq, nk, d, dtype, device):
+    q = torch.randn(b, hq, nq, d, device=device).to(dtype).requires_grad_()
+    k = torch.randn(b, hkv, nk, d, device=device).to(dtype).requires_grad_()
+    v = torch.randn(b, hkv, nk, d, device=device).to(dtype).requires_grad_()
+    return q, k, v
+
+
+def _reference64(q, k, v, do, causal, scale):
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    o, lse = reference.attention(*leaves, causal=causal, scale=scale, return_lse=True)
+    grads = torch.autograd.grad(o, leaves, do.double())
+    return o, lse, grads
+
+
+def _assert_lse(lse, lse64):
+    assert lse.dtype == torch.float32 and lse.shape == lse64.shape
+    seen = torch.isfinite(lse64)
+    assert torch.equal(torch.isfinite(lse), seen), "lse: finite where the reference is -inf, or the reverse"
+    assert (lse[~seen] == float("-inf")).all()
+    if seen.any():
+        torch.testing.assert_close(lse[seen].double(), lse64[seen], rtol=0, atol=1e-5 * max(1.0, lse64[seen].abs().max().item()))
+
+
+def _check(q, k, v, causal, scale=None):
+    dtype = q.dtype
+    o, lse = fused_remat.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    assert o.dtype == dtype and o.shape == q.shape
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    used_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    o64, lse64, grads64 = _reference64(q, k, v, do, causal, used_scale)
+    same_o, _, *same_grads = manual_attention(q.detach(), k.detach(), v.detach(), do, causal, used_scale, dtype)
+    assert_error_rule("o", o, same_o, o64, dtype)
+    _assert_lse(lse, lse64)
+    for name, got, same, ref in zip(("dq", "dk", "dv"), grads, same_grads, grads64):
+        assert got.dtype == dtype
+        assert_error_rule(name, got, same, ref, dtype)
+    return o, lse, grads
+
+
+@pytest.mark.parametrize("case", SWEEP, ids=_case_id)
+def test_attention_matches_references(case, device, triton_backend):
+    b, hq, hkv, nq, nk, d, causal, dtype = case
+    _check(*_inputs(b, hq, hkv, nq, nk, d, dtype, device), causal)
+
+
+def test_custom_scale(device, triton_backend):
+    _check(*_inputs(1, 2, 1, 45, 70, 32, F32, device), causal=True, scale=0.37)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 64), (64, 16)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_unequal_block_shapes(block_m, block_n, causal, device):
+    """The GPU autotuner picks BLOCK_M != BLOCK_N; the diagonal split must hold for those too."""
+    from fused_remat.kernels.attention import attention_bwd, attention_fwd
+
+    q, k, v = (t.detach() for t in _inputs(1, 4, 2, 100, 77, 24, F32, device))
+    scale = 0.2
+    config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 1}
+    o, lse = attention_fwd(q, k, v, causal, scale, config=config)
+    do = torch.randn_like(o)
+    grads = attention_bwd(do, q, k, v, o, lse, causal, scale, config=config)
+    o64, lse64, grads64 = _reference64(q, k, v, do, causal, scale)
+    same_o, _, *same_grads = manual_attention(q, k, v, do, causal, scale, F32)
+    assert_error_rule("o", o, same_o, o64, F32)
+    _assert_lse(lse, lse64)
+    for name, got, same, ref in zip(("dq", "dk", "dv"), grads, same_grads, grads64):
+        assert_error_rule(name, got, same, ref, F32)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2)])
+def test_packed_qkv_views_need_no_copy(hq, hkv, device, triton_backend):
+    """q, k, v as strided views of one (B, N, (Hq + 2 Hkv) * D) projection: the kernels read them in
+    place (autograd saves the packed storage once) and gradients land in the packed tensor."""
+    b, n, d = 2, 70, 40
+    packed = torch.randn(b, n, (hq + 2 * hkv) * d, device=device, requires_grad=True)
+
+    def split(x):
+        heads = x.view(b, n, hq + 2 * hkv, d).transpose(1, 2)  # (B, H, N, D), strides not contiguous
+        return heads[:, :hq], heads[:, hq:hq + hkv], heads[:, hq + hkv:]
+
+    q, k, v = split(packed)
+    assert not q.is_contiguous() and q.stride(-1) == 1
+    with saved_memory() as meter:
+        o, lse = fused_remat.attention(q, k, v, causal=True, return_lse=True)
+    assert meter.bytes == packed.numel() * 4 + o.numel() * 4 + lse.numel() * 4, meter.report()
+    do = torch.randn_like(o)
+    (dpacked,) = torch.autograd.grad(o, packed, do)
+
+    packed64 = packed.detach().double().requires_grad_()
+    o64 = reference.attention(*split(packed64), causal=True)
+    (dpacked64,) = torch.autograd.grad(o64, packed64, do.double())
+    contiguous = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
+    same_o = fused_remat.reference.attention(*contiguous, causal=True)
+    same_grads = torch.autograd.grad(same_o, contiguous, do)
+    assert_error_rule("o", o, same_o, o64, F32)
+    same_packed = torch.cat([g.transpose(1, 2).reshape(b, n, -1) for g in same_grads], dim=-1)
+    assert_error_rule("dpacked", dpacked, same_packed, dpacked64, F32)
+
+
+def test_gradients_are_bitwise_deterministic(device, triton_backend):
+    q, k, v = _inputs(1, 8, 2, 150, 97, 48, F16, device)
+    o = fused_remat.attention(q, k, v, causal=True)
+    do = torch.randn_like(o)
+    first = torch.autograd.grad(o, (q, k, v), do)
+    for _ in range(2):
+        again = torch.autograd.grad(fused_remat.attention(q, k, v, causal=True), (q, k, v), do)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("n", [32])
+def test_saved_memory_is_inputs_output_and_lse(n, device, triton_backend):
+    """Autograd keeps q, k, v, o and 4 bytes of lse per query row: linear in N, nothing N x N."""
+    b, hq, hkv, d = 2, 4, 2, 16
+
+    def saved(length):
+        q, k, v = _inputs(b, hq, hkv, length, length, d, F16, device)
+        with saved_memory() as meter:
+            o = fused_remat.attention(q, k, v, causal=True)
+        expected = sum(t.numel() * t.element_size() for t in (q, k, v, o)) + 4 * b * hq * length
+        assert meter.bytes == expected, meter.report()
+        return meter.bytes
+
+    assert saved(4 * n) == 4 * saved(n)
+
+
+def test_rows_that_see_no_key_give_zeros(device, triton_backend):
+    """Causal with Nq > Nk: the first Nq - Nk queries see no key: zero output and gradients."""
+    q, k, v = _inputs(1, 4, 2, 90, 20, 32, F32, device)
+    o, lse, (dq, dk, dv) = _check(q, k, v, causal=True)
+    empty = 90 - 20
+    assert torch.equal(o[:, :, :empty], torch.zeros_like(o[:, :, :empty]))
+    assert torch.equal(dq[:, :, :empty], torch.zeros_like(dq[:, :, :empty]))
+    assert (lse[:, :, :empty] == float("-inf")).all() and torch.isfinite(lse[:, :, empty:]).all()
+    for g in (dq, dk, dv):
+        assert torch.isfinite(g).all()
+
+
+def test_lse_gradient(device, triton_backend):
+    """lse is differentiable: a loss on it flows back as dS += P * dlse."""
+    q, k, v = _inputs(1, 2, 1, 40, 33, 16, F32, device)
+    o, lse = fused_remat.attention(q, k, v, return_lse=True)
+    do, dl = torch.randn_like(o), torch.randn_like(lse)
+    grads = torch.autograd.grad((o * do).sum() + (lse * dl).sum(), (q, k, v))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    o64, lse64 = reference.attention(*leaves, return_lse=True)
+    grads64 = torch.autograd.grad((o64 * do.double()).sum() + (lse64 * dl.double()).sum(), leaves)
+    for got, ref in zip(grads, grads64):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_reference_backend_agrees(device, monkeypatch):
+    q, k, v = (t.detach() for t in _inputs(1, 2, 1, 30, 41, 24, F32, device))
+    monkeypatch.setenv("FUSED_REMAT_BACKEND", "reference")
+    ref_o, ref_lse = fused_remat.attention(q, k, v, causal=True, return_lse=True)
+    monkeypatch.setenv("FUSED_REMAT_BACKEND", "triton")
+    o, lse = fused_remat.attention(q, k, v, causal=True, return_lse=True)
+    torch.testing.assert_close(o, ref_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def _bad(**overrides):
+    shapes = {"q": (1, 4, 8, 16), "k": (1, 2, 8, 16), "v": (1, 2, 8, 16)}
+    tensors = {name: torch.randn(shape) for name, shape in shapes.items()}
+    tensors.update(overrides)
+    return tensors
+
+
+BAD_INPUTS = [
+    (lambda: _bad(q=torch.randn(4, 8, 16)), ValueError, r"q must be 4-D"),
+    (lambda: _bad(k=torch.randn(1, 2, 8, 16, 1)), ValueError, r"k must be 4-D"),
+    (lambda: _bad(k=torch.randn(2, 2, 8, 16), v=torch.randn(2, 2, 8, 16)), ValueError, r"batch size of k/v"),
+    (lambda: _bad(k=torch.randn(1, 2, 8, 32), v=torch.randn(1, 2, 8, 32)), ValueError, r"head dim D of k/v"),
+    (lambda: _bad(v=torch.randn(1, 2, 9, 16)), ValueError, r"k .* and v .* must have the same shape"),
+    (lambda: _bad(k=torch.randn(1, 3, 8, 16), v=torch.randn(1, 3, 8, 16)), ValueError, r"Hq=4 must be a multiple of .* Hkv=3"),
+    (lambda: _bad(q=torch.randn(1, 2, 8, 300), k=torch.randn(1, 2, 8, 300), v=torch.randn(1, 2, 8, 300)), ValueError, r"head dim D=300"),
+    (lambda: _bad(q=torch.randn(1, 2, 8, 0), k=torch.randn(1, 2, 8, 0), v=torch.randn(1, 2, 8, 0)), ValueError, r"head dim D=0"),
+    (lambda: _bad(q=torch.randn(1, 4, 0, 16)), ValueError, r"q has no query positions"),
+    (lambda: _bad(k=torch.randn(1, 2, 0, 16), v=torch.randn(1, 2, 0, 16)), ValueError, r"k and v have no key positions"),
+    (lambda: _bad(q=torch.randn(1, 4, 16, 8).transpose(2, 3)), ValueError, r"q must be contiguous in its last dim"),
+    (lambda: _bad(v=torch.randn(1, 2, 16, 8).transpose(2, 3)), ValueError, r"v must be contiguous in its last dim"),
+    (lambda: _bad(k=torch.randn(1, 2, 8, 16, dtype=torch.float16)), TypeError, r"k has dtype torch.float16 but q"),
+    (lambda: _bad(q=torch.randn(1, 4, 8, 16, dtype=torch.float64)), TypeError, r"q has dtype torch.float64"),
+    (lambda: _bad(v=torch.ones(1, 2, 8, 16, dtype=torch.int32)), TypeError, r"v must be a floating-point tensor"),
+    (lambda: _bad(k="k"), TypeError, r"k must be a torch.Tensor"),
+    (lambda: _bad(k=torch.randn(1, 2, 8, 16, device="meta")), ValueError, r"k is on meta but q is on cpu"),
+]
+
+
+@pytest.mark.parametrize("make,error,match", BAD_INPUTS, ids=[m for _, _, m in BAD_INPUTS])
+def test_bad_inputs_name_the_argument(make, error, match):
+    with pytest.raises(error, match=match):
+        fused_remat.attention(**make())
+
+
+def test_bad_scale():
+    with pytest.raises(ValueError, match="scale must be a finite real number"):
+        fused_remat.attention(**_bad(), scale=float("nan"))
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, F32], ids=str)
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 256])
+def test_gpu_autotune_pruning_leaves_configs(dtype, head_dim):
+    """Every (dtype, HEAD_DIM) keeps at least one configuration within the shared-memory budget."""
+    from fused_remat.kernels import attention as kernels
+
+    for configs, resident, streamed in ((kernels._FWD_CONFIGS, "BLOCK_M", "BLOCK_N"),
+                                        (kernels._DQ_CONFIGS, "BLOCK_M", "BLOCK_N"),
+                                        (kernels._DKDV_CONFIGS, "BLOCK_N", "BLOCK_M")):
+        kept = kernels._pruner(resident, streamed)(configs, {"Q": torch.empty(0, dtype=dtype)}, HEAD_DIM=head_dim)
+        assert kept and all(min(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) >= 16 for c in kept)
+
+
+# ------------------------------------------------------------------ GPU: long sequences, bf16/fp16
+
+GPU_CASES = [
+    # (B, Hq, Hkv, Nq, Nk, D, causal, dtype)
+    (2, 8, 2, 4096, 4096, 128, True, BF16),
+    (1, 4, 4, 4096, 4096, 64, False, F16),
+    (1, 4, 1, 8192, 8192, 128, False, BF16),
+    (1, 2, 2, 16384, 16384, 64, True, F16),
+    (1, 2, 1, 3000, 16384, 128, True, BF16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
+def test_long_sequences_on_gpu(case, device):
+    b, hq, hkv, nq, nk, d, causal, dtype = case
+    q, k, v = _inputs(b, hq, hkv, nq, nk, d, dtype, device)
+    scale = 1.0 / math.sqrt(d)
+    o, lse = fused_remat.attention(q, k, v, causal=causal, return_lse=True)
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    ref = manual_attention(q.detach(), k.detach(), v.detach(), do, causal, scale, torch.float64)
+    same = manual_attention(q.detach(), k.detach(), v.detach(), do, causal, scale, dtype)
+    assert_error_rule("o", o, same[0], ref[0], dtype)
+    _assert_lse(lse, ref[1])
+    for name, got, s, r in zip(("dq", "dk", "dv"), grads, same[2:], ref[2:]):
+        assert_error_rule(name, got, s, r, dtype)
