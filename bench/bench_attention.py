@@ -3,9 +3,11 @@ PyTorch SDPA's flash, cuDNN and memory-efficient backends, and peak memory again
 backend (which materializes the N x N matrix).
 
 bf16, head dims 64 and 128, causal and not, N from 1k to 16k with B x N = 16k tokens and
-H x D = 2048. FLOPs: 4 B H Nq Nk D forward (half when causal), backward 2.5x forward.
+H x D = 2048. FLOPs: 4 B H Nq Nk D forward (half when causal), backward 2.5x forward. The peak
+memory cases are the memory suite's (bench/bench_memory.py) up to N = 16k.
 
     python bench/bench_attention.py [--quick]             # GPU: Markdown tables, do_bench medians
+    python -m bench attention                             # GPU: the suite CLI (JSON, Markdown, plots)
     pytest bench/bench_attention.py --benchmark-enable    # GPU: pytest-benchmark
 On CPU, pytest runs one tiny case through the Triton interpreter so this file cannot rot.
 """
@@ -81,7 +83,7 @@ def _make_inputs(batch, heads, n, d, dtype, device):
 def cases(quick: bool, device: str = "cuda") -> list[Case]:
     """Speed cases: one per (mode, head dim, causal, N); providers ours and the SDPA backends."""
     if device != "cuda":
-        grid, dtype, peers = [(64, 32, True)], torch.float32, {}
+        grid, dtype, peers = [(64, 32, True)], torch.float32, {"sdpa-math": sdpa("MATH")}
     else:
         lengths = (1024, 4096, 16384) if quick else (1024, 2048, 4096, 8192, 16384)
         grid = [(n, d, causal) for d in (64, 128) for causal in (False, True) for n in lengths]
@@ -103,27 +105,19 @@ def cases(quick: bool, device: str = "cuda") -> list[Case]:
     return result
 
 
-def memory_cases(quick: bool) -> list[Case]:
-    """Peak memory of one forward+backward: ours against SDPA's math backend, d128 causal."""
-    lengths = (1024, 4096, 16384) if quick else (1024, 2048, 4096, 8192, 16384)
-    result = []
-    for n in lengths:
-        batch, heads, n, d = _shape(n, 128, "cuda")
-        make = _make_inputs(batch, heads, n, d, torch.bfloat16, "cuda")
-        flops = 4.0 * batch * heads * n * n * d / 2 * WORK["fwd+bwd"]
-        providers = {"fused_remat": _provider(ours, "fwd+bwd", make, True),
-                     "sdpa-math": _provider(sdpa("MATH"), "fwd+bwd", make, True)}
-        result.append(Case(suite="attention-memory", name=f"attention memory d128 causal N{n}",
-                           params={"n": n, "batch": batch, "heads": heads, "d": d}, providers=providers,
-                           unit="TFLOP/s", work=flops, ceiling="matmul"))
-    return result
+def plots(folder, results, ceilings):
+    """TFLOP/s against N per (mode, head dim, causal), with the measured bf16 matmul rate."""
+    from bench.report import plot
+
+    plot(folder, "attention", "attention TFLOP/s (higher is better), bf16, B x N = 16k tokens", results, x_key="n",
+         group_keys=("mode", "d", "causal"), value=lambda r: r.metric, ylabel="TFLOP/s",
+         ceiling=ceilings.get("bf16_matmul_TFLOPs"))
 
 
-def test_smoke_on_cpu(benchmark, monkeypatch):
+def test_smoke_on_cpu(benchmark, triton_backend):
     """Our kernels through the interpreter on a tiny case (forward and backward)."""
     if GPU:
         pytest.skip("the GPU cases cover this")
-    monkeypatch.setenv("FUSED_REMAT_BACKEND", "triton")
     fns = {case.params["mode"]: case.providers["fused_remat"]() for case in cases(quick=True, device="cpu")}
     out = benchmark(fns["fwd+bwd"])
     assert all(torch.isfinite(g).all() for g in out)
@@ -149,14 +143,22 @@ def test_gpu(case, provider, benchmark):
         benchmark.extra_info["TFLOP/s"] = case.metric(benchmark.stats.stats.median * 1e3)
 
 
-@pytest.mark.parametrize("case", memory_cases(quick=True), ids=lambda c: c.name.removeprefix("attention memory "))
+def _memory_cases(quick: bool) -> list[Case]:
+    """The memory suite's cases up to N = 16k: ours against SDPA's math backend."""
+    from bench import bench_memory
+
+    return [c for c in bench_memory.cases(quick) if c.params["n"] <= 16384]
+
+
 @pytest.mark.gpu
 @needs_gpu
-def test_gpu_peak_memory_below_math_backend(case):
+@pytest.mark.parametrize("n", [1024, 4096, 16384])
+def test_gpu_peak_memory_below_math_backend(n):
+    (case,) = [c for c in _memory_cases(quick=True) if c.params["n"] == n]
     peaks = {}
-    for provider, factory in case.providers.items():
+    for provider in ("fused_remat", "sdpa-math"):
         try:
-            peaks[provider] = peak_memory_mib(factory())
+            peaks[provider] = peak_memory_mib(case.providers[provider]())
         except torch.cuda.OutOfMemoryError:
             peaks[provider] = float("inf")
         torch.cuda.empty_cache()
@@ -189,8 +191,8 @@ def main(argv=None) -> None:
         chosen = [r for r in speed if r.params["mode"] == mode]
         print(_markdown(chosen, f"{mode} TFLOP/s (bf16, B x N = {TOKENS}, H x D = {WIDTH})",
                         lambda r: r.metric, lambda x: f"{x:.1f}"), "\n")
-    memory = [r for case in memory_cases(args.quick) for r in run_case(case, args.quick, measure_memory=True)]
-    print(_markdown(memory, "peak memory of forward+backward, MiB (d128 causal)", lambda r: r.peak_mib, lambda x: f"{x:,.0f}"))
+    memory = [r for case in _memory_cases(args.quick) for r in run_case(case, args.quick, measure_memory=True)]
+    print(_markdown(memory, "peak memory of one causal forward+backward, MiB", lambda r: r.peak_mib, lambda x: f"{x:,.0f}"))
 
 
 if __name__ == "__main__":
