@@ -7,8 +7,10 @@ reference otherwise. ``FUSED_REMAT_BACKEND=auto|triton|reference`` overrides the
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
+from types import ModuleType
 
 import torch
 
@@ -57,3 +59,12 @@ def use_triton(op: str, device: torch.device) -> bool:
             why = f"Triton has no backend for device type {device.type!r}"
         raise RuntimeError(f"{op}: {BACKEND_ENV}=triton but the Triton kernels cannot run here: {why}")
     return runnable
+
+
+def kernels(module: str) -> ModuleType:
+    """``fused_remat.kernels.<module>``, imported on first use.
+
+    Importing fused_remat never imports triton, so ``TRITON_INTERPRET=1`` set after
+    ``import fused_remat`` (as ``python -m fused_remat`` does) still takes effect.
+    """
+    return importlib.import_module(f"{__package__}.kernels.{module}")

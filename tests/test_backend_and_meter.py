@@ -1,5 +1,10 @@
 """Backend selection (FUSED_REMAT_BACKEND) and the saved-memory meter."""
 
+import importlib
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -75,3 +80,26 @@ def test_meter_sees_nothing_without_autograd():
         with torch.no_grad():
             fused_remat.gelu(x.requires_grad_())
     assert meter.bytes == 0 and not meter.records
+
+
+def test_importing_fused_remat_does_not_import_triton():
+    """So TRITON_INTERPRET set after `import fused_remat` (as `python -m fused_remat` does) still works."""
+    code = "import sys, fused_remat; assert 'triton' not in sys.modules, 'triton imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_limits_checked_up_front_match_the_kernels():
+    def module(name):
+        return importlib.import_module(f"fused_remat.{name}")
+
+    assert module("norms").MAX_HIDDEN == module("kernels.norm").MAX_N
+    assert module("attention").MAX_HEAD_DIM == module("kernels.attention").MAX_HEAD_DIM
+
+
+def test_demo_runs_every_op_through_the_kernels():
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FUSED_REMAT_BACKEND")}
+    env["FUSED_REMAT_BACKEND"] = "triton"
+    run = subprocess.run([sys.executable, "-m", "fused_remat"], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    for op in ("layer_norm", "rms_norm", "gelu", "swiglu", "attention"):
+        assert op in run.stdout
