@@ -415,16 +415,20 @@ def _configs(shapes):
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). Forward and dQ stream key tiles past a resident query
 # tile; dK/dV streams query tiles past a resident key tile (so its BLOCK_N is the resident side).
+# Chosen by compiling for sm_90 (bf16, D 64/128/256) and reading ptxas's register and spill
+# counts: configurations that spill heavily at every head dim were left out; the autotuner
+# times the rest on the device.
 _FWD_CONFIGS = _configs([
-    (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4), (128, 32, 8, 2),
-    (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 32, 4, 2), (64, 32, 4, 3),
+    (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 8, 2), (64, 64, 4, 3),
+    (64, 64, 8, 3), (64, 128, 4, 3), (64, 32, 4, 2), (64, 32, 8, 2),
 ])
 _DQ_CONFIGS = _configs([
-    (128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 4, 2), (128, 32, 8, 2), (64, 64, 4, 3), (64, 32, 4, 4),
-    (64, 128, 8, 2), (64, 32, 4, 2),
+    (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 8, 3), (64, 32, 8, 3),
+    (64, 64, 4, 3), (64, 32, 4, 4), (64, 128, 8, 2), (64, 32, 8, 2),
 ])
 _DKDV_CONFIGS = _configs([
-    (64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4), (64, 128, 4, 2), (64, 32, 4, 3),
+    (32, 128, 8, 3), (64, 128, 8, 3), (16, 64, 8, 3), (32, 64, 8, 2),
+    (32, 64, 4, 4), (16, 32, 4, 2), (32, 32, 8, 2), (64, 32, 4, 3),
 ])
 
 
@@ -434,11 +438,17 @@ def _smem_estimate(config, head_dim: int, elem: int, resident: str, streamed: st
     return (config.num_stages * 2 * rows[streamed] + rows[resident]) * head_dim * elem
 
 
-def _pruner(resident: str, streamed: str):
+def _pruner(resident: str, streamed: str, fp32_config):
+    """Drop configurations that obviously overflow shared memory or registers. fp32 (IEEE dots, a
+    correctness path rather than a fast one) gets one small configuration: big fp32 tiles take
+    minutes to compile (measured with ptxas for sm_90, Triton 3.6 and 3.9)."""
+
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
         head_dim = args["HEAD_DIM"]
         elem = args["Q"].element_size()
+        if elem >= 4:
+            return [fp32_config]
         keep = []
         for config in configs:
             if _smem_estimate(config, head_dim, elem, resident, streamed) > _SMEM_BYTES:
@@ -447,22 +457,26 @@ def _pruner(resident: str, streamed: str):
             if head_dim >= 256 and config.kwargs[resident] >= 128 and config.num_warps < 8:
                 continue
             keep.append(config)
-        if not keep:  # nothing fits (fp32 at D=256): small tiles without pipelining
-            keep = [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
-        return keep
+        return keep or [fp32_config]
 
     return prune
 
 
+# fp32: shared memory at D=256 is 136 KiB (fwd), 200 KiB (dQ), 132 KiB (dK/dV) on sm_90.
+_FP32_QUERY_CONFIG = _configs([(64, 32, 4, 2)])[0]
+_FP32_KEY_CONFIG = _configs([(32, 32, 4, 2)])[0]
+_FWD_PRUNE = _pruner("BLOCK_M", "BLOCK_N", _FP32_QUERY_CONFIG)
+_DQ_PRUNE = _pruner("BLOCK_M", "BLOCK_N", _FP32_QUERY_CONFIG)
+_DKDV_PRUNE = _pruner("BLOCK_N", "BLOCK_M", _FP32_KEY_CONFIG)
+
 _attn_fwd_tuned = triton.autotune(
-    configs=_FWD_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _pruner("BLOCK_M", "BLOCK_N")}
+    configs=_FWD_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _FWD_PRUNE}
 )(_attn_fwd)
 _attn_bwd_dq_tuned = triton.autotune(
-    configs=_DQ_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _pruner("BLOCK_M", "BLOCK_N")}
+    configs=_DQ_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _DQ_PRUNE}
 )(_attn_bwd_dq)
 _attn_bwd_dkdv_tuned = triton.autotune(
-    configs=_DKDV_CONFIGS, key=_TUNE_KEY + ["GROUP"],
-    prune_configs_by={"early_config_prune": _pruner("BLOCK_N", "BLOCK_M")},
+    configs=_DKDV_CONFIGS, key=_TUNE_KEY + ["GROUP"], prune_configs_by={"early_config_prune": _DKDV_PRUNE}
 )(_attn_bwd_dkdv)
 
 

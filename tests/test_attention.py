@@ -279,10 +279,9 @@ def test_gpu_autotune_pruning_leaves_configs(dtype, head_dim):
     """Every (dtype, HEAD_DIM) keeps at least one configuration within the shared-memory budget."""
     from fused_remat.kernels import attention as kernels
 
-    for configs, resident, streamed in ((kernels._FWD_CONFIGS, "BLOCK_M", "BLOCK_N"),
-                                        (kernels._DQ_CONFIGS, "BLOCK_M", "BLOCK_N"),
-                                        (kernels._DKDV_CONFIGS, "BLOCK_N", "BLOCK_M")):
-        kept = kernels._pruner(resident, streamed)(configs, {"Q": torch.empty(0, dtype=dtype)}, HEAD_DIM=head_dim)
+    for configs, prune in ((kernels._FWD_CONFIGS, kernels._FWD_PRUNE), (kernels._DQ_CONFIGS, kernels._DQ_PRUNE),
+                           (kernels._DKDV_CONFIGS, kernels._DKDV_PRUNE)):
+        kept = prune(configs, {"Q": torch.empty(0, dtype=dtype)}, HEAD_DIM=head_dim)
         assert kept and all(min(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) >= 16 for c in kept)
 
 
