@@ -6,30 +6,21 @@ bf16, head dims 64 and 128, causal and not, N from 1k to 16k with B x N = 16k to
 H x D = 2048. FLOPs: 4 B H Nq Nk D forward (half when causal), backward 2.5x forward. The peak
 memory cases are the memory suite's (bench/bench_memory.py) up to N = 16k.
 
-    python bench/bench_attention.py [--quick]             # GPU: Markdown tables, do_bench medians
     python -m bench attention                             # GPU: the suite CLI (JSON, Markdown, plots)
-    pytest bench/bench_attention.py --benchmark-enable    # GPU: pytest-benchmark
+    pytest bench/bench_attention.py --benchmark-only      # GPU: pytest-benchmark
 On CPU, pytest runs one tiny case through the Triton interpreter so this file cannot rot.
 """
 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
+import pytest
 import torch
+import torch.nn.functional as F
 
-if not torch.cuda.is_available():  # before triton is imported, as in tests/conftest.py
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-if __package__ in (None, ""):  # run as a script: make `bench` and `fused_remat` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import pytest  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import fused_remat  # noqa: E402
-from bench.harness import Case, environment, peak_memory_mib, rotating, run_case  # noqa: E402
+import fused_remat
+from bench.harness import Case, peak_memory_mib, pytest_benchmark_case, rotating
 
 MODES = ("fwd", "bwd", "fwd+bwd")
 WORK = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
@@ -132,15 +123,7 @@ def test_smoke_on_cpu(benchmark, triton_backend):
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu(case, provider, benchmark):
-    fn = case.providers[provider]()
-
-    def synchronized():
-        fn()
-        torch.cuda.synchronize()
-
-    benchmark.pedantic(synchronized, warmup_rounds=5, rounds=30)
-    if benchmark.stats is not None:
-        benchmark.extra_info["TFLOP/s"] = case.metric(benchmark.stats.stats.median * 1e3)
+    pytest_benchmark_case(benchmark, case, provider)
 
 
 def _memory_cases(quick: bool) -> list[Case]:
@@ -163,37 +146,3 @@ def test_gpu_peak_memory_below_math_backend(n):
             peaks[provider] = float("inf")
         torch.cuda.empty_cache()
     assert peaks["fused_remat"] < peaks["sdpa-math"], peaks
-
-
-def _markdown(results, title, value, fmt) -> str:
-    """One row per case, one column per provider."""
-    providers = list(dict.fromkeys(r.provider for r in results))
-    rows = {}
-    for r in results:
-        rows.setdefault(r.case.removeprefix("attention "), {})[r.provider] = fmt(value(r)) if not r.error else r.error[:24]
-    lines = [f"### {title}", "", "| case | " + " | ".join(providers) + " |", "|---" * (len(providers) + 1) + "|"]
-    lines += [f"| {name} | " + " | ".join(cells.get(p, "") for p in providers) + " |" for name, cells in rows.items()]
-    return "\n".join(lines)
-
-
-def main(argv=None) -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description="attention TFLOP/s and peak memory: fused_remat against SDPA backends")
-    parser.add_argument("--quick", action="store_true", help="fewer lengths and shorter timing")
-    args = parser.parse_args(argv)
-    if not GPU:
-        raise SystemExit("bench_attention needs a CUDA device (run pytest for the CPU smoke case)")
-    env = environment()
-    print(" | ".join(f"{k}: {v}" for k, v in env.items()), "\n")
-    speed = [r for case in cases(args.quick) for r in run_case(case, args.quick)]
-    for mode in MODES:
-        chosen = [r for r in speed if r.params["mode"] == mode]
-        print(_markdown(chosen, f"{mode} TFLOP/s (bf16, B x N = {TOKENS}, H x D = {WIDTH})",
-                        lambda r: r.metric, lambda x: f"{x:.1f}"), "\n")
-    memory = [r for case in _memory_cases(args.quick) for r in run_case(case, args.quick, measure_memory=True)]
-    print(_markdown(memory, "peak memory of one causal forward+backward, MiB", lambda r: r.peak_mib, lambda x: f"{x:,.0f}"))
-
-
-if __name__ == "__main__":
-    main()

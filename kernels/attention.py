@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .launch import next_power_of_2
+from .precision import round_to
 
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
@@ -104,6 +105,16 @@ def _key_ranges(start_m, Nq, Nk, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BL
 
 
 @triton.jit
+def _visible(offs_m, keys, Nq, Nk, CAUSAL: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) mask of the keys each query row sees: real keys, and for causal the
+    bottom-right-aligned diagonal (query i sees key j iff j <= i + Nk - Nq)."""
+    visible = keys[None, :] < Nk
+    if CAUSAL:
+        visible = visible & (keys[None, :] <= offs_m[:, None] + (Nk - Nq))
+    return visible
+
+
+@triton.jit
 def _load_lse_log2(LSE_row, offs_m, Nq):
     """lse in log2 units, with rows that see no key (lse = -inf) and padding rows set to +inf, so that
     P = exp2(S2 - lse2) is exactly 0 for them instead of NaN."""
@@ -131,9 +142,7 @@ def _attn_fwd_inner(
         s = _dot(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION) * qk_scale  # log2 units
         if MASKED:
             keys = start_n + offs_n
-            visible = keys[None, :] < Nk
-            if CAUSAL:
-                visible = visible & (keys[None, :] <= offs_m[:, None] + (Nk - Nq))
+            visible = _visible(offs_m, keys, Nq, Nk, CAUSAL)
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # A row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
@@ -199,7 +208,7 @@ def _attn_fwd(
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     O_head = O + batch * stride_ob + head64 * stride_oh
-    _store_rows(O_head, start_m, tl.arange(0, BLOCK_M), Nq, stride_on, offs_d, D, o.to(O.dtype.element_ty), EVEN_D)
+    _store_rows(O_head, start_m, tl.arange(0, BLOCK_M), Nq, stride_on, offs_d, D, round_to(o, O.dtype.element_ty), EVEN_D)
     LSE_row = LSE + (batch * Hq + head64) * Nq
     tl.store(LSE_row + offs_m, lse, mask=offs_m < Nq)
 
@@ -319,9 +328,9 @@ def _attn_bwd_dkdv(
 
     dk = dk * sm_scale
     _store_rows(DK + batch * stride_dkb + kv_head * stride_dkh, start_n, offs_r, Nk, stride_dkn, offs_d, D,
-                dk.to(DK.dtype.element_ty), EVEN_D)
+                round_to(dk, DK.dtype.element_ty), EVEN_D)
     _store_rows(DV + batch * stride_dvb + kv_head * stride_dvh, start_n, offs_r, Nk, stride_dvn, offs_d, D,
-                dv.to(DV.dtype.element_ty), EVEN_D)
+                round_to(dv, DV.dtype.element_ty), EVEN_D)
 
 
 @triton.jit
@@ -339,9 +348,7 @@ def _attn_bwd_dq_inner(
         p = tl.math.exp2(_dot(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION) * qk_scale - lse2[:, None])
         if MASKED:
             keys = start_n + offs_n
-            visible = keys[None, :] < Nk
-            if CAUSAL:
-                visible = visible & (keys[None, :] <= offs_m[:, None] + (Nk - Nq))
+            visible = _visible(offs_m, keys, Nq, Nk, CAUSAL)
             p = tl.where(visible, p, 0.0)
         dp = _dot(do, tl.trans(v), UPCAST_DOT, DOT_PRECISION)
         ds = p * (dp - delta[:, None])
@@ -395,7 +402,7 @@ def _attn_bwd_dq(
     )
     dq = dq * sm_scale
     _store_rows(DQ + batch * stride_dqb + head64 * stride_dqh, start_m, offs_r, Nq, stride_dqn, offs_d, D,
-                dq.to(DQ.dtype.element_ty), EVEN_D)
+                round_to(dq, DQ.dtype.element_ty), EVEN_D)
 
 
 # --------------------------------------------------------------------------------------------
