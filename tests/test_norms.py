@@ -13,7 +13,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HIDDEN = [1, 3, 113, 1000, 4095, 5120]
 # (leading shape, hidden): single row, odd batches, many rows through the grid-stride loop, and a
 # row wider than a register tile (streamed in chunks).
-SHAPES = [((1,), h) for h in HIDDEN] + [((2, 3), 113), ((257,), 64), ((5,), 20000), ((1,), 65536)]
+SHAPES = [((1,), h) for h in HIDDEN] + [((2, 3), 113), ((257,), 64), ((3,), 10000), ((5,), 20000), ((1,), 65536)]
 
 
 def _inputs(leading, hidden, dtype, weight_dtype, device, with_bias=True):
