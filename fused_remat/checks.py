@@ -33,7 +33,3 @@ def check_same_dtype(op: str, reference_name: str, reference: torch.Tensor, **ot
         if other.dtype != reference.dtype:
             raise TypeError(f"{op}: {name} has dtype {other.dtype} but {reference_name} has {reference.dtype}; they must match")
 
-
-def check_not_empty(op: str, name: str, value: torch.Tensor) -> None:
-    if value.numel() == 0:
-        raise ValueError(f"{op}: {name} is empty (shape {tuple(value.shape)})")
