@@ -22,6 +22,6 @@ run: $(VENV)/.installed
 	$(PY) -m fused_remat
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n auto -p no:cacheprovider
+	$(PY) -m pytest -q -n auto -p no:cacheprovider --benchmark-disable
 clean:
 	rm -rf $(VENV) build *.egg-info
