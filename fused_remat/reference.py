@@ -77,3 +77,30 @@ def attention(
     if return_lse:
         return out, lse.to(compute)
     return out
+
+
+def rotary_inverse_frequencies(head_dim: int, theta: float, device=None) -> torch.Tensor:
+    """theta^(-2i/D) for i < D/2, computed in float64 and rounded once to fp32 (what the kernel reads)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim
+    return (1.0 / theta**exponents).to(torch.float32)
+
+
+def rotary_embedding(x: torch.Tensor, theta: float, *, inverse: bool = False) -> torch.Tensor:
+    """Rotary position embedding of x (B, N, H, D), positions 0..N-1 along dim 1.
+
+    Half-split pairing (element i rotates with element i + D/2), as Hugging Face's LLaMA: per pair,
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with angle = position * theta^(-2i/D).
+    ``inverse=True`` rotates by the opposite angle (the transpose, which is the backward).
+    Angles in fp32 (fp64 for fp64 x), as the kernel; output in x's dtype.
+    """
+    compute = _statistics_dtype(x)
+    head_dim = x.shape[-1]
+    inv_freq = rotary_inverse_frequencies(head_dim, theta, x.device).to(compute)
+    positions = torch.arange(x.shape[1], device=x.device, dtype=compute)
+    angles = positions[:, None] * inv_freq[None, :]
+    cos = torch.cos(angles)[None, :, None, :]
+    sin = torch.sin(angles)[None, :, None, :]
+    if inverse:
+        sin = -sin
+    x1, x2 = x.to(compute).chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
