@@ -53,11 +53,14 @@ def _row_statistics(X, rows64, row_mask, N, stride_x, eps, IS_RMS: tl.constexpr,
 
 @triton.jit
 def _norm_fwd(
-    X, W, B, Y, MEAN, RSTD,
-    M, N, stride_x, stride_y, eps,
-    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    X, R, H, W, B, Y, MEAN, RSTD,
+    M, N, stride_x, stride_r, stride_h, stride_y, eps,
+    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SINGLE_PASS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """y = norm(x) * w + b; with HAS_RESIDUAL, first h = x + r (stored, rounded to H's dtype) and y = norm(h).
+
+    The residual add is single-pass only: streamed rows get h from the host first."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     rows64 = rows.to(tl.int64)
@@ -65,6 +68,12 @@ def _norm_fwd(
     if SINGLE_PASS:
         mask = row_mask[:, None] & (cols[None, :] < N)
         x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            x += tl.load(R + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            # Normalize the rounded sum: backward rebuilds x-hat from the stored h and must agree.
+            h = round_to(x, H.dtype.element_ty)
+            tl.store(H + rows64[:, None] * stride_h + cols[None, :], h, mask=mask)
+            x = h.to(tl.float32)
         if IS_RMS:
             mean = tl.zeros([BLOCK_M], dtype=tl.float32)
             centred = x
@@ -94,14 +103,32 @@ def _norm_fwd(
 
 
 @triton.jit
+def _finish_rows(
+    dx, x_hat, w, B, DRES, DX, Y, rows64, col, col_mask, mask, stride_dres, stride_dx, stride_y,
+    HAS_BIAS: tl.constexpr, HAS_DRES: tl.constexpr, WRITE_Y: tl.constexpr,
+):
+    """Store one tile of dx (plus the residual gradient) and, when asked, the rebuilt output."""
+    if HAS_DRES:
+        dx += tl.load(DRES + rows64[:, None] * stride_dres + col[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(DX + rows64[:, None] * stride_dx + col[None, :], round_to(dx, DX.dtype.element_ty), mask=mask)
+    if WRITE_Y:
+        y = x_hat * w[None, :]
+        if HAS_BIAS:
+            y += tl.load(B + col, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + rows64[:, None] * stride_y + col[None, :], round_to(y, Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _norm_bwd(
-    X, W, DY, DX, MEAN, RSTD, DW_PARTIAL, DB_PARTIAL,
-    M, N, stride_x, stride_dy, stride_dx,
-    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, SINGLE_PASS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    X, W, B, DY, DRES, DX, Y, MEAN, RSTD, DW_PARTIAL, DB_PARTIAL,
+    M, N, stride_x, stride_dy, stride_dres, stride_dx, stride_y,
+    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DRES: tl.constexpr, WRITE_Y: tl.constexpr,
+    SINGLE_PASS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dx = rstd * (w*dy - x_hat * mean(x_hat*w*dy) - mean(w*dy)), the last term for LayerNorm only.
 
+    HAS_DRES adds a residual branch's gradient into dx. WRITE_Y also writes the rebuilt forward
+    output x_hat * w + b, for the weight gradient of the linear layer the norm feeds.
     Program p owns row blocks p, p + P, p + 2P, ... and row p of the partial buffers."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -132,7 +159,10 @@ def _norm_bwd(
             else:
                 c2 = tl.sum(w_dy, axis=1) / N
                 dx = (w_dy - x_hat * c1[:, None] - c2[:, None]) * rstd[:, None]
-            tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], round_to(dx, DX.dtype.element_ty), mask=mask)
+            _finish_rows(
+                dx, x_hat, w, B, DRES, DX, Y, rows64, cols, cols < N, mask, stride_dres, stride_dx, stride_y,
+                HAS_BIAS, HAS_DRES, WRITE_Y,
+            )
             dw_acc += tl.sum(dy * x_hat, axis=0)
             if HAS_BIAS:
                 db_acc += tl.sum(dy, axis=0)
@@ -163,7 +193,10 @@ def _norm_bwd(
                     dx = (w_dy - x_hat * c1[:, None]) * rstd[:, None]
                 else:
                     dx = (w_dy - x_hat * c1[:, None] - c2[:, None]) * rstd[:, None]
-                tl.store(DX + rows64[:, None] * stride_dx + col[None, :], round_to(dx, DX.dtype.element_ty), mask=mask)
+                _finish_rows(
+                    dx, x_hat, w, B, DRES, DX, Y, rows64, col, col_mask, mask, stride_dres, stride_dx, stride_y,
+                    HAS_BIAS, HAS_DRES, WRITE_Y,
+                )
                 dw = tl.load(partial_row + col, mask=col_mask, other=0.0)
                 tl.store(partial_row + col, dw + tl.sum(dy * x_hat, axis=0), mask=col_mask)
                 if HAS_BIAS:
@@ -197,62 +230,99 @@ def _check_launch(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
     return rows, cols
 
 
-def _forward(x, weight, bias, eps, is_rms):
+def _check_rows(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
+    if t.shape != like.shape or (t.stride(-1) != 1 and t.numel() > 0):
+        raise ValueError(f"{name} must match x's shape {tuple(like.shape)} with unit column stride, got {tuple(t.shape)}")
+
+
+def norm_fwd(x, weight, bias, eps, *, rms: bool, residual=None, out_dtype=None):
+    """LayerNorm (``rms=False``) or RMSNorm over the rows of x (M, N), unit column stride.
+
+    With ``residual`` (like x) the kernel first forms h = x + residual, stores it in x's dtype and
+    normalizes h: the pre-norm block's residual add and the next norm in one pass.
+    Returns (y, mean, rstd, h): y (M, N) in ``out_dtype`` (default x's dtype), fp32 mean (empty for
+    RMSNorm) and rstd (M,), h (None without residual).
+    """
     rows, cols = _check_launch(x, weight)
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    mean = torch.empty(0 if is_rms else rows, device=x.device, dtype=torch.float32)
+    single_pass, block_m, block_n, num_warps = _tiling(cols, "forward")
+    h = None
+    if residual is not None:
+        _check_rows("residual", residual, x)
+        h = torch.empty_like(x, memory_format=torch.contiguous_format)
+        if not single_pass:
+            torch.add(x, residual, out=h)
+            x, residual = h, None
+    y = torch.empty(x.shape, device=x.device, dtype=out_dtype or x.dtype)
+    mean = torch.empty(0 if rms else rows, device=x.device, dtype=torch.float32)
     rstd = torch.empty(rows, device=x.device, dtype=torch.float32)
     if rows == 0:
-        return y, mean, rstd
-    single_pass, block_m, block_n, num_warps = _tiling(cols, "forward")
+        return y, mean, rstd, h
+    fused_residual = residual is not None
     _norm_fwd[(triton.cdiv(rows, block_m),)](
-        x, weight, bias if bias is not None else weight, y, mean if not is_rms else rstd, rstd,
-        rows, cols, x.stride(0), y.stride(0), float(eps),
-        IS_RMS=is_rms, HAS_BIAS=bias is not None, SINGLE_PASS=single_pass,
+        x, residual if fused_residual else x, h if fused_residual else x, weight, bias if bias is not None else weight,
+        y, mean if not rms else rstd, rstd,
+        rows, cols, x.stride(0), residual.stride(0) if fused_residual else 0, h.stride(0) if fused_residual else 0,
+        y.stride(0), float(eps),
+        IS_RMS=rms, HAS_BIAS=bias is not None, HAS_RESIDUAL=fused_residual, SINGLE_PASS=single_pass,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
-    return y, mean, rstd
+    return y, mean, rstd, h
 
 
-def _backward(dy, x, weight, mean, rstd, has_bias, is_rms):
+def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, has_bias: bool, residual_grad=None,
+             return_output: bool = False, out_dtype=None):
+    """Gradients of norm_fwd from dy (like x, any float dtype) and the saved x, mean, rstd.
+
+    ``residual_grad`` (like x) is added into dx: the gradient reaching a pre-norm block's residual
+    stream. ``return_output`` also writes the rebuilt y = x_hat * w + b in ``out_dtype`` (default
+    x's dtype), for the next linear layer's weight gradient, in the same pass.
+    Returns (dx in x's dtype, dweight and dbias in weight's dtype (dbias None without bias), y or None).
+    """
     rows, cols = _check_launch(x, weight)
-    if dy.shape != x.shape or (dy.stride(-1) != 1 and dy.numel() > 0):
-        raise ValueError(f"dy must match x's shape {tuple(x.shape)} with unit column stride, got {tuple(dy.shape)}")
+    _check_rows("dy", dy, x)
+    if residual_grad is not None:
+        _check_rows("residual_grad", residual_grad, x)
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    y = torch.empty(x.shape, device=x.device, dtype=out_dtype or x.dtype) if return_output else None
     single_pass, block_m, block_n, num_warps = _tiling(cols, "backward")
     programs = persistent_program_count(x.device, triton.cdiv(rows, block_m))
     dw_partial = torch.zeros((programs, cols), device=x.device, dtype=torch.float32)
     db_partial = torch.zeros((programs, cols), device=x.device, dtype=torch.float32) if has_bias else dw_partial
     if rows > 0:
         _norm_bwd[(programs,)](
-            x, weight, dy, dx, mean if not is_rms else rstd, rstd, dw_partial, db_partial,
-            rows, cols, x.stride(0), dy.stride(0), dx.stride(0),
-            IS_RMS=is_rms, HAS_BIAS=has_bias, SINGLE_PASS=single_pass,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            x, weight, bias if bias is not None else weight, dy,
+            residual_grad if residual_grad is not None else dy, dx, y if return_output else dx,
+            mean if not rms else rstd, rstd, dw_partial, db_partial,
+            rows, cols, x.stride(0), dy.stride(0), residual_grad.stride(0) if residual_grad is not None else 0,
+            dx.stride(0), y.stride(0) if return_output else 0,
+            IS_RMS=rms, HAS_BIAS=has_bias, HAS_DRES=residual_grad is not None, WRITE_Y=return_output,
+            SINGLE_PASS=single_pass, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )
     dw = dw_partial.sum(dim=0).to(weight.dtype)
     db = db_partial.sum(dim=0).to(weight.dtype) if has_bias else None
-    return dx, dw, db
+    return dx, dw, db, y
 
 
 def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float):
     """x: (M, N) with unit column stride; weight, bias: (N,). Returns y (M, N) in x's dtype and the
     fp32 per-row mean and rstd (M,)."""
-    return _forward(x, weight, bias, eps, is_rms=False)
+    y, mean, rstd, _ = norm_fwd(x, weight, bias, eps, rms=False)
+    return y, mean, rstd
 
 
 def layer_norm_bwd(dy, x, weight, mean, rstd, has_bias: bool):
     """Returns dx (x's dtype), dweight and dbias (weight's dtype; dbias None without bias)."""
-    return _backward(dy, x, weight, mean, rstd, has_bias, is_rms=False)
+    dx, dw, db, _ = norm_bwd(dy, x, weight, None, mean, rstd, rms=False, has_bias=has_bias)
+    return dx, dw, db
 
 
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float):
     """x: (M, N) with unit column stride; weight: (N,). Returns y (M, N) and the fp32 rstd (M,)."""
-    y, _, rstd = _forward(x, weight, None, eps, is_rms=True)
+    y, _, rstd, _ = norm_fwd(x, weight, None, eps, rms=True)
     return y, rstd
 
 
 def rms_norm_bwd(dy, x, weight, rstd):
     """Returns dx (x's dtype) and dweight (weight's dtype)."""
-    dx, dw, _ = _backward(dy, x, weight, None, rstd, has_bias=False, is_rms=True)
+    dx, dw, _, _ = norm_bwd(dy, x, weight, None, None, rstd, rms=True, has_bias=False)
     return dx, dw

@@ -176,3 +176,65 @@ def test_layer_norm_rejects_bad_input(make_args, error, match, device):
 def test_rms_norm_rejects_bad_eps(device):
     with pytest.raises(ValueError, match="eps"):
         fused_remat.rms_norm(torch.randn(2, 4, device=device), torch.randn(4, device=device), eps=-1.0)
+
+
+# The block's fused entry points: residual add + norm in one forward pass; norm backward that adds the
+# residual stream's gradient and rebuilds the normalized output for the next linear's weight gradient.
+FUSED_CASES = [((3,), 113), ((17,), 64), ((2,), 20000)]  # the last one streams its rows
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("leading,hidden", FUSED_CASES, ids=[f"{l}x{h}" for l, h in FUSED_CASES])
+def test_fused_residual_norm_matches_references(rms, dtype, leading, hidden, device):
+    from fused_remat.kernels.norm import norm_bwd, norm_fwd
+
+    x, weight, bias = _inputs(leading, hidden, dtype, torch.float32, device)
+    bias = None if rms else bias
+    x, weight = x.detach(), weight.detach()
+    residual = torch.randn_like(x)
+    dy = torch.randn_like(x)
+    residual_grad = torch.randn_like(x)
+    kind = "rms_norm" if rms else "layer_norm"
+
+    y, mean, rstd, h = norm_fwd(x, weight, bias, 1e-6 if rms else 1e-5, rms=rms, residual=residual)
+    dx, dw, db, rebuilt = norm_bwd(
+        dy, h, weight, bias, mean, rstd, rms=rms, has_bias=bias is not None,
+        residual_grad=residual_grad, return_output=True,
+    )
+    assert torch.equal(rebuilt, y), "backward must rebuild exactly the forward's output"
+
+    def pipeline(x, residual, weight, bias, norm):
+        h = x + residual
+        return h, norm(kind, h, weight, bias)
+
+    leaves = [x, residual, weight, bias]
+    leaves64 = [t.double().requires_grad_() if t is not None else None for t in leaves]
+    h64, y64 = pipeline(*leaves64, lambda kind, h, w, b: _reference64(kind, h, w, b))
+    leaves_same = [t.clone().requires_grad_() if t is not None else None for t in leaves]
+    h_same, y_same = pipeline(*leaves_same, _torch_norm)
+
+    assert_error_rule("h", h, h_same, h64, dtype)
+    assert_error_rule("y", y, y_same, y64, dtype)
+    # dx of the whole pipeline: through the norm plus the residual stream's own gradient.
+    grads64 = torch.autograd.grad([y64, h64], [t for t in leaves64 if t is not None], [dy.double(), residual_grad.double()])
+    grads_same = torch.autograd.grad([y_same, h_same], [t for t in leaves_same if t is not None], [dy, residual_grad])
+    ours = [dx, dw] + ([db] if bias is not None else [])
+    for name, got, same, ref in zip(["dx", "dweight", "dbias"], ours, [grads_same[0]] + list(grads_same[2:]), [grads64[0]] + list(grads64[2:])):
+        assert_error_rule(f"{kind} {name}", got, same, ref, dtype)
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_norm_output_dtype_differs_from_input(rms, device):
+    """fp32 residual stream under autocast: the norm reads fp32 and writes the bf16 matmul input."""
+    from fused_remat.kernels.norm import norm_bwd, norm_fwd
+
+    x = torch.randn(5, 96, device=device) * 3
+    weight = torch.randn(96, device=device)
+    y, mean, rstd, _ = norm_fwd(x, weight, None, 1e-5, rms=rms, out_dtype=torch.bfloat16)
+    expected = (reference.rms_norm(x, weight) if rms else reference.layer_norm(x, weight)).to(torch.bfloat16)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, expected, rtol=2**-8, atol=0)  # within one bf16 rounding
+    dx, _, _, rebuilt = norm_bwd(torch.randn_like(y), x, weight, None, mean, rstd, rms=rms, has_bias=False,
+                                 return_output=True, out_dtype=torch.bfloat16)
+    assert dx.dtype == torch.float32 and torch.equal(rebuilt, y)
