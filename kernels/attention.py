@@ -528,15 +528,29 @@ def _strides(t):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def attention_fwd(q, k, v, causal: bool, scale: float, *, config: dict | None = None):
+def _output(name: str, given, like: torch.Tensor) -> torch.Tensor:
+    """A caller's preallocated output (any strides, last dim contiguous), or a fresh contiguous one."""
+    if given is None:
+        return torch.empty(like.shape, device=like.device, dtype=like.dtype)
+    if given.shape != like.shape or given.dtype != like.dtype or given.device != like.device or given.stride(-1) != 1:
+        raise ValueError(
+            f"{name} must be a {like.dtype} tensor of shape {tuple(like.shape)} on {like.device} with a contiguous "
+            f"last dim, got {given.dtype} {tuple(given.shape)} strides {given.stride()} on {given.device}"
+        )
+    return given
+
+
+def attention_fwd(q, k, v, causal: bool, scale: float, *, out=None, config: dict | None = None):
     """q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D), last dims contiguous.
 
-    Returns o (B, Hq, Nq, D) in q's dtype (contiguous) and lse (B, Hq, Nq) fp32, natural log, -inf on
-    rows that see no key. ``config`` ({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}) pins the
+    Returns o (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq) fp32, natural log, -inf on rows that
+    see no key. o is ``out`` when given (any strides with a contiguous last dim: a block passes a
+    (B, Nq, Hq, D) buffer's transpose so o is already laid out for the output projection), else a
+    new contiguous tensor. ``config`` ({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}) pins the
     launch configuration; by default CUDA autotunes and the interpreter uses INTERPRETER_CONFIG."""
     _check(q, k, v)
     batch, (q_heads, q_len, k_len, head_dim, group), keys, consts, _, qk_scale = _common(q, k, causal, scale)
-    o = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    o = _output("out", out, q)
     lse = torch.empty((batch, q_heads, q_len), device=q.device, dtype=torch.float32)
     if o.numel() == 0:
         return o, lse
@@ -550,20 +564,20 @@ def attention_fwd(q, k, v, causal: bool, scale: float, *, config: dict | None = 
     return o, lse
 
 
-def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, dlse=None, config: dict | None = None,
-                  dkdv_config: dict | None = None):
+def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, dlse=None, out=None,
+                  config: dict | None = None, dkdv_config: dict | None = None):
     """Gradients of attention_fwd. do like o (last dim contiguous; other strides free); lse as
     returned by attention_fwd; dlse (optional, (B, Hq, Nq)) the gradient reaching lse.
 
-    Returns dq, dk, dv, contiguous, in the dtypes of q, k, v. ``config`` pins the dQ kernel's
-    launch configuration and ``dkdv_config`` the dK/dV kernel's (default: ``config``)."""
+    Returns dq, dk, dv in the dtypes of q, k, v: ``out`` = (dq, dk, dv) when given (any strides
+    with a contiguous last dim, e.g. views of one packed dqkv buffer), else new contiguous tensors.
+    ``config`` pins the dQ kernel's launch configuration and ``dkdv_config`` the dK/dV kernel's
+    (default: ``config``)."""
     _check(q, k, v)
     batch, (q_heads, q_len, k_len, head_dim, group), keys, consts, sm_scale, qk_scale = _common(q, k, causal, scale)
     if do.stride(-1) != 1:
         do = do.contiguous()
-    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
-    dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    dq, dk, dv = (_output(name, given, like) for name, given, like in zip(("dq", "dk", "dv"), out or (None,) * 3, (q, k, v)))
     if dq.numel() == 0:
         return dq, dk.zero_(), dv.zero_()
     lse = lse.contiguous()

@@ -172,6 +172,29 @@ def test_packed_qkv_views_need_no_copy(hq, hkv, device, triton_backend):
     assert_error_rule("dpacked", dpacked, same_packed, dpacked64, F32)
 
 
+def test_preallocated_outputs_in_token_major_layout(device):
+    """The block's layouts: o written into a (B, N, Hq, D) buffer, dq/dk/dv into one packed dqkv
+    buffer. Same bits as the default contiguous outputs."""
+    from fused_remat.kernels.attention import attention_bwd, attention_fwd
+
+    b, n, hq, hkv, d = 2, 37, 4, 2, 16
+    q, k, v = (torch.randn(b, h, n, d, device=device) for h in (hq, hkv, hkv))
+    o, lse = attention_fwd(q, k, v, True, 0.25)
+    token_major = torch.empty(b, n, hq, d, device=device)
+    o_view, lse_again = attention_fwd(q, k, v, True, 0.25, out=token_major.transpose(1, 2))
+    assert o_view.data_ptr() == token_major.data_ptr()
+    assert torch.equal(o_view, o) and torch.equal(lse_again, lse)
+
+    do = torch.randn_like(o)
+    packed = torch.empty(b, n, hq + 2 * hkv, d, device=device).transpose(1, 2)
+    views = (packed[:, :hq], packed[:, hq:hq + hkv], packed[:, hq + hkv:])
+    into = attention_bwd(do, q, k, v, o, lse, True, 0.25, out=views)
+    for default, written, view in zip(attention_bwd(do, q, k, v, o, lse, True, 0.25), into, views):
+        assert written.data_ptr() == view.data_ptr() and torch.equal(written, default)
+    with pytest.raises(ValueError, match="out must be"):
+        attention_fwd(q, k, v, True, 0.25, out=torch.empty(b, hq, n, d + 1, device=device))
+
+
 def test_gradients_are_bitwise_deterministic(device, triton_backend):
     q, k, v = _inputs(1, 8, 2, 150, 97, 48, F16, device)
     o = fused_remat.attention(q, k, v, causal=True)
