@@ -1,0 +1,151 @@
+"""In-place rotary embedding kernel against the float64 reference and plain PyTorch in the same dtype."""
+
+import pytest
+import torch
+
+from fused_remat import reference
+from fused_remat.kernels.rope import rotary_embedding_
+from numerics import assert_error_rule
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (B, N, H, D): odd B and N, several heads, D with D/2 not a power of two (6, 80, 96).
+SHAPES = [
+    (1, 1, 1, 2),
+    (3, 17, 2, 6),
+    (2, 130, 3, 16),
+    (1, 17, 4, 64),
+    (3, 17, 2, 80),
+    (1, 130, 2, 96),
+    (2, 17, 3, 128),
+    (1, 3, 2, 256),
+]
+
+
+def _check_against_references(name, ours, x, theta, inverse, dtype):
+    """ours = rotation of x (taken before the in-place call) under the error rule."""
+    same = reference.rotary_embedding(x, theta, inverse=inverse)
+    ref64 = reference.rotary_embedding(x.double(), theta, inverse=inverse)
+    assert ours.dtype == dtype
+    assert_error_rule(name, ours, same, ref64, dtype)
+
+
+@pytest.mark.parametrize("inverse", [False, True], ids=["forward", "inverse"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_matches_references(shape, dtype, inverse, device):
+    theta = 10000.0
+    x = torch.randn(shape, device=device).to(dtype)
+    original = x.clone()
+    out = rotary_embedding_(x, reference.rotary_inverse_frequencies(shape[-1], theta, device), inverse=inverse)
+    assert out is x, "rotary_embedding_ must return its (rotated in place) input"
+    _check_against_references("rope", x, original, theta, inverse, dtype)
+
+
+@pytest.mark.parametrize("theta", [10000.0, 500000.0])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_theta(theta, dtype, device):
+    x = torch.randn(2, 130, 2, 64, device=device).to(dtype)
+    original = x.clone()
+    rotary_embedding_(x, reference.rotary_inverse_frequencies(64, theta, device))
+    _check_against_references(f"rope theta={theta:g}", x, original, theta, False, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_packed_qkv_view(dtype, device):
+    """The block's call: q and k heads of the packed (B*N, (Hq + 2 Hkv) * D) buffer rotate in
+    place; the v heads are left bitwise untouched."""
+    batch, seq, q_heads, kv_heads, head_dim, theta = 3, 17, 4, 2, 16, 10000.0
+    qkv = torch.randn(batch * seq, (q_heads + 2 * kv_heads) * head_dim, device=device).to(dtype)
+    before = qkv.clone().view(batch, seq, q_heads + 2 * kv_heads, head_dim)
+    qk = qkv.view(batch, seq, q_heads + 2 * kv_heads, head_dim)[:, :, : q_heads + kv_heads]
+    assert not qk.is_contiguous()
+    out = rotary_embedding_(qk, reference.rotary_inverse_frequencies(head_dim, theta, device))
+    assert out is qk
+    after = qkv.view(batch, seq, q_heads + 2 * kv_heads, head_dim)
+    split = q_heads + kv_heads
+    assert torch.equal(after[:, :, split:], before[:, :, split:]), "v heads changed"
+    _check_against_references("rope qk of packed qkv", after[:, :, :split], before[:, :, :split], theta, False, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_inverse_undoes_forward(dtype, device):
+    x = torch.randn(3, 130, 3, 80, device=device).to(dtype)
+    original = x.clone()
+    inv_freq = reference.rotary_inverse_frequencies(80, 10000.0, device)
+    rotary_embedding_(rotary_embedding_(x, inv_freq), inv_freq, inverse=True)
+    # Rotation is norm-preserving: two rotations, each rounded once to the dtype, move an element by
+    # about two ulps of the largest element; fp32 must come back to within a few fp32 ulps.
+    ulps = {torch.float32: 8, torch.float16: 4, torch.bfloat16: 4}[dtype]
+    tol = ulps * torch.finfo(dtype).eps * original.abs().max().item()
+    err = (x.double() - original.double()).abs().max().item()
+    assert err <= tol, f"inverse(forward(x)) off by {err:.3e} > {tol:.3e} ({dtype})"
+
+
+def test_inverse_is_transpose(device):
+    """<rope(x), g> == <x, rope_inverse(g)>: the inverse is the backward of the forward."""
+    shape, theta = (2, 130, 3, 96), 500000.0
+    inv_freq = reference.rotary_inverse_frequencies(shape[-1], theta, device)
+    x = torch.randn(shape, device=device)
+    g = torch.randn(shape, device=device)
+    lhs = (rotary_embedding_(x.clone(), inv_freq).double() * g.double()).sum().item()
+    rhs = (x.double() * rotary_embedding_(g.clone(), inv_freq, inverse=True).double()).sum().item()
+    scale = x.double().norm().item() * g.double().norm().item()
+    assert abs(lhs - rhs) <= 1e-6 * scale, f"<rope(x), g> = {lhs!r} but <x, rope^T(g)> = {rhs!r}"
+
+
+def test_angle_is_the_fp32_product(device):
+    """Long positions with inverse frequencies that are not powers of two: the fp32 angle differs
+    from the exact one by up to half an ulp (~1e-4 rad near 3000), so matching plain fp32 PyTorch far
+    more tightly than that shows the kernel forms the very same fp32 product."""
+    seq = 4096
+    inv_freq = torch.tensor([0.7310585975646973, 0.4142135679721832], device=device)
+    x = torch.randn(1, seq, 1, 4, device=device)
+    original = x.clone()
+    rotary_embedding_(x, inv_freq)
+
+    def rotate(t, freqs):
+        angles = torch.arange(seq, device=device, dtype=t.dtype)[:, None] * freqs[None, :]
+        cos, sin = torch.cos(angles)[None, :, None, :], torch.sin(angles)[None, :, None, :]
+        x1, x2 = t.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    same = rotate(original, inv_freq)
+    exact = rotate(original.double(), inv_freq.double())
+    scale = original.abs().max().item()
+    assert (same.double() - exact).abs().max().item() > 1e-5 * scale, "test lost its power: angles rounded too little"
+    err = (x - same).abs().max().item()
+    assert err <= 4e-6 * scale, f"kernel differs from fp32 PyTorch by {err:.3e}: not the same fp32 angles"
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 2, 8), (2, 0, 2, 8), (2, 5, 0, 8)], ids=str)
+def test_empty(shape, device):
+    x = torch.empty(shape, device=device)
+    assert rotary_embedding_(x, reference.rotary_inverse_frequencies(8, 10000.0, device)) is x
+
+
+def test_bad_arguments(device):
+    inv8 = reference.rotary_inverse_frequencies(8, 10000.0, device)
+    with pytest.raises(ValueError, match="D=7"):
+        rotary_embedding_(torch.randn(1, 2, 1, 7, device=device), torch.ones(3, device=device))
+    with pytest.raises(ValueError, match="D=258"):
+        rotary_embedding_(torch.randn(1, 2, 1, 258, device=device), torch.ones(129, device=device))
+    x = torch.randn(1, 2, 1, 8, device=device)
+    for bad in (inv8[:3].clone(), inv8.double(), inv8.repeat(2)[::2], inv8[None]):
+        with pytest.raises(ValueError, match="inv_freq"):
+            rotary_embedding_(x, bad)
+    with pytest.raises(ValueError, match="B, N, H, D"):
+        rotary_embedding_(torch.randn(2, 1, 8, device=device), inv8)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        rotary_embedding_(torch.randn(1, 2, 1, 16, device=device)[..., ::2], inv8)
+    with pytest.raises(ValueError, match="dtype"):
+        rotary_embedding_(torch.randn(1, 2, 1, 8, device=device, dtype=torch.float64), inv8)
+
+
+@pytest.mark.gpu
+def test_many_tokens_gpu(device):
+    """B*N far past the 65535 limit of grid axes 1 and 2: tokens must sit on axis 0."""
+    batch, seq, heads, head_dim, theta = 2, 1 << 18, 3, 64, 10000.0
+    x = torch.randn(batch, seq, heads, head_dim, device=device, dtype=torch.bfloat16)
+    original = x.clone()
+    rotary_embedding_(x, reference.rotary_inverse_frequencies(head_dim, theta, device))
+    _check_against_references("rope long", x, original, theta, False, torch.bfloat16)
