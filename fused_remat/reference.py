@@ -10,6 +10,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 
 def _statistics_dtype(x: torch.Tensor) -> torch.dtype:
@@ -104,3 +105,117 @@ def rotary_embedding(x: torch.Tensor, theta: float, *, inverse: bool = False) ->
         sin = -sin
     x1, x2 = x.to(compute).chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+NORMS = ("layernorm", "rmsnorm")
+MAX_BLOCK_HEAD_DIM = 256  # the attention kernels' limit
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
+
+
+def llama_ffn_dim(dim: int, multiple_of: int = 256) -> int:
+    """LLaMA's SwiGLU width: 2/3 of 4*dim, rounded up to a multiple of ``multiple_of``."""
+    hidden = int(2 * 4 * dim / 3)
+    return multiple_of * -(-hidden // multiple_of)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm Transformer block in plain PyTorch: the twin of ``fused_remat.TransformerBlock``.
+
+        h = x + out_proj(attention(norm1(x)))
+        y = h + fc2(act(fc1(norm2(h))))
+
+    x: (B, N, dim) -> (B, N, dim). Attention has ``n_heads`` query heads of dim // n_heads and
+    ``n_kv_heads`` key/value heads (GQA when fewer), through F.scaled_dot_product_attention; the
+    qkv projection packs [q heads | k heads | v heads] along its output. With ``rope_theta`` set,
+    q and k get rotary embeddings (``rotary_embedding``). ``activation="swiglu"`` makes fc1 the
+    packed [gate | up] projection of width 2 * ffn_dim and computes silu(gate) * up; fc2 is the down
+    projection. ffn_dim defaults to 4 * dim (GELU) or LLaMA's rounded 8/3 * dim (SwiGLU). ``bias``
+    switches the linear and LayerNorm biases (RMSNorm has none).
+
+    Parameter names and shapes are those of the fused block, so ``load_state_dict`` moves weights
+    between the two either way.
+    """
+
+    def __init__(self, dim: int, n_heads: int, *, n_kv_heads: int | None = None, ffn_dim: int | None = None,
+                 norm: str = "layernorm", activation: str = "gelu", bias: bool = True, causal: bool = True,
+                 eps: float = 1e-5, rope_theta: float | None = None, device=None, dtype=None):
+        super().__init__()
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        _check_block_config(dim, n_heads, n_kv_heads, ffn_dim, norm, activation, eps, rope_theta)
+        self.dim, self.n_heads, self.n_kv_heads = dim, n_heads, n_kv_heads
+        self.head_dim = dim // n_heads
+        self.norm_kind, self.activation, self.causal, self.eps = norm, activation, bool(causal), float(eps)
+        self.rope_theta = None if rope_theta is None else float(rope_theta)
+        if ffn_dim is None:
+            ffn_dim = llama_ffn_dim(dim) if activation == "swiglu" else 4 * dim
+        self.ffn_dim = ffn_dim
+        factory = dict(device=device, dtype=dtype)
+        self.norm1 = self._make_norm(bias, factory)
+        self.qkv = nn.Linear(dim, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=bias, **factory)
+        self.out_proj = nn.Linear(dim, dim, bias=bias, **factory)
+        self.norm2 = self._make_norm(bias, factory)
+        self.fc1 = nn.Linear(dim, 2 * ffn_dim if activation == "swiglu" else ffn_dim, bias=bias, **factory)
+        self.fc2 = nn.Linear(ffn_dim, dim, bias=bias, **factory)
+
+    def _make_norm(self, bias: bool, factory: dict) -> nn.Module:
+        if self.norm_kind == "rmsnorm":
+            return nn.RMSNorm(self.dim, eps=self.eps, **factory)
+        return nn.LayerNorm(self.dim, eps=self.eps, bias=bias, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self._attention(self.norm1(x))
+        return h + self.fc2(self._activate(self.fc1(self.norm2(h))))
+
+    def _attention(self, y: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = y.shape
+        heads = self.qkv(y).view(batch, seq, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        q, k, v = heads.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)
+        if self.rope_theta is not None:
+            q, k = rotary_embedding(q, self.rope_theta), rotary_embedding(k, self.rope_theta)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            is_causal=self.causal, enable_gqa=self.n_kv_heads != self.n_heads,
+        )
+        return self.out_proj(o.transpose(1, 2).reshape(batch, seq, self.dim))
+
+    def _activate(self, u: torch.Tensor) -> torch.Tensor:
+        if self.activation == "swiglu":
+            gate, up = u.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return F.gelu(u, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+
+    def extra_repr(self) -> str:
+        rope = "" if self.rope_theta is None else f", rope_theta={self.rope_theta:g}"
+        return (f"dim={self.dim}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, ffn_dim={self.ffn_dim}, "
+                f"norm={self.norm_kind!r}, activation={self.activation!r}, causal={self.causal}{rope}")
+
+
+def _check_block_config(dim, n_heads, n_kv_heads, ffn_dim, norm, activation, eps, rope_theta) -> None:
+    def positive_int(name, value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"TransformerBlock: {name} must be a positive int, got {value!r}")
+
+    positive_int("dim", dim)
+    positive_int("n_heads", n_heads)
+    positive_int("n_kv_heads", n_kv_heads)
+    if ffn_dim is not None:
+        positive_int("ffn_dim", ffn_dim)
+    if dim % n_heads:
+        raise ValueError(f"TransformerBlock: dim={dim} is not divisible by n_heads={n_heads}")
+    if n_heads % n_kv_heads:
+        raise ValueError(f"TransformerBlock: n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
+    head_dim = dim // n_heads
+    if head_dim > MAX_BLOCK_HEAD_DIM:
+        raise ValueError(f"TransformerBlock: head dim dim // n_heads = {head_dim} exceeds {MAX_BLOCK_HEAD_DIM}")
+    if norm not in NORMS:
+        raise ValueError(f"TransformerBlock: norm must be one of {NORMS}, got {norm!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"TransformerBlock: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"TransformerBlock: eps must be a positive number, got {eps!r}")
+    if rope_theta is not None:
+        if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not rope_theta > 1:
+            raise ValueError(f"TransformerBlock: rope_theta must be a number > 1 or None, got {rope_theta!r}")
+        if head_dim % 2:
+            raise ValueError(f"TransformerBlock: rope_theta needs an even head dim, got dim // n_heads = {head_dim}")
+
