@@ -25,7 +25,8 @@ class GeluFunction(torch.autograd.Function):
     def backward(ctx, dy):
 
         (x,) = ctx.saved_tensors
-        return kernels("activations").gelu_bwd(dy, x, ctx.approximate).view(x.shape), None
+        dx, _ = kernels("activations").gelu_bwd(dy, x, ctx.approximate)
+        return dx, None
 
 
 class SwiGLUFunction(torch.autograd.Function):
@@ -40,7 +41,7 @@ class SwiGLUFunction(torch.autograd.Function):
 
         gate, up = ctx.saved_tensors
         dgate, dup, _ = kernels("activations").swiglu_bwd(dy, gate, up)
-        return dgate.view(gate.shape), dup.view(up.shape)
+        return dgate, dup
 
 
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:

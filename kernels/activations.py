@@ -1,22 +1,29 @@
 """GELU (exact and tanh) and SwiGLU, forward and backward, element-wise in fp32 registers.
 
 Backward takes the pre-activation(s) and recomputes what it needs (the CDF, the sigmoid) in
-registers, so the activation output is never kept for backward. The SwiGLU backward can also write
-the recomputed output silu(gate) * up, which a following linear layer needs for its weight
-gradient: one pass produces both.
+registers, so the activation output is never kept for backward. Both backwards can also write the
+recomputed output (gelu(x), silu(gate) * up), which a following linear layer needs for its weight
+gradient: one pass produces both, bitwise what the forward writes (forward and backward are one
+kernel, so the output is computed by the very same code).
+
+Every kernel works on 2-D (M, N) tensors with unit column stride and a row stride of their own,
+so a fused block passes views without copying: gate and up may be the two column halves of one
+(M, 2F) buffer, and so may the preallocated dgate and dup. Offsets are int64. The grid is 1-D
+(axes 1 and 2 are limited to 65535 programs): program i takes tile (i // col_blocks, i % col_blocks)
+of BLOCK_M x BLOCK_N elements.
 """
 
 from __future__ import annotations
-
 
 import torch
 import triton
 import triton.language as tl
 
+from .launch import next_power_of_2
 from .precision import round_to
 
-BLOCK = 1024
-NUM_WARPS = 4
+MAX_BLOCK_N = 1024
+TILE_ELEMENTS = 4096  # elements per program: BLOCK_M x BLOCK_N, fewer only for small tensors
 
 GELU_APPROXIMATIONS = ("none", "tanh")
 
@@ -48,57 +55,128 @@ def _gelu_and_derivative(x, APPROXIMATE_TANH: tl.constexpr):
 
 
 @triton.jit
-def _gelu_fwd(X, Y, n_elements, APPROXIMATE_TANH: tl.constexpr, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n_elements
-    x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
-    y, _ = _gelu_and_derivative(x, APPROXIMATE_TANH)
-    tl.store(Y + offsets, round_to(y, Y.dtype.element_ty), mask=mask)
+def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """int64 row and column indices of this program's tile, and the in-bounds mask."""
+    pid = tl.program_id(0)
+    col_blocks = tl.cdiv(N, BLOCK_N)
+    rows = (pid // col_blocks).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (pid % col_blocks).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    return rows, cols, mask
 
 
 @triton.jit
-def _gelu_bwd(X, DY, DX, n_elements, APPROXIMATE_TANH: tl.constexpr, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n_elements
-    x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
-    _, derivative = _gelu_and_derivative(x, APPROXIMATE_TANH)
-    tl.store(DX + offsets, round_to(dy * derivative, DX.dtype.element_ty), mask=mask)
+def _load(PTR, stride, rows, cols, mask):
+    return tl.load(PTR + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _swiglu_fwd(GATE, UP, Y, n_elements, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n_elements
-    gate = tl.load(GATE + offsets, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(UP + offsets, mask=mask, other=0.0).to(tl.float32)
-    y = gate * tl.sigmoid(gate) * up
-    tl.store(Y + offsets, round_to(y, Y.dtype.element_ty), mask=mask)
+def _store(PTR, stride, rows, cols, mask, value):
+    tl.store(PTR + rows[:, None] * stride + cols[None, :], round_to(value, PTR.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _swiglu_bwd(GATE, UP, DY, DGATE, DUP, Y, n_elements, WRITE_Y: tl.constexpr, BLOCK: tl.constexpr):
-    """d/dgate silu(g) u = u * s * (1 + g (1 - s)), s = sigmoid(g); d/dup = silu(g)."""
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n_elements
-    gate = tl.load(GATE + offsets, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(UP + offsets, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
+def _gelu(
+    X, DY, DX, Y, M, N, stride_x, stride_dy, stride_dx, stride_y,
+    APPROXIMATE_TANH: tl.constexpr, BACKWARD: tl.constexpr, WRITE_Y: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Forward (WRITE_Y only): y = gelu(x). Backward: dx = dy * gelu'(x), and y too when WRITE_Y."""
+    rows, cols, mask = _tile(M, N, BLOCK_M, BLOCK_N)
+    x = _load(X, stride_x, rows, cols, mask)
+    y, derivative = _gelu_and_derivative(x, APPROXIMATE_TANH)
+    if BACKWARD:
+        dy = _load(DY, stride_dy, rows, cols, mask)
+        _store(DX, stride_dx, rows, cols, mask, dy * derivative)
+    if WRITE_Y:
+        _store(Y, stride_y, rows, cols, mask, y)
+
+
+@triton.jit
+def _swiglu(
+    GATE, UP, DY, DGATE, DUP, Y, M, N, stride_gate, stride_up, stride_dy, stride_dgate, stride_dup, stride_y,
+    BACKWARD: tl.constexpr, WRITE_Y: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """y = silu(g) u; d/dgate = u * s * (1 + g (1 - s)) with s = sigmoid(g); d/dup = silu(g)."""
+    rows, cols, mask = _tile(M, N, BLOCK_M, BLOCK_N)
+    gate = _load(GATE, stride_gate, rows, cols, mask)
+    up = _load(UP, stride_up, rows, cols, mask)
     sig = tl.sigmoid(gate)
     silu = gate * sig
-    dgate = dy * up * sig * (1.0 + gate * (1.0 - sig))
-    tl.store(DGATE + offsets, round_to(dgate, DGATE.dtype.element_ty), mask=mask)
-    tl.store(DUP + offsets, round_to(dy * silu, DUP.dtype.element_ty), mask=mask)
+    if BACKWARD:
+        dy = _load(DY, stride_dy, rows, cols, mask)
+        _store(DGATE, stride_dgate, rows, cols, mask, dy * up * sig * (1.0 + gate * (1.0 - sig)))
+        _store(DUP, stride_dup, rows, cols, mask, dy * silu)
     if WRITE_Y:
-        tl.store(Y + offsets, round_to(silu * up, Y.dtype.element_ty), mask=mask)
+        _store(Y, stride_y, rows, cols, mask, silu * up)
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_contiguous() else t.contiguous()
+def _tiling(rows: int, cols: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, programs) for an (rows, cols) tensor: ~TILE_ELEMENTS a program."""
+    block_n = min(next_power_of_2(cols), MAX_BLOCK_N)
+    block_m = min(max(1, TILE_ELEMENTS // block_n), next_power_of_2(rows))
+    num_warps = max(1, min(8, block_m * block_n // 512))
+    return block_m, block_n, num_warps, triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n)
 
 
-def _grid(n_elements: int) -> tuple[int]:
-    return (max(1, triton.cdiv(n_elements, BLOCK)),)
+def _launch(kernel, tensors: list[torch.Tensor], **constexprs) -> None:
+    """Run ``kernel`` over 2-D views of one shape: all pointers, then M and N, then each row stride."""
+    rows, cols = tensors[0].shape
+    block_m, block_n, num_warps, programs = _tiling(rows, cols)
+    kernel[(programs,)](
+        *tensors, rows, cols, *(t.stride(0) for t in tensors),
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **constexprs,
+    )
+
+
+def _unit_column_stride(t: torch.Tensor) -> bool:
+    return t.dim() == 2 and (t.stride(1) == 1 or t.size(1) <= 1)
+
+
+def _input_rows(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D view with unit column stride as is; anything else as (-1, last dim), copied only if it must be."""
+    if _unit_column_stride(t):
+        return t
+    t = t.reshape(-1, t.shape[-1] if t.dim() else 1)
+    return t if _unit_column_stride(t) else t.contiguous()
+
+
+def _rows_view(t: torch.Tensor) -> torch.Tensor | None:
+    """t as (-1, last dim) without copying, or None where no such view exists."""
+    try:
+        return t.view(-1, t.shape[-1] if t.dim() else 1)
+    except RuntimeError:
+        return None
+
+
+def _output(op: str, name: str, out: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what to return, its 2-D view for the kernel): a new contiguous tensor shaped like ``like``
+    (gate), or the caller's ``out``, which the kernel must be able to write in place."""
+    if out is None:
+        out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+        return out, (_rows_view(out) if out.numel() else out)
+    _check_shapes(op, "gate", like, **{name: out})
+    if out.dtype != like.dtype:
+        raise TypeError(f"{op}: {name} has dtype {out.dtype} but gate has {like.dtype}; they must match")
+    if out.device != like.device:
+        raise ValueError(f"{op}: {name} is on {out.device} but gate is on {like.device}")
+    if not out.numel():
+        return out, out
+    rows = out if out.dim() == 2 else _rows_view(out)
+    if rows is None or not _unit_column_stride(rows) or (rows.size(0) > 1 and rows.stride(0) < rows.size(1)):
+        raise ValueError(
+            f"{op}: {name} must be writable in place as non-overlapping rows with unit column stride, "
+            f"got shape {tuple(out.shape)} strides {out.stride()}"
+        )
+    return out, rows
+
+
+def _check_shapes(op: str, reference_name: str, reference: torch.Tensor, **others: torch.Tensor) -> None:
+    for name, t in others.items():
+        if t.shape != reference.shape:
+            raise ValueError(
+                f"{op}: {name} has shape {tuple(t.shape)} but {reference_name} has {tuple(reference.shape)}; they must match"
+            )
 
 
 def _check_approximation(approximate: str) -> bool:
@@ -108,42 +186,65 @@ def _check_approximation(approximate: str) -> bool:
 
 
 def gelu_fwd(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    """y = gelu(x) in x's dtype, computed in fp32. Any shape; non-contiguous x is copied."""
+    """y = gelu(x) in x's dtype, computed in fp32; y is contiguous, in x's shape."""
     tanh = _check_approximation(approximate)
-    x = _flat(x)
-    y = torch.empty_like(x)
+    y, y_rows = _output("gelu_fwd", "y", None, x)
     if x.numel():
-        _gelu_fwd[_grid(x.numel())](x, y, x.numel(), APPROXIMATE_TANH=tanh, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        x_rows = _input_rows(x)
+        _launch(_gelu, [x_rows, x_rows, y_rows, y_rows], APPROXIMATE_TANH=tanh, BACKWARD=False, WRITE_Y=True)
     return y
 
 
-def gelu_bwd(dy: torch.Tensor, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    """dx = dy * gelu'(x), recomputing gelu' from x."""
+def gelu_bwd(
+    dy: torch.Tensor, x: torch.Tensor, approximate: str = "none", return_output: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dx, y): dx = dy * gelu'(x), recomputing gelu' from x; with ``return_output`` the same pass also
+    writes y = gelu(x), bitwise what gelu_fwd gives (else None). Outputs contiguous, in x's shape."""
     tanh = _check_approximation(approximate)
-    x, dy = _flat(x), _flat(dy)
-    dx = torch.empty_like(x)
+    _check_shapes("gelu_bwd", "x", x, dy=dy)
+    dx, dx_rows = _output("gelu_bwd", "dx", None, x)
+    y, y_rows = _output("gelu_bwd", "y", None, x) if return_output else (None, dx_rows)
     if x.numel():
-        _gelu_bwd[_grid(x.numel())](x, dy, dx, x.numel(), APPROXIMATE_TANH=tanh, BLOCK=BLOCK, num_warps=NUM_WARPS)
-    return dx
+        _launch(
+            _gelu, [_input_rows(x), _input_rows(dy), dx_rows, y_rows],
+            APPROXIMATE_TANH=tanh, BACKWARD=True, WRITE_Y=return_output,
+        )
+    return dx, y
 
 
 def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """y = silu(gate) * up in gate's dtype; gate and up of one shape."""
-    gate, up = _flat(gate), _flat(up)
-    y = torch.empty_like(gate)
+    """y = silu(gate) * up in gate's dtype; gate and up of one shape; y contiguous, in that shape."""
+    _check_shapes("swiglu_fwd", "gate", gate, up=up)
+    y, y_rows = _output("swiglu_fwd", "y", None, gate)
     if gate.numel():
-        _swiglu_fwd[_grid(gate.numel())](gate, up, y, gate.numel(), BLOCK=BLOCK, num_warps=NUM_WARPS)
+        gate_rows, up_rows = _input_rows(gate), _input_rows(up)
+        _launch(_swiglu, [gate_rows, up_rows, gate_rows, y_rows, y_rows, y_rows], BACKWARD=False, WRITE_Y=True)
     return y
 
 
-def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, return_output: bool = False):
-    """(dgate, dup), plus the recomputed y = silu(gate) * up when ``return_output`` (else None)."""
-    gate, up, dy = _flat(gate), _flat(up), _flat(dy)
-    dgate = torch.empty_like(gate)
-    dup = torch.empty_like(up)
-    y = torch.empty_like(gate) if return_output else dgate
+def swiglu_bwd(
+    dy: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    return_output: bool = False,
+    *,
+    dgate: torch.Tensor | None = None,
+    dup: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dgate, dup, y): the gradients, plus the recomputed y = silu(gate) * up when ``return_output``
+    (else None), bitwise what swiglu_fwd gives.
+
+    ``dgate`` / ``dup``, when given, are written in place and returned: gate's shape and dtype, rows
+    with unit column stride and any row stride (e.g. the two column halves of one (M, 2F) gradient
+    buffer). Otherwise they are new contiguous tensors in gate's shape, as is y.
+    """
+    _check_shapes("swiglu_bwd", "gate", gate, up=up, dy=dy)
+    dgate, dgate_rows = _output("swiglu_bwd", "dgate", dgate, gate)
+    dup, dup_rows = _output("swiglu_bwd", "dup", dup, gate)
+    y, y_rows = _output("swiglu_bwd", "y", None, gate) if return_output else (None, dgate_rows)
     if gate.numel():
-        _swiglu_bwd[_grid(gate.numel())](
-            gate, up, dy, dgate, dup, y, gate.numel(), WRITE_Y=return_output, BLOCK=BLOCK, num_warps=NUM_WARPS
+        _launch(
+            _swiglu, [_input_rows(gate), _input_rows(up), _input_rows(dy), dgate_rows, dup_rows, y_rows],
+            BACKWARD=True, WRITE_Y=return_output,
         )
-    return dgate, dup, (y if return_output else None)
+    return dgate, dup, y

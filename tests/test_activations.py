@@ -1,21 +1,44 @@
 """gelu and swiglu against a float64 reference and plain PyTorch in the same dtype."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fused_remat
-from fused_remat.kernels.activations import swiglu_bwd, swiglu_fwd
+import fused_remat.kernels.activations as kernel_module
+from fused_remat.kernels.activations import gelu_bwd, gelu_fwd, swiglu_bwd, swiglu_fwd
 from fused_remat.memory import saved_memory
 from numerics import assert_error_rule
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SHAPES = [(1,), (3,), (113,), (1000,), (7, 4095), (2, 3, 5120)]
+# (rows, cols) of the strided views: odd sizes, masked row tiles, and (1500) two column tiles.
+VIEW_SHAPES = [(3, 113), (17, 1000), (5, 1500)]
 
 
 def _spread(shape, dtype, device):
     """Values across the interesting range of the activations, tails included."""
     return (torch.randn(*shape, device=device) * 3).to(dtype).requires_grad_()
+
+
+def _assert_matches_references(op, function, inputs, dy, ours, names, dtype):
+    """``ours`` (output, then the gradient of each input for ``dy``) against ``function`` in float64
+    and in plain PyTorch in ``dtype``, under the error rule."""
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+    ref = function(*inputs64)
+    inputs_same = [t.detach().clone().requires_grad_() for t in inputs]
+    same = function(*inputs_same)
+    references = [ref, *torch.autograd.grad(ref, inputs64, dy.double())]
+    plain = [same, *torch.autograd.grad(same, inputs_same, dy)]
+    for name, value, value_same, value64 in zip(names, ours, plain, references, strict=True):
+        assert value.dtype == dtype, f"{op} {name}: dtype {value.dtype}"
+        assert_error_rule(f"{op} {name}", value, value_same, value64, dtype)
+
+
+def _swiglu_reference(gate, up):
+    return F.silu(gate) * up
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
@@ -26,17 +49,8 @@ def test_gelu_matches_references(approximate, dtype, shape, device, triton_backe
     ours = fused_remat.gelu(x, approximate)
     dy = torch.randn_like(ours)
     (dx,) = torch.autograd.grad(ours, x, dy)
-
-    x64 = x.detach().double().requires_grad_()
-    ref = F.gelu(x64, approximate=approximate)
-    (dx64,) = torch.autograd.grad(ref, x64, dy.double())
-    x_same = x.detach().clone().requires_grad_()
-    same = F.gelu(x_same, approximate=approximate)
-    (dx_same,) = torch.autograd.grad(same, x_same, dy)
-
-    assert ours.dtype == dtype and dx.dtype == dtype
-    assert_error_rule("gelu y", ours, same, ref, dtype)
-    assert_error_rule("gelu dx", dx, dx_same, dx64, dtype)
+    gelu = functools.partial(F.gelu, approximate=approximate)
+    _assert_matches_references("gelu", gelu, [x], dy, [ours, dx], ["y", "dx"], dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -46,17 +60,7 @@ def test_swiglu_matches_references(dtype, shape, device, triton_backend):
     ours = fused_remat.swiglu(gate, up)
     dy = torch.randn_like(ours)
     dgate, dup = torch.autograd.grad(ours, (gate, up), dy)
-
-    gate64, up64 = (t.detach().double().requires_grad_() for t in (gate, up))
-    ref = F.silu(gate64) * up64
-    dgate64, dup64 = torch.autograd.grad(ref, (gate64, up64), dy.double())
-    gate_same, up_same = (t.detach().clone().requires_grad_() for t in (gate, up))
-    same = F.silu(gate_same) * up_same
-    dgate_same, dup_same = torch.autograd.grad(same, (gate_same, up_same), dy)
-
-    assert_error_rule("swiglu y", ours, same, ref, dtype)
-    assert_error_rule("swiglu dgate", dgate, dgate_same, dgate64, dtype)
-    assert_error_rule("swiglu dup", dup, dup_same, dup64, dtype)
+    _assert_matches_references("swiglu", _swiglu_reference, [gate, up], dy, [ours, dgate, dup], ["y", "dgate", "dup"], dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -127,3 +131,152 @@ def test_empty_input(device, triton_backend):
 def test_rejects_bad_input(call, error, match, device):
     with pytest.raises(error, match=match):
         call(device)
+
+
+def _padded(rows, cols, dtype, device, pad=7):
+    """A (rows, cols) view of a wider tensor: row stride cols + pad, values of _spread."""
+    return _spread((rows, cols + pad), dtype, device).detach()[:, pad // 2 : pad // 2 + cols]
+
+
+def _halves(rows, cols, dtype, device):
+    """gate and up as the two column halves of one (rows, 2 cols) fc1 output."""
+    both = _spread((rows, 2 * cols), dtype, device).detach()
+    return both[:, :cols], both[:, cols:]
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", VIEW_SHAPES, ids=str)
+def test_gelu_on_row_strided_views(approximate, dtype, shape, device):
+    x, dy = _padded(*shape, dtype, device), _padded(*shape, dtype, device, pad=12)
+    y = gelu_fwd(x, approximate)
+    dx, rebuilt = gelu_bwd(dy, x, approximate, return_output=True)
+    assert y.is_contiguous() and dx.is_contiguous() and y.shape == dx.shape == shape
+    gelu = functools.partial(F.gelu, approximate=approximate)
+    _assert_matches_references("gelu", gelu, [x], dy, [y, dx], ["y", "dx"], dtype)
+    assert torch.equal(rebuilt, y)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", VIEW_SHAPES, ids=str)
+def test_swiglu_on_column_halves(dtype, shape, device):
+    rows, cols = shape
+    gate, up = _halves(rows, cols, dtype, device)
+    dy = _padded(rows, cols, dtype, device)
+    grads = torch.full((rows, 2 * cols), float("nan"), dtype=dtype, device=device)
+    y = swiglu_fwd(gate, up)
+    dgate, dup, rebuilt = swiglu_bwd(dy, gate, up, return_output=True, dgate=grads[:, :cols], dup=grads[:, cols:])
+    assert dgate.data_ptr() == grads.data_ptr() and dup.data_ptr() == grads[:, cols:].data_ptr()
+    assert dgate.stride() == dup.stride() == (2 * cols, 1)
+    assert not grads.isnan().any(), "every element of the preallocated gradient buffer is written"
+    _assert_matches_references("swiglu", _swiglu_reference, [gate, up], dy, [y, dgate, dup], ["y", "dgate", "dup"], dtype)
+    assert torch.equal(rebuilt, y)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gelu_backward_rebuilds_output_in_the_same_pass(approximate, dtype, device):
+    x = _spread((2, 3, 333), dtype, device).detach()
+    dy = torch.randn_like(x)
+    dx, rebuilt = gelu_bwd(dy, x, approximate, return_output=True)
+    assert torch.equal(rebuilt, gelu_fwd(x, approximate))
+    plain_dx, nothing = gelu_bwd(dy, x, approximate)
+    assert nothing is None and torch.equal(plain_dx, dx)
+
+
+class _LaunchSpy:
+    """Stands in for a jitted kernel: records the arguments of every launch, then launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(args)
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@pytest.fixture
+def spies(monkeypatch):
+    found = {name: _LaunchSpy(getattr(kernel_module, name)) for name in ("_gelu", "_swiglu")}
+    for name, spy in found.items():
+        monkeypatch.setattr(kernel_module, name, spy)
+    return found
+
+
+def test_strided_inputs_reach_the_kernel_uncopied(spies, device):
+    rows, cols = 5, 37
+    gate, up = _halves(rows, cols, torch.float16, device)
+    dy = _padded(rows, cols, torch.float16, device)
+    grads = torch.empty(rows, 2 * cols, dtype=torch.float16, device=device)
+    dgate, dup, _ = swiglu_bwd(dy, gate, up, dgate=grads[:, :cols], dup=grads[:, cols:])
+    (args,) = spies["_swiglu"].launches
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    assert [t.data_ptr() for t in tensors[:5]] == [t.data_ptr() for t in (gate, up, dy, dgate, dup)]
+    assert (rows, cols, 2 * cols, 2 * cols, dy.stride(0), 2 * cols, 2 * cols) == args[6:13]
+
+    x = _padded(rows, cols, torch.float32, device)
+    gelu_bwd(dy, x)
+    (args,) = spies["_gelu"].launches
+    assert (args[0].data_ptr(), args[1].data_ptr()) == (x.data_ptr(), dy.data_ptr())
+
+    # A layout the kernel cannot take (column stride 2) is copied into rows, and still right.
+    spies["_gelu"].launches.clear()
+    x_t = torch.randn(cols, rows, device=device).t()
+    assert torch.equal(gelu_fwd(x_t), gelu_fwd(x_t.contiguous()))
+    assert spies["_gelu"].launches[0][0].data_ptr() != x_t.data_ptr()
+
+
+def test_any_shape_comes_back_contiguous_in_that_shape(device):
+    x = torch.randn(4, 3, 6, device=device).permute(2, 0, 1)
+    dy = torch.randn(6, 4, 3, device=device)
+    dx, y = gelu_bwd(dy, x, return_output=True)
+    assert dx.shape == y.shape == x.shape and dx.is_contiguous() and y.is_contiguous()
+    assert torch.equal(y, gelu_fwd(x.contiguous()))
+    scalar = torch.tensor(1.5, device=device)
+    assert gelu_fwd(scalar).shape == () and torch.allclose(gelu_fwd(scalar), F.gelu(scalar))
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (3, 0), (0,)], ids=str)
+def test_empty_inputs_launch_nothing(shape, spies, device):
+    x = torch.randn(shape, device=device)
+    dx, y = gelu_bwd(x, x, return_output=True)
+    dgate, dup, y2 = swiglu_bwd(x, x, x, return_output=True)
+    given = torch.empty(shape, device=device)
+    assert swiglu_bwd(x, x, x, dgate=given)[0] is given
+    assert all(t.shape == shape for t in (gelu_fwd(x), dx, y, swiglu_fwd(x, x), dgate, dup, y2))
+    assert not spies["_gelu"].launches and not spies["_swiglu"].launches
+
+
+@pytest.mark.parametrize(
+    "call,error,match",
+    [
+        (lambda a, b, buf: gelu_bwd(b, a), ValueError, r"gelu_bwd: dy has shape \(3, 6\) but x has \(3, 5\)"),
+        (lambda a, b, buf: swiglu_fwd(a, b), ValueError, "swiglu_fwd: up has shape"),
+        (lambda a, b, buf: swiglu_bwd(b, a, a), ValueError, "swiglu_bwd: dy has shape"),
+        (lambda a, b, buf: swiglu_bwd(a, a, a, dgate=buf[:, :6]), ValueError, "swiglu_bwd: dgate has shape"),
+        (lambda a, b, buf: swiglu_bwd(a, a, a, dup=buf[:, ::2]), ValueError, "dup must be writable in place"),
+        (lambda a, b, buf: swiglu_bwd(a, a, a, dup=a[:1].expand(3, 5)), ValueError, "dup must be writable in place"),
+        (lambda a, b, buf: swiglu_bwd(a, a, a, dgate=buf[:, :5].half()), TypeError, "dgate has dtype"),
+        (lambda a, b, buf: gelu_fwd(a, approximate="erf"), ValueError, "approximate"),
+    ],
+)
+def test_launchers_reject_mismatched_arguments(call, error, match, device):
+    a, b = torch.randn(3, 5, device=device), torch.randn(3, 6, device=device)
+    buf = torch.empty(3, 10, device=device)
+    with pytest.raises(error, match=match):
+        call(a, b, buf)
+
+
+@pytest.mark.gpu
+def test_row_offsets_past_2_to_the_31(device):
+    # Row 1 starts 2**31 elements in: int32 offsets would wrap around and read or write elsewhere.
+    big = torch.zeros(2, 2**31 + 64, dtype=torch.float16, device=device)
+    x = big[:, :256]
+    x.normal_()
+    dx, y = gelu_bwd(x, x, return_output=True)
+    ref = F.gelu(x.float())
+    assert torch.allclose(y.float(), ref, atol=1e-2, rtol=1e-2)
+    assert torch.equal(y, gelu_fwd(x))
