@@ -22,7 +22,8 @@ import torch
 
 from bench import harness, report
 
-SUITES = {"norms": "bench.bench_norms", "attention": "bench.bench_attention", "memory": "bench.bench_memory"}
+SUITES = {"norms": "bench.bench_norms", "attention": "bench.bench_attention", "memory": "bench.bench_memory",
+          "block": "bench.bench_block"}
 
 
 def _parse(argv):

@@ -1,6 +1,8 @@
 """Results on disk: a JSON file per suite, a Markdown table, PNG plots, and the README section.
 
-Everything here reads what a run wrote; nothing types a figure by hand.
+Everything here reads what a run wrote; nothing types a figure by hand. Providers named
+``fused_remat-<variant>`` (the block's remat policies, say) are ours too, never peers. A case whose
+params name a ``baseline`` provider gets each other provider's time and peak memory as ratios to it.
 """
 
 from __future__ import annotations
@@ -36,21 +38,29 @@ def load_json(path: Path) -> tuple[dict, list[Result]]:
     return payload, [Result(**row) for row in payload["results"]]
 
 
+def is_ours(provider: str) -> bool:
+    return provider == OURS or provider.startswith(OURS + "-")
+
+
 def _ceiling_value(unit: str, ceilings: dict) -> float | None:
     return ceilings.get("copy_GBps") if unit == "GB/s" else ceilings.get("bf16_matmul_TFLOPs")
 
 
-def _cell(result: Result, ceilings: dict) -> str:
+def _cell(result: Result, ceilings: dict, baseline: Result | None = None) -> str:
     if result.error:
         return result.error
     text = f"{result.metric:,.1f} ({result.ms:.3f} ms)" if result.metric is not None else f"{result.ms:.3f} ms"
     ceiling = _ceiling_value(result.unit, ceilings)
-    if result.provider == OURS and ceiling and result.metric is not None:
+    if is_ours(result.provider) and ceiling and result.metric is not None:
         text += f", {100 * result.metric / ceiling:.0f}% of peak"
     if result.peak_mib is not None:
         text += f", peak {result.peak_mib:,.0f} MiB"
     if result.saved_mib is not None:
         text += f", saved {result.saved_mib:,.1f} MiB"
+    if baseline is not None and baseline is not result and baseline.ms:
+        text += f"; vs {baseline.provider}: time {result.ms / baseline.ms:.2f}x"
+        if result.peak_mib is not None and baseline.peak_mib:
+            text += f", peak {result.peak_mib / baseline.peak_mib:.2f}x"
     return text
 
 
@@ -58,21 +68,23 @@ def markdown_table(suite: str, environment: dict, ceilings: dict, results: list[
     by_case: dict[str, dict[str, Result]] = defaultdict(dict)
     for result in results:
         by_case[result.case][result.provider] = result
-    providers = [OURS] + sorted({r.provider for r in results} - {OURS})
+    providers = sorted({r.provider for r in results}, key=lambda p: (not is_ours(p), p != OURS, p))
     unit = results[0].unit if results else ""
     ceiling_note = ", ".join(f"{k} {v:,.0f}" for k, v in ceilings.items())
     lines = [
         f"**{suite}** on {environment['device']} (torch {environment['torch']}, triton {environment['triton']}, "
         f"CUDA {environment['cuda']}, {environment['date']}, commit {environment['commit']}); "
-        f"measured ceilings: {ceiling_note or 'n/a'}. Cells: {unit} (median ms); last column: best peer's time / ours (>1: we are faster).",
+        f"measured ceilings: {ceiling_note or 'n/a'}. Cells: {unit} (median ms); last column: best peer's time / ours (>1: we are faster)"
+        + ("; 'vs X': time and peak memory over the baseline X's (<1: less)." if any("baseline" in r.params for r in results) else "."),
         "",
         "| case | " + " | ".join(providers) + " | speed-up vs best peer |",
         "|---" * (len(providers) + 2) + "|",
     ]
     for case, row in by_case.items():
-        cells = [_cell(row[p], ceilings) if p in row else "" for p in providers]
+        baseline = row.get(next(iter(row.values())).params.get("baseline", ""))
+        cells = [_cell(row[p], ceilings, baseline) if p in row else "" for p in providers]
         ours = row.get(OURS)
-        peers = [r for p, r in row.items() if p != OURS and r.ms is not None]
+        peers = [r for p, r in row.items() if not is_ours(p) and r.ms is not None]
         ratio = f"{min(r.ms for r in peers) / ours.ms:.2f}x" if ours and ours.ms and peers else ""
         lines.append(f"| {case} | " + " | ".join(cells) + f" | {ratio} |")
     return "\n".join(lines) + "\n"
@@ -169,7 +181,7 @@ def summary(folder: Path) -> str:
         for case in dict.fromkeys(r.case for r in results):
             row = [r for r in results if r.case == case]
             ours = next((r for r in row if r.provider == OURS and r.ms), None)
-            peers = [r.ms for r in row if r.provider != OURS and r.ms]
+            peers = [r.ms for r in row if not is_ours(r.provider) and r.ms]
             if ours and peers:
                 ratios.append(min(peers) / ours.ms)
         if not ratios:
