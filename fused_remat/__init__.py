@@ -6,11 +6,15 @@ TRITON_INTERPRET=1, otherwise the plain-PyTorch reference in ``fused_remat.refer
 - ``layer_norm(x, weight, bias=None, eps=1e-5)`` and ``rms_norm(x, weight, eps=1e-6)``
 - ``gelu(x, approximate="none")`` and ``swiglu(gate, up)``
 - ``attention(q, k, v, *, causal=False, scale=None, return_lse=False)`` (FlashAttention-style, GQA)
+
+and the block they make, ``TransformerBlock(dim, n_heads, ..., remat="cheap")``, a drop-in for the
+plain-PyTorch ``fused_remat.reference.TransformerBlock`` with the same parameters.
 """
 
 from . import memory, reference
 from .activations import gelu, swiglu
 from .attention import attention
+from .block import REMAT_POLICIES, TransformerBlock
 from .norms import layer_norm, rms_norm
 
-__all__ = ["attention", "gelu", "layer_norm", "memory", "reference", "rms_norm", "swiglu"]
+__all__ = ["REMAT_POLICIES", "TransformerBlock", "attention", "gelu", "layer_norm", "memory", "reference", "rms_norm", "swiglu"]

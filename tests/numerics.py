@@ -10,18 +10,27 @@ import torch
 FLOOR = {torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-3}
 
 
-def max_error(value: torch.Tensor, reference: torch.Tensor) -> float:
-    return (value.double() - reference.double()).abs().max().item() if reference.numel() else 0.0
+def error(value: torch.Tensor, reference: torch.Tensor, metric: str = "max") -> float:
+    """Largest absolute error ("max"), or its root mean square over all elements ("rms")."""
+    if not reference.numel():
+        return 0.0
+    diff = value.double() - reference.double()
+    return diff.abs().max().item() if metric == "max" else diff.square().mean().sqrt().item()
 
 
-def assert_error_rule(name: str, ours: torch.Tensor, torch_same_dtype: torch.Tensor, reference64: torch.Tensor, dtype: torch.dtype) -> None:
+def assert_error_rule(name: str, ours: torch.Tensor, torch_same_dtype: torch.Tensor, reference64: torch.Tensor,
+                      dtype: torch.dtype, metric: str = "max") -> None:
+    """``metric="rms"`` is for whole-block comparisons in 16-bit dtypes: there both sides sum many
+    independent roundings in different orders, and the maximum over a few dozen elements (a norm
+    weight's gradient) swings by 2x between seeds, while the RMS error measures the same precision
+    stably."""
     assert ours.shape == reference64.shape, f"{name}: shape {tuple(ours.shape)} != reference {tuple(reference64.shape)}"
     assert torch.isfinite(ours).all(), f"{name}: non-finite values"
     scale = max(reference64.abs().max().item(), 1e-6) if reference64.numel() else 1.0
-    ours_error = max_error(ours, reference64)
-    torch_error = max_error(torch_same_dtype, reference64)
+    ours_error = error(ours, reference64, metric)
+    torch_error = error(torch_same_dtype, reference64, metric)
     bound = 2 * torch_error + FLOOR[dtype] * scale
     assert ours_error <= bound, (
-        f"{name}: max error {ours_error:.3e} exceeds 2 x PyTorch's {torch_error:.3e} + floor "
+        f"{name}: {metric} error {ours_error:.3e} exceeds 2 x PyTorch's {torch_error:.3e} + floor "
         f"{FLOOR[dtype] * scale:.3e} ({dtype}, reference scale {scale:.3e})"
     )

@@ -1,0 +1,325 @@
+"""The fused, rematerializing pre-norm Transformer block.
+
+    h = x + out_proj(attention(norm1(x)))
+    y = h + fc2(act(fc1(norm2(h))))
+
+One autograd Function runs the whole block on Triton kernels (norms, RoPE, attention, activations)
+and cuBLAS matrix products, and decides in one place what it keeps for backward (``remat``):
+
+    none   x, norm1 out, qkv, attention out, lse, h, norm2 out, fc1 out, activation out, statistics
+    cheap  x, qkv, attention out, lse, h, fc1 out, statistics (default)
+    full   x
+
+``cheap`` rebuilds the two norm outputs inside the norm backward kernels and the activation output
+inside the activation backward kernel, exactly where the linear weight gradients need them.
+``full`` replays the forward up to fc1 from x at the start of backward, then runs ``cheap``'s
+backward. Nothing of size N x N is ever kept.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+from . import reference
+from .backend import SUPPORTED_DTYPES, kernels, use_triton
+
+REMAT_POLICIES = ("none", "cheap", "full")
+_OP = "TransformerBlock"
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """What one call of the block Function needs besides tensors."""
+
+    batch: int
+    seq: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    rms: bool
+    activation: str
+    causal: bool
+    eps: float
+    rope_theta: float | None
+    remat: str
+    compute_dtype: torch.dtype
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
+@functools.lru_cache(maxsize=None)
+def _rotary_frequencies(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    return reference.rotary_inverse_frequencies(head_dim, theta, device)
+
+
+# Parameter order of the Function's inputs after x.
+_PARAMETERS = (
+    "norm1.weight", "norm1.bias", "qkv.weight", "qkv.bias", "out_proj.weight", "out_proj.bias",
+    "norm2.weight", "norm2.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias",
+)
+
+
+class _Weights:
+    """The block's parameters for one pass: matmul operands in the compute dtype (a cast under
+    autocast, never kept across forward and backward), norm weights as they are (fp32 is fine)."""
+
+    def __init__(self, params, compute_dtype: torch.dtype):
+        named = dict(zip(_PARAMETERS, params))
+        cast = lambda t: None if t is None else t.to(compute_dtype)  # noqa: E731
+        self.norm1 = (named["norm1.weight"], named["norm1.bias"])
+        self.norm2 = (named["norm2.weight"], named["norm2.bias"])
+        self.qkv, self.qkv_bias = cast(named["qkv.weight"]), cast(named["qkv.bias"])
+        self.out, self.out_bias = cast(named["out_proj.weight"]), cast(named["out_proj.bias"])
+        self.fc1, self.fc1_bias = cast(named["fc1.weight"]), cast(named["fc1.bias"])
+        self.fc2, self.fc2_bias = cast(named["fc2.weight"]), cast(named["fc2.bias"])
+
+
+@dataclass
+class _Activations:
+    """What the forward produces on the way; each policy keeps a different subset."""
+
+    qkv: torch.Tensor  # (T, (Hq + 2 Hkv) D), q and k already rotated
+    o: torch.Tensor  # (T, dim): attention output, token-major
+    lse: torch.Tensor  # (B, Hq, N) fp32
+    h: torch.Tensor  # (T, dim): residual stream after attention
+    u: torch.Tensor  # (T, F): fc1 output, the activation's input
+    mean1: torch.Tensor  # fp32 statistics per token (mean is empty for RMSNorm)
+    rstd1: torch.Tensor
+    mean2: torch.Tensor
+    rstd2: torch.Tensor
+    y1: torch.Tensor | None = None  # norm1 output
+    y2: torch.Tensor | None = None  # norm2 output
+    a: torch.Tensor | None = None  # activation output
+
+
+# What each policy keeps besides x (DESIGN.md's memory contract).
+_KEPT = {
+    "full": (),
+    "cheap": ("qkv", "o", "lse", "h", "u", "mean1", "rstd1", "mean2", "rstd2"),
+    "none": ("qkv", "o", "lse", "h", "u", "mean1", "rstd1", "mean2", "rstd2", "y1", "y2", "a"),
+}
+
+
+def _heads(qkv: torch.Tensor, g: _Geometry):
+    """q (B, Hq, N, D), k and v (B, Hkv, N, D) as views of the packed (T, (Hq + 2 Hkv) D) buffer."""
+    heads = qkv.view(g.batch, g.seq, g.n_heads + 2 * g.n_kv_heads, g.head_dim).transpose(1, 2)
+    return heads[:, :g.n_heads], heads[:, g.n_heads:g.n_heads + g.n_kv_heads], heads[:, g.n_heads + g.n_kv_heads:]
+
+
+def _rotate_qk_(qkv: torch.Tensor, g: _Geometry, inverse: bool) -> None:
+    """Rotary embedding of the q and k heads of a packed qkv (or dqkv) buffer, in place."""
+    rotated = qkv.view(g.batch, g.seq, g.n_heads + 2 * g.n_kv_heads, g.head_dim)[:, :, :g.n_heads + g.n_kv_heads]
+    inv_freq = _rotary_frequencies(g.head_dim, g.rope_theta, qkv.device)
+    kernels("rope").rotary_embedding_(rotated, inv_freq, inverse=inverse)
+
+
+def _norm_forward(x, weights, g: _Geometry, residual=None):
+    weight, bias = weights
+    return kernels("norm").norm_fwd(x, weight, bias, g.eps, rms=g.rms, residual=residual, out_dtype=g.compute_dtype)
+
+
+def _activation_forward(u: torch.Tensor, g: _Geometry) -> torch.Tensor:
+    act = kernels("activations")
+    if g.activation == "swiglu":
+        return act.swiglu_fwd(u[:, :g.ffn_dim], u[:, g.ffn_dim:])
+    return act.gelu_fwd(u, "tanh" if g.activation == "gelu_tanh" else "none")
+
+
+def _forward_pass(x: torch.Tensor, w: _Weights, g: _Geometry, keep_outputs: bool, finish: bool):
+    """Runs the block on x (T, dim). Returns (activations, y (T, dim) or None).
+
+    ``keep_outputs`` holds on to norm and activation outputs (the ``none`` policy); ``finish=False``
+    stops after fc1, which is all a backward replay needs."""
+    y1, mean1, rstd1, _ = _norm_forward(x, w.norm1, g)
+    qkv = F.linear(y1, w.qkv, w.qkv_bias)
+    if g.rope_theta is not None:
+        _rotate_qk_(qkv, g, inverse=False)
+    q, k, v = _heads(qkv, g)
+    o = torch.empty(g.tokens, g.dim, device=x.device, dtype=g.compute_dtype)
+    _, lse = kernels("attention").attention_fwd(
+        q, k, v, g.causal, g.head_dim**-0.5, out=o.view(g.batch, g.seq, g.n_heads, g.head_dim).transpose(1, 2)
+    )
+    y2, mean2, rstd2, h = _norm_forward(x, w.norm2, g, residual=F.linear(o, w.out, w.out_bias))
+    u = F.linear(y2, w.fc1, w.fc1_bias)
+    saved = _Activations(qkv, o, lse, h, u, mean1, rstd1, mean2, rstd2)
+    if keep_outputs:
+        saved.y1, saved.y2 = y1, y2
+    if not finish:
+        return saved, None
+    a = _activation_forward(u, g)
+    if keep_outputs:
+        saved.a = a
+    return saved, h + F.linear(a, w.fc2, w.fc2_bias)
+
+
+def _weight_grad(needed: bool, grad_out: torch.Tensor, inputs: torch.Tensor, param: torch.Tensor | None):
+    return (grad_out.t() @ inputs).to(param.dtype) if needed else None
+
+
+def _bias_grad(needed: bool, grad_out: torch.Tensor, param: torch.Tensor | None):
+    return grad_out.sum(dim=0, dtype=torch.float32).to(param.dtype) if needed else None
+
+
+class _BlockFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g: _Geometry, *params):
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = x.reshape(g.tokens, g.dim)
+            acts, y = _forward_pass(x2, _Weights(params, g.compute_dtype), g, keep_outputs=g.remat == "none", finish=True)
+        # Everything kept for backward, in one place: x, the policy's activations (_KEPT), and the
+        # parameters as themselves (no copies; under autocast backward casts them again).
+        ctx.save_for_backward(x2, *(getattr(acts, name) for name in _KEPT[g.remat]), *params)
+        ctx.geometry = g
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        g: _Geometry = ctx.geometry
+        x2, *kept = ctx.saved_tensors
+        kept, params = kept[:len(_KEPT[g.remat])], kept[len(_KEPT[g.remat]):]
+        needs = dict(zip(_PARAMETERS, ctx.needs_input_grad[2:]))
+        named = dict(zip(_PARAMETERS, params))
+        with torch.autocast(dy.device.type, enabled=False):
+            w = _Weights(params, g.compute_dtype)
+            if g.remat == "full":
+                # The replay: the same kernels on the same x give bitwise the same activations.
+                acts, _ = _forward_pass(x2, w, g, keep_outputs=False, finish=False)
+            else:
+                acts = _Activations(**dict(zip(_KEPT[g.remat], kept)))
+            grads = _backward_pass(dy.reshape(g.tokens, g.dim).contiguous(), x2, acts, w, g, needs, named)
+        dx = grads.pop("x").view(dy.shape) if ctx.needs_input_grad[0] else None
+        return (dx, None, *(grads.get(name) for name in _PARAMETERS))
+
+
+def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _Geometry, needs: dict, named: dict) -> dict:
+    """Gradients of the block from dy (T, dim), in the order the forward ran, reversed.
+
+    Where a policy did not keep a norm or activation output, the backward kernel that computes that
+    op's input gradient also writes it, and it lives only until the weight gradient that needs it."""
+    act, norm, attention = kernels("activations"), kernels("norm"), kernels("attention")
+    grads = {}
+    dz = dy.to(g.compute_dtype)
+    grads["fc2.bias"] = _bias_grad(needs["fc2.bias"], dz, named["fc2.bias"])
+    da = dz @ w.fc2
+    rebuild = acts.a is None
+    if g.activation == "swiglu":
+        du = torch.empty_like(acts.u)
+        _, _, rebuilt = act.swiglu_bwd(
+            da, acts.u[:, :g.ffn_dim], acts.u[:, g.ffn_dim:], return_output=rebuild,
+            dgate=du[:, :g.ffn_dim], dup=du[:, g.ffn_dim:],
+        )
+    else:
+        du, rebuilt = act.gelu_bwd(da, acts.u, "tanh" if g.activation == "gelu_tanh" else "none", return_output=rebuild)
+    del da
+    grads["fc2.weight"] = _weight_grad(needs["fc2.weight"], dz, rebuilt if rebuild else acts.a, named["fc2.weight"])
+    del rebuilt, dz
+
+    grads["fc1.bias"] = _bias_grad(needs["fc1.bias"], du, named["fc1.bias"])
+    dh, grads["norm2.weight"], grads["norm2.bias"], rebuilt = norm.norm_bwd(
+        du @ w.fc1, acts.h, *w.norm2, acts.mean2, acts.rstd2, rms=g.rms, has_bias=w.norm2[1] is not None,
+        residual_grad=dy, return_output=acts.y2 is None, out_dtype=g.compute_dtype,
+    )
+    grads["fc1.weight"] = _weight_grad(needs["fc1.weight"], du, acts.y2 if rebuilt is None else rebuilt, named["fc1.weight"])
+    del du, rebuilt
+
+    d_attn = dh.to(g.compute_dtype)
+    grads["out_proj.bias"] = _bias_grad(needs["out_proj.bias"], d_attn, named["out_proj.bias"])
+    grads["out_proj.weight"] = _weight_grad(needs["out_proj.weight"], d_attn, acts.o, named["out_proj.weight"])
+    do = (d_attn @ w.out).view(g.batch, g.seq, g.n_heads, g.head_dim).transpose(1, 2)
+    del d_attn
+    dqkv = torch.empty_like(acts.qkv)
+    o = acts.o.view(g.batch, g.seq, g.n_heads, g.head_dim).transpose(1, 2)
+    attention.attention_bwd(do, *_heads(acts.qkv, g), o, acts.lse, g.causal, g.head_dim**-0.5, out=_heads(dqkv, g))
+    del do
+    if g.rope_theta is not None:
+        _rotate_qk_(dqkv, g, inverse=True)
+
+    grads["qkv.bias"] = _bias_grad(needs["qkv.bias"], dqkv, named["qkv.bias"])
+    grads["x"], grads["norm1.weight"], grads["norm1.bias"], rebuilt = norm.norm_bwd(
+        dqkv @ w.qkv, x, *w.norm1, acts.mean1, acts.rstd1, rms=g.rms, has_bias=w.norm1[1] is not None,
+        residual_grad=dh, return_output=acts.y1 is None, out_dtype=g.compute_dtype,
+    )
+    grads["qkv.weight"] = _weight_grad(needs["qkv.weight"], dqkv, acts.y1 if rebuilt is None else rebuilt, named["qkv.weight"])
+    return {name: grad for name, grad in grads.items() if name == "x" or needs[name]}
+
+
+class TransformerBlock(reference.TransformerBlock):
+    """Pre-norm Transformer block on fused Triton kernels that keeps little for backward.
+
+        h = x + out_proj(attention(norm1(x)))
+        y = h + fc2(act(fc1(norm2(h))))
+
+    Same constructor, parameters and function as ``fused_remat.reference.TransformerBlock`` (load
+    either's state dict into the other), plus ``remat``: ``"cheap"`` (default) keeps x, qkv, the
+    attention output and log-sum-exp, h, the fc1 output and the norm statistics, and rebuilds norm
+    and activation outputs inside the backward kernels; ``"none"`` also keeps those (what an eager
+    block keeps); ``"full"`` keeps only x and replays the forward in backward.
+
+    x: (B, N, dim) in fp16, bf16 or fp32, the parameters' dtype — or any float parameters under
+    ``torch.autocast``, which runs the matmuls and attention in the autocast dtype while x, h and y
+    stay in x's dtype. CUDA runs compiled Triton; CPU runs the Triton interpreter under
+    ``TRITON_INTERPRET=1`` and otherwise the reference block (``full`` through torch.utils.checkpoint).
+    """
+
+    def __init__(self, dim: int, n_heads: int, *, n_kv_heads: int | None = None, ffn_dim: int | None = None,
+                 norm: str = "layernorm", activation: str = "gelu", bias: bool = True, causal: bool = True,
+                 eps: float = 1e-5, rope_theta: float | None = None, remat: str = "cheap", device=None, dtype=None):
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"{_OP}: remat must be one of {REMAT_POLICIES}, got {remat!r}")
+        super().__init__(dim, n_heads, n_kv_heads=n_kv_heads, ffn_dim=ffn_dim, norm=norm, activation=activation,
+                         bias=bias, causal=causal, eps=eps, rope_theta=rope_theta, device=device, dtype=dtype)
+        self.remat = remat
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        if not use_triton(_OP, x.device):
+            if self.remat == "full" and torch.is_grad_enabled():
+                return torch.utils.checkpoint.checkpoint(super().forward, x, use_reentrant=False)
+            return super().forward(x)
+        params = [self.get_parameter(name) if self._has(name) else None for name in _PARAMETERS]
+        geometry = _Geometry(
+            batch=x.shape[0], seq=x.shape[1], dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
+            head_dim=self.head_dim, ffn_dim=self.ffn_dim, rms=self.norm_kind == "rmsnorm",
+            activation=self.activation, causal=self.causal, eps=self.eps, rope_theta=self.rope_theta,
+            remat=self.remat, compute_dtype=self._compute_dtype(x, params),
+        )
+        return _BlockFunction.apply(x.contiguous(), geometry, *params)
+
+    def _has(self, name: str) -> bool:
+        module, attr = name.split(".")
+        return getattr(getattr(self, module), attr, None) is not None
+
+    def _check_input(self, x) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{_OP}: x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"{_OP}: x must have shape (B, N, dim={self.dim}), got {tuple(x.shape)}")
+        if x.shape[0] == 0 or x.shape[1] == 0:
+            raise ValueError(f"{_OP}: x must have at least one sequence and one position, got {tuple(x.shape)}")
+        weight = self.qkv.weight
+        if x.device != weight.device:
+            raise ValueError(f"{_OP}: x is on {x.device} but the block's parameters are on {weight.device}")
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{_OP}: x must be fp16, bf16 or fp32, got {x.dtype}")
+
+    @staticmethod
+    def _compute_dtype(x: torch.Tensor, params) -> torch.dtype:
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+        for name, param in zip(_PARAMETERS, params):
+            if param is not None and param.dtype != x.dtype:
+                raise TypeError(
+                    f"{_OP}: x has dtype {x.dtype} but parameter {name} has {param.dtype}; convert the block "
+                    f"(block.to(dtype)) or run under torch.autocast"
+                )
+        return x.dtype
