@@ -2,7 +2,8 @@
 
 With CUDA the kernels compile for the GPU; without it they run on the CPU in Triton's interpreter
 (slow, so the demo's shapes are small there). For each op it prints the largest error against a
-float64 reference and the bytes autograd keeps for backward, ours beside eager PyTorch's.
+float64 reference and the bytes autograd keeps for backward, ours beside eager PyTorch's; then
+the TransformerBlock's bytes kept per token under each remat policy beside the reference block's.
 """
 
 import os
@@ -69,6 +70,41 @@ def _saved_bytes(fn, inputs, parameters):
     return out, meter.bytes
 
 
+BLOCK_SHAPES = {  # name: (dim, heads, kv heads, TransformerBlock keyword arguments)
+    "GPT-2 small": (768, 12, 12, dict(activation="gelu_tanh")),
+    "LLaMA-style": (2048, 16, 4, dict(norm="rmsnorm", activation="swiglu", bias=False, rope_theta=10000.0)),
+}
+
+
+def _block_bytes_per_token(block, device, dtype, lengths=(8, 24)) -> float:
+    """Bytes autograd keeps per token: the difference between two sequence lengths, so per-layer
+    constants (none here, but a meter reading could include some) drop out."""
+    readings = []
+    for seq in lengths:
+        x = torch.randn(1, seq, block.dim, device=device, dtype=dtype, requires_grad=True)
+        with saved_memory() as meter:
+            block(x)
+        readings.append(meter.bytes)
+    return (readings[1] - readings[0]) / (lengths[1] - lengths[0])
+
+
+def block_memory_table(device, dtype=torch.bfloat16) -> str:
+    """Markdown table: bytes kept for backward per token per layer, each policy against eager."""
+    lines = ["| block | eager reference | " + " | ".join(f"remat={p}" for p in fused_remat.REMAT_POLICIES) + " |",
+             "|---|---|" + "---|" * len(fused_remat.REMAT_POLICIES)]
+    for name, (dim, heads, kv_heads, kwargs) in BLOCK_SHAPES.items():
+        ref = reference.TransformerBlock(dim, heads, n_kv_heads=kv_heads, device=device, dtype=dtype, **kwargs)
+        eager = _block_bytes_per_token(ref, device, dtype)
+        cells = [f"{eager:,.0f} B ({eager / dim:.1f}h)"]
+        for policy in fused_remat.REMAT_POLICIES:
+            ours = fused_remat.TransformerBlock(dim, heads, n_kv_heads=kv_heads, remat=policy, device=device, dtype=dtype, **kwargs)
+            ours.load_state_dict(ref.state_dict())
+            kept = _block_bytes_per_token(ours, device, dtype)
+            cells.append(f"{kept:,.0f} B ({kept / dim:.1f}h, {kept / eager - 1:+.0%})")
+        lines.append(f"| {name} ({dim}/{heads}/{kv_heads}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows, hidden = (8192, 4096) if device.type == "cuda" else (64, 256)
@@ -90,6 +126,8 @@ def main() -> int:
         grad_error = max((g.double() - g64).abs().max().item() for g, g64 in zip(grads, grads64))
         print(f"{name:<20} {y_error:>12.2e} {grad_error:>16.2e} {ours_bytes / 2**20:>11.2f} MiB {eager_bytes / 2**20:>10.2f} MiB")
     print(f"\n({time.perf_counter() - started:.1f} s; saved = bytes autograd keeps for backward, parameters left out)")
+    print(f"\nTransformerBlock, bf16: bytes kept for backward per token per layer (h = model dim)\n")
+    print(block_memory_table(device))
     return 0
 
 

@@ -279,6 +279,17 @@ class TransformerBlock(reference.TransformerBlock):
                          bias=bias, causal=causal, eps=eps, rope_theta=rope_theta, device=device, dtype=dtype)
         self.remat = remat
 
+    @classmethod
+    def from_reference(cls, block: reference.TransformerBlock, remat: str = "cheap") -> TransformerBlock:
+        """The fused twin of ``block``: same configuration, and the same parameter storage (no copy;
+        build the optimizer after swapping)."""
+        config = block.config()
+        fused = cls(config.pop("dim"), config.pop("n_heads"), remat=remat, device="meta", **config)
+        fused.load_state_dict(block.state_dict(), assign=True)
+        for ours, theirs in zip(fused.parameters(), block.parameters()):
+            ours.requires_grad_(theirs.requires_grad)
+        return fused
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         if not use_triton(_OP, x.device):

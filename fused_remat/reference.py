@@ -146,6 +146,7 @@ class TransformerBlock(nn.Module):
         self.head_dim = dim // n_heads
         self.norm_kind, self.activation, self.causal, self.eps = norm, activation, bool(causal), float(eps)
         self.rope_theta = None if rope_theta is None else float(rope_theta)
+        self.has_bias = bool(bias)
         if ffn_dim is None:
             ffn_dim = llama_ffn_dim(dim) if activation == "swiglu" else 4 * dim
         self.ffn_dim = ffn_dim
@@ -183,6 +184,12 @@ class TransformerBlock(nn.Module):
             gate, up = u.chunk(2, dim=-1)
             return F.silu(gate) * up
         return F.gelu(u, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+
+    def config(self) -> dict:
+        """The constructor's keyword arguments that rebuild this block (any block class of either twin)."""
+        return dict(dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, ffn_dim=self.ffn_dim,
+                    norm=self.norm_kind, activation=self.activation, bias=self.has_bias, causal=self.causal,
+                    eps=self.eps, rope_theta=self.rope_theta)
 
     def extra_repr(self) -> str:
         rope = "" if self.rope_theta is None else f", rope_theta={self.rope_theta:g}"

@@ -244,6 +244,18 @@ def test_state_dicts_move_both_ways(device):
     assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), ref.state_dict().values()))
 
 
+def test_from_reference_shares_weights_and_computes_the_same(device, triton_backend):
+    config = _config(norm="rmsnorm", activation="swiglu", kv_heads=1, rope=True)
+    ref = _reference_block(config, device)
+    ref.fc2.requires_grad_(False)
+    ours = fused_remat.TransformerBlock.from_reference(ref, remat="full")
+    assert ours.remat == "full" and ours.config() == ref.config()
+    for (name, mine), theirs in zip(ours.named_parameters(), ref.parameters()):
+        assert mine.data_ptr() == theirs.data_ptr() and mine.requires_grad == theirs.requires_grad, name
+    x = torch.randn(2, 9, DIM, device=device)
+    torch.testing.assert_close(ours(x), ref(x), rtol=1e-4, atol=1e-5)
+
+
 def test_default_widths():
     assert fused_remat.TransformerBlock(64, 4, device="meta").ffn_dim == 256
     llama = fused_remat.TransformerBlock(4096, 32, activation="swiglu", device="meta")
