@@ -1,7 +1,7 @@
 """Memory: peak CUDA memory of one attention forward+backward against sequence length, ours
 (O(N): q, k, v, o and one fp32 log-sum-exp per row) against SDPA's math backend (O(N^2): it
 materializes the N x N probabilities) and SDPA's flash backend, up to the largest N that fits.
-The block's activation memory per remat policy joins this suite when the block exists.
+The block's memory per remat policy is in the block suite (bench_block.py).
 """
 
 from __future__ import annotations
