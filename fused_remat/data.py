@@ -1,0 +1,338 @@
+"""Training data for the language-model trainer: where the tokens come from and how batches are cut.
+
+`load_data(path, vocab_size)` understands three sources:
+
+* ``path=None``: the default corpus, present on every machine without a download: the ``.py``
+  sources of the running Python's standard library, read as bytes (vocabulary 256). A file goes to
+  the validation split when ``zlib.crc32(<its path relative to the stdlib, posix form>) % 10 == 0``,
+  so a file's split depends only on its own name, not on which other files a machine has or the
+  order a directory lists them in. Each split is its files in sorted path order, joined by b"\\n".
+  ``site-packages``, ``dist-packages`` and ``__pycache__`` are skipped: they are not the stdlib.
+* a text file (any path that is neither a directory nor ends in ``.bin``): its bytes (vocabulary
+  256). The last 10% of the file is held out for validation.
+* nanoGPT-style pre-tokenized data: a flat array of token ids in native byte order with no header,
+  uint16 when ``vocab_size <= 65536`` and uint32 above. The file does not record its vocabulary, so
+  ``vocab_size`` is required. The path is a directory holding ``train.bin`` (and optionally
+  ``val.bin``), a file named ``train.bin`` (a sibling ``val.bin``, if there is one, is the
+  validation split) or any other ``.bin`` file. Without a ``val.bin`` the last 10% of the tokens
+  are held out. These files are memory-mapped, never read whole: they can be larger than RAM.
+
+Batches are ``(inputs, targets)``, int64 tensors of shape ``(batch_size, seq_len)`` cut at random
+offsets, the targets being the inputs shifted by one token. The offsets of a training batch are a
+pure function of ``(seed, step, micro_step, rank)``: a run resumed at step k draws exactly the
+batches an uninterrupted run would have, and data-parallel ranks draw different ones. Validation
+batches depend only on the seed, so every evaluation scores the same tokens.
+
+Errors name the command-line argument they are about (``--data``, ``--vocab-size``, ``--seq-len``,
+``--batch-size``) because the trainer passes its arguments through unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import sysconfig
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+BYTE_VOCAB_SIZE = 256
+_UINT16_VOCAB_LIMIT = 2**16
+_UINT32_VOCAB_LIMIT = 2**32
+_HELD_OUT_DIVISOR = 10  # a single file keeps its last 1/10 for validation
+_STDLIB_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+_STDLIB_FILE_SEPARATOR = b"\n"
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: comparing tensors with == gives a tensor, not a bool
+class TokenData:
+    """The token ids of a training and a validation split.
+
+    ``train`` and ``val`` are 1-D uint8 (bytes), uint16 or uint32 tensors, possibly memory-mapped
+    views of a file. ``vocab_size`` is the model's vocabulary: every id is below it. ``train_source``
+    and ``val_source`` say where each split comes from, for error messages.
+    """
+
+    train: torch.Tensor = field(repr=False)
+    val: torch.Tensor = field(repr=False)
+    vocab_size: int
+    description: str
+    train_source: str
+    val_source: str
+
+
+def load_data(path: str | os.PathLike | None, vocab_size: int | None = None, seq_len: int | None = None) -> TokenData:
+    """Load the training and validation tokens named by ``--data`` (see the module docstring).
+
+    ``vocab_size`` (``--vocab-size``) is required for ``.bin`` data; for byte data it defaults to
+    256 and may be larger (the model then has unused embedding rows), never smaller. Given
+    ``seq_len``, the held-out tail of a single file is made at least one sequence long and both
+    splits are checked to hold a sequence, so a too-short file fails here rather than at the
+    first batch.
+    """
+    if vocab_size is not None:
+        _require_positive("--vocab-size", vocab_size)
+    if seq_len is not None:
+        _require_positive("--seq-len", seq_len)
+    if path is None:
+        data = _load_stdlib_sources(_byte_vocab_size(vocab_size, "the default corpus (Python sources)"))
+    else:
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"--data: {path} not found")
+        if path.is_dir() or path.suffix.lower() == ".bin":
+            data = _load_token_files(path, vocab_size, seq_len)
+        else:
+            data = _load_text(path, _byte_vocab_size(vocab_size, f"the text file {path}"), seq_len)
+    if seq_len is not None:
+        _require_one_sequence(data.train, data.train_source, seq_len)
+        _require_one_sequence(data.val, data.val_source, seq_len)
+    return data
+
+
+def train_batch(
+    data: TokenData, step: int, micro_step: int, rank: int, batch_size: int, seq_len: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training batch of ``(step, micro_step, rank)``: int64 (inputs, targets), each (batch_size, seq_len).
+
+    The same arguments give the same batch in any process, whatever else has been drawn before and
+    whatever the global torch RNG state is.
+    """
+    _require_batch_shape(batch_size, seq_len)
+    _require_one_sequence(data.train, data.train_source, seq_len)
+    generator = _seeded_generator("train", seed, step, micro_step, rank)
+    return _cut_batch(data.train, data.train_source, data.vocab_size, batch_size, seq_len, generator)
+
+
+def val_batches(
+    data: TokenData, n_batches: int, batch_size: int, seq_len: int, seed: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The ``n_batches`` validation batches of ``seed``, cut from the validation split.
+
+    Every call yields the same batches, so successive evaluations are comparable. Arguments are
+    checked at the call, not at the first batch; the batches are cut lazily, one at a time.
+    """
+    _require_positive("n_batches", n_batches)
+    _require_batch_shape(batch_size, seq_len)
+    _require_one_sequence(data.val, data.val_source, seq_len)
+    return (
+        _cut_batch(
+            data.val, data.val_source, data.vocab_size, batch_size, seq_len, _seeded_generator("val", seed, index)
+        )
+        for index in range(n_batches)
+    )
+
+
+def stdlib_split(root: str | os.PathLike | None = None) -> tuple[list[str], list[str]]:
+    """The ``.py`` files under ``root`` (default: this Python's stdlib) as (train, validation) lists.
+
+    Paths are relative to ``root`` in posix form, sorted; this is the file split of the default corpus.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"] if root is None else root)
+    paths = []
+    for directory, subdirectories, filenames in os.walk(root):
+        subdirectories[:] = [name for name in subdirectories if name not in _STDLIB_SKIPPED_DIRS]
+        relative_directory = Path(directory).relative_to(root)
+        paths.extend((relative_directory / name).as_posix() for name in filenames if name.endswith(".py"))
+    paths.sort()  # os.walk order depends on the file system; the split and the concatenation must not
+    train = [p for p in paths if not _is_validation_file(p)]
+    val = [p for p in paths if _is_validation_file(p)]
+    return train, val
+
+
+def _is_validation_file(relative_posix_path: str) -> bool:
+    return zlib.crc32(os.fsencode(relative_posix_path)) % _HELD_OUT_DIVISOR == 0
+
+
+def _load_stdlib_sources(vocab_size: int) -> TokenData:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    train_files, val_files = stdlib_split(root)
+    if not train_files or not val_files:
+        raise FileNotFoundError(
+            f"--data: no Python sources under {root} to build the default corpus from; pass --data PATH"
+        )
+    train = _concatenate_files(root, train_files)
+    val = _concatenate_files(root, val_files)
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    description = (
+        f"Python {python} stdlib sources ({root}), {len(train_files) + len(val_files):,} files: "
+        f"{train.numel() / 1e6:.1f} MB train / {val.numel() / 1e6:.1f} MB val, byte-level"
+    )
+    return TokenData(
+        train=train,
+        val=val,
+        vocab_size=vocab_size,
+        description=description,
+        train_source=f"the training files of the Python stdlib corpus ({root})",
+        val_source=f"the validation files of the Python stdlib corpus ({root})",
+    )
+
+
+def _concatenate_files(root: Path, relative_paths: list[str]) -> torch.Tensor:
+    # bytearray.join makes the one copy; frombuffer then shares it (and needs it writable).
+    joined = bytearray(_STDLIB_FILE_SEPARATOR).join((root / p).read_bytes() for p in relative_paths)
+    return torch.frombuffer(joined, dtype=torch.uint8)
+
+
+def _load_text(path: Path, vocab_size: int, seq_len: int | None) -> TokenData:
+    tokens = _map_tokens(path, torch.uint8, vocab_size)
+    train, val, train_source, val_source = _hold_out_tail(tokens, path, seq_len)
+    description = (
+        f"{path}: {tokens.numel():,} bytes of text, {train.numel():,} train / {val.numel():,} val (the tail), "
+        "byte-level"
+    )
+    return TokenData(
+        train=train,
+        val=val,
+        vocab_size=vocab_size,
+        description=description,
+        train_source=train_source,
+        val_source=val_source,
+    )
+
+
+def _load_token_files(path: Path, vocab_size: int | None, seq_len: int | None) -> TokenData:
+    if path.is_dir():
+        train_file = path / "train.bin"
+        if not train_file.is_file():
+            raise FileNotFoundError(f"--data: directory {path} has no train.bin (and val.bin) in it")
+    else:
+        train_file = path
+    if vocab_size is None:
+        raise ValueError(
+            f"--data: {train_file} holds pre-tokenized ids, and .bin files do not record their vocabulary; "
+            "pass --vocab-size (the tokenizer's, e.g. 50257 for GPT-2)"
+        )
+    if vocab_size > _UINT32_VOCAB_LIMIT:
+        raise ValueError(f"--vocab-size {vocab_size:,} is larger than uint32 token ids can hold (2**32)")
+    dtype = torch.uint16 if vocab_size <= _UINT16_VOCAB_LIMIT else torch.uint32
+    vocab_note = f"{_dtype_name(dtype)} ids, vocab {vocab_size:,}"
+
+    val_file = train_file.with_name("val.bin")
+    if train_file.name == "train.bin" and val_file.is_file():
+        train = _map_tokens(train_file, dtype, vocab_size)
+        val = _map_tokens(val_file, dtype, vocab_size)
+        description = f"{train_file} ({train.numel():,} tokens) / {val_file} ({val.numel():,} tokens), {vocab_note}"
+        return TokenData(
+            train=train,
+            val=val,
+            vocab_size=vocab_size,
+            description=description,
+            train_source=str(train_file),
+            val_source=str(val_file),
+        )
+
+    tokens = _map_tokens(train_file, dtype, vocab_size)
+    train, val, train_source, val_source = _hold_out_tail(tokens, train_file, seq_len)
+    description = (
+        f"{train_file}: {tokens.numel():,} tokens, {train.numel():,} train / {val.numel():,} val (the tail), "
+        f"{vocab_note}"
+    )
+    return TokenData(
+        train=train,
+        val=val,
+        vocab_size=vocab_size,
+        description=description,
+        train_source=train_source,
+        val_source=val_source,
+    )
+
+
+def _map_tokens(file: Path, dtype: torch.dtype, vocab_size: int) -> torch.Tensor:
+    """Memory-map ``file`` as a 1-D tensor of ``dtype``; pages are read only when a batch touches them."""
+    n_bytes = file.stat().st_size
+    if n_bytes == 0:
+        raise ValueError(f"--data: {file} is empty")
+    width = dtype.itemsize
+    if n_bytes % width:
+        raise ValueError(
+            f"--data: {file} is {n_bytes:,} bytes, not a multiple of {width}, the size of one "
+            f"{_dtype_name(dtype)} token id used with --vocab-size {vocab_size:,}; "
+            "is it the right file and the right --vocab-size?"
+        )
+    # shared=False maps the file privately and opens it read-only: a read-only dataset works, and
+    # nothing we do can write to it (shared=True opens it for writing and may even grow it).
+    return torch.from_file(str(file), shared=False, size=n_bytes // width, dtype=dtype)
+
+
+def _hold_out_tail(
+    tokens: torch.Tensor, file: Path, seq_len: int | None
+) -> tuple[torch.Tensor, torch.Tensor, str, str]:
+    """Split one file's tokens into (train, val, train_source, val_source): val is the last 10%,
+    or one sequence (seq_len + 1 tokens) if that is longer."""
+    n_tokens = tokens.numel()
+    n_val = n_tokens // _HELD_OUT_DIVISOR
+    if seq_len is not None:
+        n_val = min(n_tokens, max(n_val, seq_len + 1))
+    n_train = n_tokens - n_val
+    return (
+        tokens[:n_train],
+        tokens[n_train:],
+        f"{file} (its first {n_train:,} tokens, the training part)",
+        f"{file} (its last {n_val:,} tokens, held out for validation)",
+    )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _byte_vocab_size(vocab_size: int | None, what: str) -> int:
+    if vocab_size is None:
+        return BYTE_VOCAB_SIZE
+    if vocab_size < BYTE_VOCAB_SIZE:
+        raise ValueError(
+            f"--vocab-size {vocab_size} is too small for {what}: its tokens are bytes (ids 0-255), "
+            f"so it needs at least {BYTE_VOCAB_SIZE}"
+        )
+    return vocab_size
+
+
+def _require_positive(argument: str, value: int) -> None:
+    if value <= 0:
+        raise ValueError(f"{argument} must be positive, got {value}")
+
+
+def _require_batch_shape(batch_size: int, seq_len: int) -> None:
+    _require_positive("--batch-size", batch_size)
+    _require_positive("--seq-len", seq_len)
+
+
+def _require_one_sequence(tokens: torch.Tensor, source: str, seq_len: int) -> None:
+    # A sequence needs seq_len inputs plus one more token for the last target.
+    if tokens.numel() < seq_len + 1:
+        raise ValueError(
+            f"--data: {source} has {tokens.numel():,} tokens, but --seq-len {seq_len:,} needs at least "
+            f"{seq_len + 1:,} (the inputs plus one target token); use more data or a smaller --seq-len"
+        )
+
+
+def _seeded_generator(stream: str, *numbers: int) -> torch.Generator:
+    """A generator whose seed is a hash of ``stream`` and ``numbers``: nearby keys (step 1 vs 2,
+    rank 0 vs 1) get unrelated seeds, and the result is the same in every process and Python
+    version (unlike ``hash()``, which is salted per process for strings)."""
+    key = ":".join([stream, *(str(int(n)) for n in numbers)])  # int(): numpy/torch integers print differently
+    seed = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+    return torch.Generator().manual_seed(seed)
+
+
+def _cut_batch(
+    tokens: torch.Tensor, source: str, vocab_size: int, batch_size: int, seq_len: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # Offsets up to numel - seq_len - 1 leave room for seq_len inputs and the one extra target.
+    offsets = torch.randint(0, tokens.numel() - seq_len, (batch_size,), generator=generator)
+    # Slice, then widen each window to int64 on its own: a slice of a memory-mapped tensor touches
+    # only its pages, and copying to int64 is among the few ops torch implements for uint16/uint32
+    # (max, for one, is not).
+    windows = torch.stack([tokens[offset : offset + seq_len + 1].to(torch.int64) for offset in offsets.tolist()])
+    largest = int(windows.max())
+    if largest >= vocab_size:
+        raise ValueError(
+            f"--data: {source} holds token id {largest:,}, but --vocab-size is {vocab_size:,} (ids must be "
+            "below it); pass the tokenizer's vocabulary size"
+        )
+    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()

@@ -1,0 +1,275 @@
+"""The training data pipeline: the stdlib corpus, text and .bin files, deterministic batches, errors."""
+
+import array
+import sysconfig
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from fused_remat.data import TokenData, load_data, stdlib_split, train_batch, val_batches
+
+
+@pytest.fixture(scope="module")
+def stdlib_data() -> TokenData:
+    return load_data(None)
+
+
+def _write_tokens(path: Path, tokens, typecode: str = "H") -> Path:
+    """Write ``tokens`` the way nanoGPT's prepare scripts do: a bare array in native byte order."""
+    ids = array.array(typecode, tokens)
+    path.write_bytes(ids.tobytes())
+    return path
+
+
+def _counting_bin(tmp_path: Path, n_tokens: int) -> TokenData:
+    """A .bin whose token at position i is i, so every window shows where it was cut from."""
+    return load_data(_write_tokens(tmp_path / "count.bin", range(n_tokens)), vocab_size=n_tokens)
+
+
+# --- the default corpus ------------------------------------------------------------------------
+
+
+def test_stdlib_corpus_loads_as_bytes(stdlib_data):
+    assert stdlib_data.vocab_size == 256
+    for split in (stdlib_data.train, stdlib_data.val):
+        assert split.dtype == torch.uint8 and split.dim() == 1
+    # Sizes vary with the Python version and distribution; any stdlib has megabytes of sources.
+    assert stdlib_data.train.numel() > 2_000_000
+    assert stdlib_data.val.numel() > 100_000
+    assert stdlib_data.val.numel() < stdlib_data.train.numel()
+    assert "stdlib" in stdlib_data.description and "MB" in stdlib_data.description
+
+
+def test_stdlib_split_is_by_file_name_and_disjoint():
+    train_files, val_files = stdlib_split()
+    assert train_files == sorted(train_files) and val_files == sorted(val_files)
+    assert not set(train_files) & set(val_files)
+    assert all(zlib.crc32(p.encode()) % 10 == 0 for p in val_files)
+    assert all(zlib.crc32(p.encode()) % 10 != 0 for p in train_files)
+    assert 0.03 < len(val_files) / (len(train_files) + len(val_files)) < 0.2
+    assert not any("site-packages/" in p or "__pycache__/" in p for p in train_files + val_files)
+    assert stdlib_split() == (train_files, val_files)
+
+
+def test_stdlib_splits_are_their_files_joined_in_path_order(stdlib_data):
+    root = Path(sysconfig.get_paths()["stdlib"])
+    train_files, val_files = stdlib_split()
+    for split, files in ((stdlib_data.train, train_files), (stdlib_data.val, val_files)):
+        sizes = [(root / p).stat().st_size for p in files]
+        assert split.numel() == sum(sizes) + len(files) - 1  # one b"\n" between neighbours
+        first, last = (root / files[0]).read_bytes(), (root / files[-1]).read_bytes()
+        assert bytes(split[: len(first)]) == first
+        assert bytes(split[split.numel() - len(last) :]) == last
+
+
+def test_stdlib_loads_the_same_twice(stdlib_data):
+    again = load_data(None)
+    assert torch.equal(again.train, stdlib_data.train) and torch.equal(again.val, stdlib_data.val)
+
+
+def test_stdlib_split_walks_only_python_sources(tmp_path):
+    for relative in ["a.py", "notes.txt", "pkg/b.py", "pkg/__pycache__/b.py", "site-packages/c.py", "z/d.py"]:
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text("x = 1\n")
+    train_files, val_files = stdlib_split(tmp_path)
+    assert sorted(train_files + val_files) == ["a.py", "pkg/b.py", "z/d.py"]
+
+
+def test_byte_data_accepts_a_larger_vocab_but_not_a_smaller_one(tmp_path):
+    assert load_data(None, vocab_size=300).vocab_size == 300
+    text = tmp_path / "notes.txt"
+    text.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(ValueError, match="--vocab-size 100 is too small"):
+        load_data(text, vocab_size=100)
+    with pytest.raises(ValueError, match="--vocab-size 255 is too small.*default corpus"):
+        load_data(None, vocab_size=255)
+
+
+# --- batches -----------------------------------------------------------------------------------
+
+
+def test_batches_are_windows_with_targets_shifted_by_one(tmp_path):
+    data = _counting_bin(tmp_path, 5000)
+    inputs, targets = train_batch(data, step=3, micro_step=0, rank=0, batch_size=6, seq_len=32, seed=0)
+    assert inputs.shape == targets.shape == (6, 32)
+    assert inputs.dtype == targets.dtype == torch.int64
+    assert inputs.is_contiguous() and targets.is_contiguous()
+    for row in inputs:
+        assert torch.equal(row, torch.arange(int(row[0]), int(row[0]) + 32))
+    assert torch.equal(targets, inputs + 1)
+    assert int(targets.max()) < data.train.numel()  # cut from the training part only
+
+
+def test_train_batch_is_a_pure_function_of_seed_step_micro_step_rank(stdlib_data):
+    def batch(step=7, micro_step=1, rank=0, seed=1234):
+        return train_batch(stdlib_data, step, micro_step, rank, batch_size=4, seq_len=64, seed=seed)
+
+    reference = batch()
+    torch.manual_seed(99)  # the global RNG must not matter (a resumed run reseeds it differently)
+    batch(step=3)
+    again = batch()
+    assert torch.equal(again[0], reference[0]) and torch.equal(again[1], reference[1])
+    for other in (batch(step=8), batch(micro_step=2), batch(rank=1), batch(seed=1235)):
+        assert not torch.equal(other[0], reference[0])
+
+
+def test_val_batches_are_fixed_by_the_seed_and_come_from_the_val_split(tmp_path):
+    data = _counting_bin(tmp_path, 5000)
+    first = list(val_batches(data, n_batches=3, batch_size=4, seq_len=16, seed=5))
+    second = list(val_batches(data, n_batches=3, batch_size=4, seq_len=16, seed=5))
+    assert len(first) == 3
+    for (x1, y1), (x2, y2) in zip(first, second):
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
+        assert x1.shape == (4, 16) and torch.equal(y1, x1 + 1)
+        assert int(x1.min()) >= data.train.numel()  # token i sits at position i: all in the tail
+    assert not torch.equal(first[0][0], first[1][0])
+    other_seed = next(val_batches(data, n_batches=1, batch_size=4, seq_len=16, seed=6))
+    assert not torch.equal(other_seed[0], first[0][0])
+
+
+def test_a_split_exactly_one_sequence_long_works(tmp_path):
+    data = _counting_bin(tmp_path, 100)  # val is the last 10 tokens
+    inputs, targets = next(val_batches(data, n_batches=1, batch_size=2, seq_len=9, seed=0))
+    assert torch.equal(inputs[0], torch.arange(90, 99)) and torch.equal(targets[1], torch.arange(91, 100))
+
+
+# --- text files --------------------------------------------------------------------------------
+
+
+def test_text_file_holds_out_its_last_tenth(tmp_path):
+    text = tmp_path / "notes.txt"
+    content = bytes(range(256)) * 4  # 1024 bytes
+    text.write_bytes(content)
+    data = load_data(text)
+    assert data.vocab_size == 256 and data.train.dtype == torch.uint8
+    assert bytes(data.train) == content[:922] and bytes(data.val) == content[922:]
+    assert str(text) in data.description
+
+
+def test_text_holdout_grows_to_one_sequence_when_seq_len_is_given(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_bytes(b"a" * 1000)
+    data = load_data(text, seq_len=199)
+    assert data.val.numel() == 200 and data.train.numel() == 800
+
+
+def test_file_too_short_for_two_sequences(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_bytes(b"a" * 300)
+    with pytest.raises(ValueError, match=r"first 99 tokens.*has 99 tokens.*--seq-len 200 needs at least 201"):
+        load_data(text, seq_len=200)
+
+
+# --- pre-tokenized .bin files ------------------------------------------------------------------
+
+
+def test_bin_uint16_round_trip_holds_out_the_tail(tmp_path):
+    tokens = [(i * 7919) % 50257 for i in range(2000)]
+    data = load_data(_write_tokens(tmp_path / "tokens.bin", tokens), vocab_size=50257)
+    assert data.train.dtype == data.val.dtype == torch.uint16
+    assert data.train.to(torch.int64).tolist() == tokens[:1800]
+    assert data.val.to(torch.int64).tolist() == tokens[1800:]
+    assert "uint16" in data.description and "50,257" in data.description
+
+
+def test_train_bin_uses_its_sibling_val_bin(tmp_path):
+    _write_tokens(tmp_path / "train.bin", [1, 2, 3] * 100)
+    _write_tokens(tmp_path / "val.bin", [4, 5] * 50)
+    for path in (tmp_path / "train.bin", tmp_path):  # the file and the directory forms
+        data = load_data(path, vocab_size=6)
+        assert data.train.to(torch.int64).tolist() == [1, 2, 3] * 100
+        assert data.val.to(torch.int64).tolist() == [4, 5] * 50
+        assert data.val_source == str(tmp_path / "val.bin")
+
+
+def test_directory_without_val_bin_holds_out_the_tail_of_train_bin(tmp_path):
+    _write_tokens(tmp_path / "train.bin", range(1000))
+    data = load_data(tmp_path, vocab_size=1000)
+    assert data.train.numel() == 900 and data.val.to(torch.int64).tolist() == list(range(900, 1000))
+
+
+def test_bin_uses_uint32_ids_above_65536(tmp_path):
+    tokens = [70_000 + i for i in range(100)] + [5, 65_536, 99_999]
+    data = load_data(_write_tokens(tmp_path / "big_vocab.bin", tokens, typecode="I"), vocab_size=100_000)
+    assert data.train.dtype == torch.uint32
+    assert data.train.to(torch.int64).tolist() + data.val.to(torch.int64).tolist() == tokens
+    inputs, _ = train_batch(data, 0, 0, 0, batch_size=2, seq_len=8, seed=0)
+    assert int(inputs.min()) >= 70_000
+
+
+def test_token_id_out_of_vocab_is_reported_with_file_and_id(tmp_path):
+    _write_tokens(tmp_path / "train.bin", [1500] * 200)
+    _write_tokens(tmp_path / "val.bin", [7] * 50 + [2000] * 50)
+    data = load_data(tmp_path / "train.bin", vocab_size=1000)
+    with pytest.raises(ValueError, match=r"train\.bin holds token id 1,500.*--vocab-size is 1,000"):
+        train_batch(data, 0, 0, 0, batch_size=2, seq_len=8, seed=0)
+    with pytest.raises(ValueError, match=r"val\.bin holds token id 2,000"):
+        list(val_batches(data, n_batches=4, batch_size=8, seq_len=60, seed=0))
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--data: .*nowhere.txt not found"):
+        load_data(tmp_path / "nowhere.txt")
+
+
+def test_directory_without_train_bin(tmp_path):
+    with pytest.raises(FileNotFoundError, match="has no train.bin"):
+        load_data(tmp_path, vocab_size=100)
+
+
+@pytest.mark.parametrize("name, vocab_size", [("empty.txt", None), ("empty.bin", 100)])
+def test_empty_file(tmp_path, name, vocab_size):
+    (tmp_path / name).write_bytes(b"")
+    with pytest.raises(ValueError, match="--data: .* is empty"):
+        load_data(tmp_path / name, vocab_size=vocab_size)
+
+
+def test_bin_without_vocab_size(tmp_path):
+    with pytest.raises(ValueError, match="pass --vocab-size"):
+        load_data(_write_tokens(tmp_path / "tokens.bin", range(100)))
+
+
+@pytest.mark.parametrize("n_bytes, vocab_size, width", [(301, 50257, 2), (302, 100_000, 4)])
+def test_bin_size_not_a_multiple_of_the_token_width(tmp_path, n_bytes, vocab_size, width):
+    (tmp_path / "tokens.bin").write_bytes(b"\0" * n_bytes)
+    with pytest.raises(ValueError, match=f"{n_bytes} bytes, not a multiple of {width}"):
+        load_data(tmp_path / "tokens.bin", vocab_size=vocab_size)
+
+
+def test_vocab_size_must_fit_token_ids_and_be_positive(tmp_path):
+    path = _write_tokens(tmp_path / "tokens.bin", range(100))
+    with pytest.raises(ValueError, match="larger than uint32"):
+        load_data(path, vocab_size=2**32 + 1)
+    with pytest.raises(ValueError, match="--vocab-size must be positive"):
+        load_data(path, vocab_size=0)
+
+
+def test_split_too_short_for_the_sequence_length(tmp_path):
+    data = _counting_bin(tmp_path, 1000)  # 900 train, 100 val tokens
+    with pytest.raises(ValueError, match=r"has 900 tokens, but --seq-len 900 needs at least 901"):
+        train_batch(data, 0, 0, 0, batch_size=1, seq_len=900, seed=0)
+    with pytest.raises(ValueError, match=r"held out for validation\) has 100 tokens.*needs at least 101"):
+        val_batches(data, n_batches=1, batch_size=1, seq_len=100, seed=0)  # raises at the call, not lazily
+
+
+@pytest.mark.parametrize(
+    "batch_size, seq_len, n_batches, argument",
+    [(0, 8, 1, "--batch-size"), (-1, 8, 1, "--batch-size"), (2, 0, 1, "--seq-len"), (2, 8, 0, "n_batches")],
+)
+def test_non_positive_batch_arguments(tmp_path, batch_size, seq_len, n_batches, argument):
+    data = _counting_bin(tmp_path, 1000)
+    with pytest.raises(ValueError, match=f"{argument} must be positive"):
+        val_batches(data, n_batches, batch_size, seq_len, seed=0)
+    if argument != "n_batches":
+        with pytest.raises(ValueError, match=f"{argument} must be positive"):
+            train_batch(data, 0, 0, 0, batch_size, seq_len, seed=0)
+
+
+def test_load_data_rejects_a_non_positive_seq_len(tmp_path):
+    with pytest.raises(ValueError, match="--seq-len must be positive"):
+        load_data(_write_tokens(tmp_path / "tokens.bin", range(100)), vocab_size=100, seq_len=0)
