@@ -1,0 +1,158 @@
+"""`--find-max-seq-len`: the longest sequence that trains one step, per remat policy, beside the
+reference block eager and under torch.utils.checkpoint — "how much longer can I train".
+
+On a GPU a length fits when one full training step (forward, backward, AdamW update) at
+``--batch-size`` runs without running out of CUDA memory; ``--memory-budget`` caps the memory
+the process may use, to ask the question for a smaller card. On CPU there is no allocator to
+exhaust, so a length fits when the bytes autograd keeps (the saved-memory meter) plus 16 bytes
+per parameter (fp32 weights, gradients, two AdamW moments) stay within ``--memory-budget``.
+Lengths are searched by doubling, then bisection, in multiples of ``GRANULARITY``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from collections.abc import Callable
+
+import torch
+
+from .distributed import Distributed
+from .memory import saved_memory
+from .model import LanguageModel, ModelConfig, preset
+from .planner import Precision, plan_remat
+
+GRANULARITY = {"cuda": 256, "cpu": 32}
+MAX_SEQ_LEN = 1 << 21
+# (label, block implementation, remat): the baselines first, then ours.
+CANDIDATES = (
+    ("reference, eager", "reference", "none"),
+    ("reference, torch.utils.checkpoint", "reference", "full"),
+    ("fused_remat none", "fused", "none"),
+    ("fused_remat cheap", "fused", "cheap"),
+    ("fused_remat full", "fused", "full"),
+    ("fused_remat auto", "fused", "auto"),
+)
+
+
+def largest_fitting(fits: Callable[[int], bool], granularity: int, limit: int = MAX_SEQ_LEN) -> int:
+    """The largest multiple of ``granularity`` up to ``limit`` for which ``fits`` holds, assuming
+    it holds below some length and fails above; 0 when not even ``granularity`` fits."""
+    good, bad = 0, None
+    length = granularity
+    while length <= limit:
+        if not fits(length):
+            bad = length
+            break
+        good, length = length, length * 2
+    if bad is None:
+        return good
+    while bad - good > granularity:
+        middle = (good + bad) // 2 // granularity * granularity
+        if fits(middle):
+            good = middle
+        else:
+            bad = middle
+    return good
+
+
+class _Probe:
+    """One training step of one model at a given length; True when it fits."""
+
+    def __init__(self, config: ModelConfig, block_impl: str, remat: str, batch: int, precision: Precision,
+                 device: torch.device, budget: int | None):
+        self.config, self.remat, self.batch, self.precision = config, remat, batch, precision
+        self.device, self.budget = device, budget
+        self.model = LanguageModel(config, "none" if remat == "auto" else remat, block_impl=block_impl, device=device)
+        self.parameters = sum(p.numel() for p in self.model.parameters())
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4,
+                                           **(dict(fused=True) if device.type == "cuda" else dict(foreach=True)))
+        # One short step first, so the AdamW moments exist as they do during training.
+        self._loss(torch.randint(0, config.vocab_size, (1, 17), device=device), precision.compute != torch.float32).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _activation_budget(self) -> int:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            allowed = free if self.budget is None else min(free, self.budget - torch.cuda.memory_allocated(self.device))
+            return int(0.9 * (allowed - 4 * self.parameters))  # the gradients, allocated during backward
+        return self.budget - 16 * self.parameters
+
+    def __call__(self, seq_len: int) -> bool:
+        if self.remat == "auto":
+            try:
+                plan = plan_remat(self.config, self.batch, seq_len, self.precision, self._activation_budget())
+            except ValueError:
+                return False
+            self.model.set_remat(plan.policies)
+        tokens = torch.randint(0, self.config.vocab_size, (self.batch, seq_len + 1), device=self.device)
+        autocast = self.precision.compute != torch.float32
+        try:
+            if self.device.type == "cuda":
+                return self._step_fits_on_gpu(tokens, autocast)
+            return self._saved_bytes_fit(tokens, autocast)
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            del tokens
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _loss(self, tokens, autocast: bool):
+        with torch.autocast(self.device.type, dtype=self.precision.compute, enabled=autocast):
+            return self.model(tokens[:, :-1], tokens[:, 1:])
+
+    def _step_fits_on_gpu(self, tokens, autocast: bool) -> bool:
+        try:
+            self._loss(tokens, autocast).backward()
+            self.optimizer.step()
+            torch.cuda.synchronize(self.device)
+            return True
+        except torch.OutOfMemoryError:
+            return False
+
+    def _saved_bytes_fit(self, tokens, autocast: bool) -> bool:
+        with saved_memory(exclude=self.model.parameters()) as meter:
+            loss = self._loss(tokens, autocast)
+        del loss
+        return meter.bytes + 16 * self.parameters <= self.budget
+
+
+def find_max_seq_len(args, run: Distributed) -> int:
+    device = run.device()
+    if run.world_size > 1:
+        raise ValueError("--find-max-seq-len runs in one process (one GPU); start it without torchrun")
+    if device.type != "cuda" and args.memory_budget is None:
+        raise ValueError("--find-max-seq-len on CPU needs --memory-budget (there is no device memory to exhaust)")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    precision = Precision(residual=torch.float32, compute=dtype)
+    config = preset(args.preset, vocab_size=args.vocab_size or 256)
+    if device.type == "cuda" and args.memory_budget is not None:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_budget / total), device)
+    granularity = GRANULARITY[device.type]
+    criterion = ("one training step without CUDA out-of-memory" if device.type == "cuda"
+                 else "saved activations (meter) + 16 B/parameter within --memory-budget")
+    print(f"longest trainable sequence: {args.preset} ({config.describe()}), batch {args.batch_size}, {args.dtype}, "
+          f"criterion: {criterion}, in steps of {granularity}")
+    rows = []
+    for label, block_impl, remat in CANDIDATES:
+        torch.manual_seed(args.seed)
+        probe = _Probe(config, block_impl, remat, args.batch_size, precision, device, args.memory_budget)
+        longest = largest_fitting(probe, granularity)
+        del probe
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        rows.append(dict(candidate=label, block=block_impl, remat=remat, max_seq_len=longest))
+        baseline = rows[0]["max_seq_len"]
+        ratio = f"{longest / baseline:.2f}x" if baseline else "-"
+        print(f"  {label:<36} {longest:>10,d} tokens  {ratio:>7} vs eager", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = dict(preset=args.preset, batch_size=args.batch_size, dtype=args.dtype, criterion=criterion,
+                  device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                  memory_budget=args.memory_budget, rows=rows)
+    (args.out / "max_seq_len.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"written to {args.out / 'max_seq_len.json'}")
+    return 0

@@ -1,0 +1,113 @@
+"""Running the trainer under ``torchrun``: process group, DDP or FSDP2 wrapping, and state dicts
+that look the same whichever wrapping (or none) produced them.
+
+Without ``torchrun`` (WORLD_SIZE unset or 1) everything here is the single-process identity.
+CUDA uses NCCL with one GPU per process; CPU uses gloo (how CI tests it, two processes).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+STRATEGIES = ("ddp", "fsdp")
+
+
+@dataclass(frozen=True)
+class Distributed:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    strategy: str | None = None  # None when single-process
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def device(self) -> torch.device:
+        if torch.cuda.is_available():
+            return torch.device("cuda", self.local_rank)
+        return torch.device("cpu")
+
+    def mean(self, value: float) -> float:
+        """``value`` averaged over the ranks (itself when single-process)."""
+        if self.world_size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.float64, device=self._collective_device())
+        dist.all_reduce(tensor)
+        return tensor.item() / self.world_size
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on any (so all ranks stop at the same step)."""
+        if self.world_size == 1:
+            return flag
+        tensor = torch.tensor([int(flag)], device=self._collective_device())
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return bool(tensor.item())
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def _collective_device(self) -> torch.device:
+        return self.device() if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def init_distributed(strategy: str | None) -> Distributed:
+    """Joins the process group that torchrun set up (env:// rendezvous), if any."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return Distributed()
+    strategy = strategy or "ddp"
+    if strategy not in STRATEGIES:
+        raise ValueError(f"--distributed must be one of {STRATEGIES}, got {strategy!r}")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return Distributed(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size(), strategy=strategy)
+
+
+def shutdown(run: Distributed) -> None:
+    if run.world_size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap_model(model: nn.Module, run: Distributed) -> nn.Module:
+    """DDP replicates the model and averages gradients; FSDP2 shards every block's parameters (and
+    the embedding, final norm and head at the root), gathering a block's weights just before its
+    forward and backward, so the fused block's kernels see ordinary full tensors."""
+    if run.strategy is None:
+        return model
+    if run.strategy == "ddp":
+        device_ids = [run.local_rank] if torch.cuda.is_available() else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Full (unsharded) model and optimizer state dicts keyed by parameter names, on CPU; under
+    FSDP2 only rank 0 receives them."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_state_dict(unwrap(model), optimizer, options=options)
+
+
+def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict) -> None:
+    """Loads what ``training_state`` produced into every rank's (possibly sharded) model and optimizer."""
+    set_state_dict(unwrap(model), optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
+                   options=StateDictOptions(full_state_dict=True))

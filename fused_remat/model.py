@@ -1,0 +1,181 @@
+"""A decoder-only language model built from ``TransformerBlock``, configured by a dataclass.
+
+    x = embed(tokens)
+    x = block_i(x)                  for each layer, each with its own remat policy
+    loss = cross_entropy(head(norm(x)), targets)   in chunks of tokens, never all logits at once
+
+``block_impl="fused"`` runs our block (remat ``none``/``cheap``/``full`` per layer);
+``block_impl="reference"`` runs the plain-PyTorch twin, eagerly (``none``) or under
+``torch.utils.checkpoint`` (``full``): the baselines the benchmarks and ``--find-max-seq-len``
+compare against. Both share parameter names, so one state dict loads into either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import nn
+
+from . import reference
+from .block import REMAT_POLICIES, TransformerBlock
+from .loss import linear_cross_entropy
+from .norms import layer_norm, rms_norm
+
+BLOCK_IMPLS = ("fused", "reference")
+REFERENCE_POLICIES = ("none", "full")  # eager, and torch.utils.checkpoint around each block
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of the model. ``n_kv_heads=None`` means as many as ``n_heads``; ``ffn_dim=None``
+    is 4 x dim for GELU and LLaMA's rounded 8/3 x dim for SwiGLU; ``rope_theta=None`` gives no
+    position embedding at all (causal attention still tells positions apart)."""
+
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    ffn_dim: int | None = None
+    norm: str = "layernorm"
+    activation: str = "gelu"
+    bias: bool = True
+    rope_theta: float | None = 10000.0
+    eps: float = 1e-5
+    tie_embeddings: bool = True
+
+    def __post_init__(self):
+        for name in ("vocab_size", "n_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelConfig: {name} must be a positive int, got {value!r}")
+
+    def block_kwargs(self) -> dict:
+        """Keyword arguments of ``TransformerBlock`` (either twin) for one layer."""
+        return dict(n_kv_heads=self.n_kv_heads, ffn_dim=self.ffn_dim, norm=self.norm, activation=self.activation,
+                    bias=self.bias, causal=True, eps=self.eps, rope_theta=self.rope_theta)
+
+    def describe(self) -> str:
+        kv = "" if self.n_kv_heads in (None, self.n_heads) else f"/{self.n_kv_heads} kv"
+        return (f"{self.n_layers} layers x dim {self.dim}, {self.n_heads}{kv} heads, {self.norm}/{self.activation}, "
+                f"vocab {self.vocab_size}{', tied head' if self.tie_embeddings else ''}")
+
+
+# Byte-level by default (vocab 256): ``--vocab-size`` replaces it for tokenized data.
+PRESETS = {
+    # Small enough for a CPU running the Triton interpreter: a few seconds per step.
+    "tiny": ModelConfig(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=192),
+    "gpt2-small": ModelConfig(dim=768, n_layers=12, n_heads=12, activation="gelu_tanh"),
+    "gpt2-medium": ModelConfig(dim=1024, n_layers=24, n_heads=16, activation="gelu_tanh"),
+    # LLaMA-3.2-1B's shape: RMSNorm, SwiGLU (ffn 8192), RoPE, GQA 32:8, no biases.
+    "llama-1b": ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, norm="rmsnorm",
+                            activation="swiglu", bias=False, rope_theta=500000.0, eps=1e-5),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"--preset must be one of {', '.join(PRESETS)}, got {name!r}")
+    return dataclasses.replace(PRESETS[name], **{k: v for k, v in overrides.items() if v is not None})
+
+
+def resolve_policies(remat: str | Sequence[str], n_layers: int, block_impl: str = "fused") -> list[str]:
+    """One policy for every layer, or a list with one per layer, checked against the block kind."""
+    allowed = REMAT_POLICIES if block_impl == "fused" else REFERENCE_POLICIES
+    policies = [remat] * n_layers if isinstance(remat, str) else list(remat)
+    if len(policies) != n_layers:
+        raise ValueError(f"remat: got {len(policies)} policies for {n_layers} layers")
+    for policy in policies:
+        if policy not in allowed:
+            raise ValueError(f"remat: {block_impl} blocks take policies {allowed}, got {policy!r}")
+    return policies
+
+
+class LanguageModel(nn.Module):
+    """Token ids (B, N) -> mean next-token loss (with targets) or logits (B, N, vocab) (without).
+
+    ``remat``: one policy for all layers or a list, one per layer (``fused_remat.planner`` makes
+    such a list for a memory budget). Weights start as GPT-2's: normal(0, 0.02), with the two
+    projections that write into the residual stream scaled by 1/sqrt(2 x layers).
+    """
+
+    def __init__(self, config: ModelConfig, remat: str | Sequence[str] = "cheap", *, block_impl: str = "fused",
+                 device=None, dtype=None):
+        super().__init__()
+        if block_impl not in BLOCK_IMPLS:
+            raise ValueError(f"block_impl must be one of {BLOCK_IMPLS}, got {block_impl!r}")
+        self.config, self.block_impl = config, block_impl
+        factory = dict(device=device, dtype=dtype)
+        self.embed = nn.Embedding(config.vocab_size, config.dim, **factory)
+        block_class = TransformerBlock if block_impl == "fused" else reference.TransformerBlock
+        self.blocks = nn.ModuleList(block_class(config.dim, config.n_heads, **config.block_kwargs(), **factory)
+                                    for _ in range(config.n_layers))
+        if config.norm == "rmsnorm":
+            self.norm = nn.RMSNorm(config.dim, eps=config.eps, **factory)
+        else:
+            self.norm = nn.LayerNorm(config.dim, eps=config.eps, bias=config.bias, **factory)
+        self.head = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False, **factory)
+        self.set_remat(remat)
+        if device is None or torch.device(device).type != "meta":
+            self.reset_parameters()
+
+    @property
+    def remat(self) -> list[str]:
+        return list(self._policies)
+
+    def set_remat(self, remat: str | Sequence[str]) -> None:
+        self._policies = resolve_policies(remat, self.config.n_layers, self.block_impl)
+        if self.block_impl == "fused":
+            for block, policy in zip(self.blocks, self._policies):
+                block.remat = policy
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        for name, param in self.named_parameters():
+            if name.endswith(("out_proj.weight", "fc2.weight")):
+                nn.init.normal_(param, std=residual_std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(param)
+            elif param.dim() == 1:  # norm weights
+                nn.init.ones_(param)
+            else:
+                nn.init.normal_(param, std=0.02)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.head is None else self.head.weight
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        self._check_tokens("tokens", tokens)
+        x = self.embed(tokens)
+        for block, policy in zip(self.blocks, self._policies):
+            if self.block_impl == "reference" and policy == "full" and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        x = self._final_norm(x)
+        if targets is None:
+            return F.linear(x, self.head_weight)
+        if targets.shape != tokens.shape:
+            raise ValueError(f"targets must have the shape of tokens {tuple(tokens.shape)}, got {tuple(targets.shape)}")
+        return linear_cross_entropy(x, self.head_weight, targets)
+
+    def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.block_impl == "reference":
+            return self.norm(x)
+        if self.config.norm == "rmsnorm":
+            return rms_norm(x, self.norm.weight, self.config.eps)
+        return layer_norm(x, self.norm.weight, self.norm.bias, self.config.eps)
+
+    def _check_tokens(self, name: str, tokens) -> None:
+        if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{name} must be an int64 or int32 tensor of token ids")
+        if tokens.dim() != 2 or 0 in tokens.shape:
+            raise ValueError(f"{name} must have shape (batch, seq_len) with both > 0, got {tuple(tokens.shape)}")

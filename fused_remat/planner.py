@@ -1,0 +1,236 @@
+"""The remat planner: which layers run ``full`` and which ``cheap`` so that activations fit a budget.
+
+Per layer, DESIGN.md's memory contract gives the bytes each policy keeps for backward, and a cost
+model gives the extra compute each policy adds to the layer's training step: ``cheap`` rebuilds
+only element-wise intermediates inside kernels that run anyway (no extra matrix products), while
+``full`` replays the forward up to fc1 (about a third of the layer's step). Either the FLOP model
+below or timings measured on the device (``measure_policy_costs``) supply those costs.
+
+The planner then picks, among all ways to give each layer a policy, the one with the least extra
+compute whose predicted bytes fit the budget: adaptive checkpoint selection, of which "every
+sqrt(n)-th layer" is the degenerate case for identical layers and a budget of 2 sqrt(n) layers.
+It places the ``full`` layers first (lowest indices): backward reaches them last, when the later
+layers' saved activations are already freed, so their replay does not add to the peak.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .block import TransformerBlock
+from .model import ModelConfig
+from .reference import llama_ffn_dim
+
+PLANNED_POLICIES = ("cheap", "full")
+_FP32 = 4
+
+
+@dataclass(frozen=True)
+class Precision:
+    """``residual``: the dtype of the residual stream (the parameters' dtype: fp32 master weights
+    under autocast); ``compute``: the dtype of matmuls, attention and what they produce."""
+
+    residual: torch.dtype
+    compute: torch.dtype
+
+    @property
+    def residual_bytes(self) -> int:
+        return torch.empty((), dtype=self.residual).element_size()
+
+    @property
+    def compute_bytes(self) -> int:
+        return torch.empty((), dtype=self.compute).element_size()
+
+
+def _widths(config: ModelConfig) -> tuple[int, int, int, int]:
+    """(h_kv, ffn_dim, F = width of the MLP pre-activation, n_heads)."""
+    head_dim = config.dim // config.n_heads
+    h_kv = (config.n_kv_heads or config.n_heads) * head_dim
+    if config.ffn_dim is not None:
+        ffn = config.ffn_dim
+    else:
+        ffn = llama_ffn_dim(config.dim) if config.activation == "swiglu" else 4 * config.dim
+    pre_activation = 2 * ffn if config.activation == "swiglu" else ffn
+    return h_kv, ffn, pre_activation, config.n_heads
+
+
+def layer_bytes_per_token(config: ModelConfig, policy: str, precision: Precision) -> int:
+    """Bytes one fused block keeps for backward per token under ``policy`` (DESIGN.md's table)."""
+    h = config.dim
+    h_kv, ffn, pre_activation, heads = _widths(config)
+    r, c = precision.residual_bytes, precision.compute_bytes
+    statistics = 2 * (2 * _FP32 if config.norm == "layernorm" else _FP32)
+    if policy == "full":
+        return r * h  # x
+    # x and h in the residual dtype; qkv, attention output and fc1 output in the compute dtype.
+    cheap = 2 * r * h + c * (h + 2 * h_kv + h + pre_activation) + _FP32 * heads + statistics
+    if policy == "cheap":
+        return cheap
+    if policy == "none":
+        return cheap + c * (2 * h + ffn)  # both norm outputs and the activation output
+    raise ValueError(f"unknown remat policy {policy!r}")
+
+
+def head_bytes(config: ModelConfig, tokens: int, precision: Precision) -> int:
+    """What the rest of the model keeps: the token ids (embedding backward), the final norm's input
+    and statistics, and the chunked loss's gradients (one per hidden state, one for the head)."""
+    statistics = 2 * _FP32 if config.norm == "layernorm" else _FP32
+    per_token = 8 + precision.residual_bytes * config.dim + statistics + precision.residual_bytes * config.dim
+    return tokens * per_token + _FP32 * config.vocab_size * config.dim
+
+
+def layer_step_flops(config: ModelConfig, batch: int, seq_len: int) -> tuple[float, float]:
+    """(forward FLOPs up to fc1, FLOPs of one training step) of one layer.
+
+    Matmuls cost 2 FLOPs per multiply-add forward and twice that backward; attention is
+    4 B H N^2 D forward (half, causal) and 2.5x that backward (DESIGN.md)."""
+    h = config.dim
+    h_kv, ffn, pre_activation, _ = _widths(config)
+    tokens = batch * seq_len
+    qkv_out_fc1 = 2 * tokens * h * (h + 2 * h_kv + h + pre_activation)
+    fc2 = 2 * tokens * ffn * h
+    attention = 4 * tokens * seq_len * h / 2
+    return qkv_out_fc1 + attention, 3 * (qkv_out_fc1 + fc2) + 3.5 * attention
+
+
+def flop_policy_costs(config: ModelConfig, batch: int, seq_len: int) -> dict[str, float]:
+    """Extra compute of each policy as a fraction of the layer's training step (FLOP model)."""
+    replay, step = layer_step_flops(config, batch, seq_len)
+    return {"none": 0.0, "cheap": 0.0, "full": replay / step}
+
+
+def measure_policy_costs(config: ModelConfig, batch: int, seq_len: int, precision: Precision,
+                         device: torch.device, repeats: int = 5) -> dict[str, float]:
+    """Extra time of each policy over ``none``, as a fraction, from timing one block's forward and
+    backward on ``device`` (median of ``repeats`` after a warm-up)."""
+    block = TransformerBlock(config.dim, config.n_heads, **config.block_kwargs(), device=device, dtype=precision.residual)
+    x = torch.randn(batch, seq_len, config.dim, device=device, dtype=precision.residual, requires_grad=True)
+    autocast = precision.compute != precision.residual
+    times = {}
+    for policy in ("none", "cheap", "full"):
+        block.remat = policy
+        samples = []
+        for _ in range(repeats + 1):
+            start = _now(device)
+            with torch.autocast(device.type, dtype=precision.compute, enabled=autocast):
+                y = block(x)
+            y.backward(torch.ones_like(y))
+            samples.append(_now(device) - start)
+        times[policy] = sorted(samples[1:])[repeats // 2]
+    return {policy: max(0.0, t / times["none"] - 1.0) for policy, t in times.items()}
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@dataclass
+class RematPlan:
+    policies: list[str]
+    layer_bytes: list[int]
+    fixed_bytes: int
+    layer_extra: list[float]  # extra compute of each layer, as a fraction of its step
+    step_flops: float  # the whole model's training step without remat
+    layer_step_flops: float
+    budget: int | None
+    cost_source: str
+    tokens: int
+
+    @property
+    def predicted_bytes(self) -> int:
+        return self.fixed_bytes + sum(self.layer_bytes)
+
+    @property
+    def extra_compute(self) -> float:
+        """Extra compute of the plan as a fraction of the model's training step."""
+        return sum(self.layer_extra) * self.layer_step_flops / self.step_flops
+
+    def table(self) -> str:
+        budget = "no budget" if self.budget is None else f"budget {_mib(self.budget)}"
+        lines = [
+            f"remat plan for {self.tokens:,} tokens per step, {budget}; extra compute from the {self.cost_source}",
+            f"{'layer':>6}  {'policy':<6} {'predicted':>12} {'extra compute':>14}",
+        ]
+        for i, (policy, nbytes, extra) in enumerate(zip(self.policies, self.layer_bytes, self.layer_extra)):
+            lines.append(f"{i:>6}  {policy:<6} {_mib(nbytes):>12} {extra:>+13.1%}")
+        lines.append(f"{'head':>6}  {'':<6} {_mib(self.fixed_bytes):>12} {'':>14}")
+        lines.append(f"{'total':>6}  {'':<6} {_mib(self.predicted_bytes):>12} {self.extra_compute:>+13.1%} of a step")
+        return "\n".join(lines)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:,.1f} MiB"
+
+
+def plan_remat(config: ModelConfig, batch: int, seq_len: int, precision: Precision, budget: int | None,
+               costs: dict[str, float] | None = None, cost_source: str = "FLOP model",
+               candidates: tuple[str, ...] = PLANNED_POLICIES) -> RematPlan:
+    """The per-layer policies with the least extra compute whose predicted activation bytes (layers
+    plus the embedding, final norm and loss) stay within ``budget``; ``budget=None`` plans the
+    cheapest policies outright. Raises ValueError when even the smallest plan does not fit."""
+    tokens = batch * seq_len
+    costs = flop_policy_costs(config, batch, seq_len) if costs is None else costs
+    per_layer = {p: layer_bytes_per_token(config, p, precision) * tokens for p in candidates}
+    fixed = head_bytes(config, tokens, precision)
+    layers = config.n_layers
+    best = None
+    # Identical layers: only how many layers take each policy matters, not which.
+    for counts in _compositions(layers, len(candidates)):
+        nbytes = fixed + sum(n * per_layer[p] for n, p in zip(counts, candidates))
+        extra = sum(n * costs[p] for n, p in zip(counts, candidates))
+        if budget is not None and nbytes > budget:
+            continue
+        key = (extra, nbytes)
+        if best is None or key < best[0]:
+            best = (key, counts)
+    if best is None:
+        smallest = fixed + layers * min(per_layer.values())
+        raise ValueError(f"--memory-budget: {_mib(budget)} is below the smallest plan's {_mib(smallest)} "
+                         f"({tokens:,} tokens, {layers} layers); lower --seq-len or --batch-size")
+    # Most expensive policy first (``full`` on the earliest layers), as the module docstring explains.
+    order = sorted(zip(candidates, best[1]), key=lambda item: -costs[item[0]])
+    policies = [p for p, n in order for _ in range(n)]
+    return explain_policies(config, batch, seq_len, precision, policies, costs, cost_source, budget)
+
+
+def explain_policies(config: ModelConfig, batch: int, seq_len: int, precision: Precision, policies: list[str],
+                     costs: dict[str, float] | None = None, cost_source: str = "FLOP model",
+                     budget: int | None = None) -> RematPlan:
+    """The plan table for given per-layer policies: predicted bytes and extra compute of each."""
+    tokens = batch * seq_len
+    costs = flop_policy_costs(config, batch, seq_len) if costs is None else costs
+    layer_flops = layer_step_flops(config, batch, seq_len)[1]
+    step = config.n_layers * layer_flops + 6 * tokens * config.dim * config.vocab_size
+    return RematPlan(
+        policies=list(policies), layer_bytes=[layer_bytes_per_token(config, p, precision) * tokens for p in policies],
+        fixed_bytes=head_bytes(config, tokens, precision), layer_extra=[costs[p] for p in policies], step_flops=step,
+        layer_step_flops=layer_flops, budget=budget, cost_source=cost_source, tokens=tokens,
+    )
+
+
+def _compositions(total: int, parts: int):
+    """Every tuple of ``parts`` non-negative ints summing to ``total``."""
+    for cuts in itertools.combinations_with_replacement(range(total + 1), parts - 1):
+        bounds = (0, *cuts, total)
+        yield tuple(bounds[i + 1] - bounds[i] for i in range(parts))
+
+
+def parse_bytes(text: str) -> int:
+    """'12GiB', '800MB', '1.5G', '1000000' -> bytes (K/M/G/T are binary, as nvidia-smi's MiB)."""
+    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    cleaned = text.strip().upper().removesuffix("B").removesuffix("I")
+    number, unit = (cleaned[:-1], cleaned[-1]) if cleaned and cleaned[-1] in units else (cleaned, "")
+    try:
+        value = float(number) * units[unit]
+    except ValueError:
+        raise ValueError(f"--memory-budget: expected a size such as 12GiB or 800MiB, got {text!r}") from None
+    if not value > 0 or not math.isfinite(value):
+        raise ValueError(f"--memory-budget must be positive, got {text!r}")
+    return int(value)

@@ -1,0 +1,94 @@
+"""What a training run shows and leaves behind: the progress line, ``metrics.jsonl``, the plot."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    with open(path) as stream:
+        return [json.loads(line) for line in stream if line.strip()]
+
+
+def write_metrics(path: Path, records: list[dict], append: bool = False) -> None:
+    """One JSON record per line; each line is flushed as it is written, so a crash loses at most one."""
+    with open(path, "a" if append else "w") as stream:
+        for record in records:
+            stream.write(json.dumps(record) + "\n")
+        stream.flush()
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class Progress:
+    """A one-line progress bar (step, loss, tokens/s, peak memory, ETA) redrawn in place on a
+    terminal; elsewhere (CI logs, files) one line every ``every`` steps and at validation."""
+
+    def __init__(self, total: int, start: int, enabled: bool, every: int = 10, stream=None):
+        self.total, self.start, self.enabled, self.every = total, start, enabled, every
+        self.stream = stream or sys.stderr
+        self.interactive = self.stream.isatty()
+        self.began = time.perf_counter()
+
+    def update(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        done = record["step"] + 1
+        elapsed = time.perf_counter() - self.began
+        remaining = elapsed / max(1, done - self.start) * (self.total - done)
+        width = 24
+        filled = int(width * done / self.total)
+        line = (f"[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} loss {record['loss']:.4f}"
+                + (f" val {record['val_loss']:.4f}" if "val_loss" in record else "")
+                + f" | {record['tokens_per_s']:,.0f} tok/s | peak {_gib(record['peak_memory'])} | ETA {_duration(remaining)}")
+        if self.interactive:
+            self.stream.write("\r" + line.ljust(110))
+            if "val_loss" in record:
+                self.stream.write("\n")
+        elif done % self.every == 0 or done == self.total or "val_loss" in record:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.interactive:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def plot_metrics(metrics_path: Path, png_path: Path) -> Path | None:
+    """Training and validation loss, and peak memory, against the step; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    records = read_metrics(metrics_path)
+    if not records:
+        return None
+    figure, (loss_axis, memory_axis) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = [r["step"] for r in records]
+    loss_axis.plot(steps, [r["loss"] for r in records], label="train", linewidth=1)
+    evaluated = [r for r in records if "val_loss" in r]
+    loss_axis.plot([r["step"] for r in evaluated], [r["val_loss"] for r in evaluated], "o-", label="validation")
+    loss_axis.set(xlabel="step", ylabel="loss (nats per token)", title="loss")
+    loss_axis.legend()
+    memory_axis.plot(steps, [r["peak_memory"] / 2**30 for r in records])
+    memory_axis.set(xlabel="step", ylabel="GiB", title="peak memory")
+    figure.tight_layout()
+    figure.savefig(png_path, dpi=120)
+    plt.close(figure)
+    return png_path

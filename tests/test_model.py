@@ -1,0 +1,206 @@
+"""The language model and the remat planner: the model matches its reference twin, every policy
+mix trains identically, and the planner's predicted bytes are what the saved-memory meter measures."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from fused_remat.memory import saved_memory
+from fused_remat.model import LanguageModel, ModelConfig, preset, resolve_policies
+from fused_remat.planner import (
+    Precision, explain_policies, flop_policy_costs, layer_bytes_per_token, parse_bytes, plan_remat,
+)
+
+# Three layers so that mixed plans have something to mix; GQA and RoPE as the LLaMA preset.
+CONFIG = ModelConfig(vocab_size=200, dim=32, n_layers=3, n_heads=2, n_kv_heads=1, ffn_dim=48)
+LLAMA_LIKE = ModelConfig(vocab_size=130, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, norm="rmsnorm",
+                         activation="swiglu", bias=False, rope_theta=500000.0, tie_embeddings=False)
+FP32 = Precision(torch.float32, torch.float32)
+AUTOCAST_BF16 = Precision(torch.float32, torch.bfloat16)
+
+
+def _tokens(config, batch, seq, device):
+    return torch.randint(0, config.vocab_size, (batch, seq + 1), device=device)
+
+
+def _loss_and_grads(model, tokens, precision=FP32):
+    model.zero_grad(set_to_none=True)
+    autocast = precision.compute != precision.residual
+    with torch.autocast(tokens.device.type, dtype=precision.compute, enabled=autocast):
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("config", [CONFIG, LLAMA_LIKE], ids=["gpt", "llama"])
+def test_fused_model_matches_the_reference_model(config, device, triton_backend):
+    fused = LanguageModel(config, "cheap", device=device)
+    ref = LanguageModel(config, "none", block_impl="reference", device=device)
+    ref.load_state_dict(fused.state_dict())
+    tokens = _tokens(config, 2, 19, device)
+    loss, grads = _loss_and_grads(fused, tokens)
+    ref_loss, ref_grads = _loss_and_grads(ref, tokens)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    logits = fused(tokens[:, :-1])
+    assert logits.shape == (2, 19, config.vocab_size)
+    torch.testing.assert_close(logits, ref(tokens[:, :-1]), rtol=1e-4, atol=1e-5)
+
+
+def test_every_policy_mix_gives_bitwise_the_same_training(device, triton_backend):
+    model = LanguageModel(CONFIG, "none", device=device)
+    tokens = _tokens(CONFIG, 2, 13, device)
+    baseline = _loss_and_grads(model, tokens)
+    for policies in (["cheap"] * 3, ["full"] * 3, ["full", "cheap", "none"]):
+        model.set_remat(policies)
+        assert [block.remat for block in model.blocks] == policies
+        loss, grads = _loss_and_grads(model, tokens)
+        assert torch.equal(loss, baseline[0]), policies
+        assert all(torch.equal(grads[n], baseline[1][n]) for n in grads), policies
+
+
+def test_reference_model_under_checkpoint_matches_eager(device):
+    model = LanguageModel(CONFIG, "none", block_impl="reference", device=device)
+    tokens = _tokens(CONFIG, 2, 11, device)
+    eager = _loss_and_grads(model, tokens)
+    model.set_remat("full")
+    checkpointed = _loss_and_grads(model, tokens)
+    assert torch.equal(eager[0], checkpointed[0])
+    assert all(torch.equal(eager[1][n], checkpointed[1][n]) for n in eager[1])
+
+
+def test_tied_head_shares_the_embedding():
+    tied = LanguageModel(CONFIG)
+    assert tied.head is None and tied.head_weight is tied.embed.weight
+    untied = LanguageModel(LLAMA_LIKE)
+    assert untied.head.weight.shape == (LLAMA_LIKE.vocab_size, LLAMA_LIKE.dim)
+
+
+def test_initialization_scales_the_residual_projections():
+    torch.manual_seed(0)
+    model = LanguageModel(preset("gpt2-small", n_layers=4), device="cpu")
+    block = model.blocks[0]
+    assert abs(block.qkv.weight.std().item() - 0.02) < 1e-3
+    assert abs(block.fc2.weight.std().item() - 0.02 / math.sqrt(8)) < 1e-3
+    assert torch.all(block.qkv.bias == 0) and torch.all(block.norm1.weight == 1)
+
+
+def test_presets_build_on_the_meta_device():
+    counts = {name: sum(p.numel() for p in LanguageModel(preset(name), device="meta").parameters())
+              for name in ("tiny", "gpt2-small", "gpt2-medium", "llama-1b")}
+    # Byte-level vocab: GPT-2 small's 124M minus the 50257-token embedding is about 85M.
+    assert 84e6 < counts["gpt2-small"] < 87e6
+    assert 300e6 < counts["gpt2-medium"] < 305e6
+    assert 0.9e9 < counts["llama-1b"] < 1.0e9
+    assert counts["tiny"] < 2e5
+
+
+def test_bad_model_arguments_are_named():
+    with pytest.raises(ValueError, match="vocab_size"):
+        ModelConfig(vocab_size=0)
+    with pytest.raises(ValueError, match="--preset"):
+        preset("gpt5")
+    with pytest.raises(ValueError, match="3 policies for 2 layers"):
+        resolve_policies(["cheap"] * 3, 2)
+    with pytest.raises(ValueError, match="'cheap'"):
+        resolve_policies("cheap", 2, block_impl="reference")
+    with pytest.raises(ValueError, match="block_impl"):
+        LanguageModel(CONFIG, block_impl="jax")
+    model = LanguageModel(CONFIG)
+    with pytest.raises(TypeError, match="tokens"):
+        model(torch.zeros(2, 5))
+    with pytest.raises(ValueError, match="tokens"):
+        model(torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="targets"):
+        model(torch.zeros(2, 5, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long))
+
+
+# ------------------------------------------------------------------------------------------------
+# The planner
+# ------------------------------------------------------------------------------------------------
+
+def _measured_bytes(model, tokens, precision):
+    autocast = precision.compute != precision.residual
+    inputs = tokens[:, :-1].contiguous()  # as the data loader gives them: the ids are kept, not the batch
+    with saved_memory(exclude=model.parameters()) as meter:
+        with torch.autocast(tokens.device.type, dtype=precision.compute, enabled=autocast):
+            model(inputs, tokens[:, 1:])
+    return meter.bytes
+
+
+@pytest.mark.parametrize("config", [CONFIG, LLAMA_LIKE], ids=["gpt", "llama"])
+@pytest.mark.parametrize("precision", [FP32, AUTOCAST_BF16], ids=["fp32", "autocast-bf16"])
+def test_predicted_bytes_match_the_meter(config, precision, device, triton_backend):
+    batch, seq = 2, 24
+    model = LanguageModel(config, "none", device=device)
+    tokens = _tokens(config, batch, seq, device)
+    mixes = [["none"] * config.n_layers, ["cheap"] * config.n_layers, ["full"] * config.n_layers,
+             ["full"] + ["cheap"] * (config.n_layers - 1)]
+    for policies in mixes:
+        model.set_remat(policies)
+        predicted = explain_policies(config, batch, seq, precision, policies).predicted_bytes
+        measured = _measured_bytes(model, tokens, precision)
+        assert abs(predicted - measured) <= 0.1 * measured, (policies, predicted, measured)
+
+
+def test_plans_fit_their_budget_and_spend_the_least_recompute(device, triton_backend):
+    batch, seq = 2, 24
+    smallest = explain_policies(CONFIG, batch, seq, FP32, ["full"] * 3).predicted_bytes
+    largest = explain_policies(CONFIG, batch, seq, FP32, ["cheap"] * 3).predicted_bytes
+    model = LanguageModel(CONFIG, "cheap", device=device)
+    tokens = _tokens(CONFIG, batch, seq, device)
+    previous_extra = math.inf
+    for budget in torch.linspace(smallest, largest + 1000, 7).long().tolist():
+        plan = plan_remat(CONFIG, batch, seq, FP32, budget)
+        assert plan.predicted_bytes <= budget
+        assert plan.policies == sorted(plan.policies, key=lambda p: p != "full"), "full layers come first"
+        assert plan.extra_compute <= previous_extra
+        previous_extra = plan.extra_compute
+        model.set_remat(plan.policies)
+        assert _measured_bytes(model, tokens, FP32) <= budget
+    assert plan.policies == ["cheap"] * 3 and plan.extra_compute == 0
+    with pytest.raises(ValueError, match="--memory-budget"):
+        plan_remat(CONFIG, batch, seq, FP32, smallest - 1)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_plan_is_optimal_against_brute_force(seed):
+    generator = torch.Generator().manual_seed(seed)
+    config = preset("gpt2-small", n_layers=6)
+    batch, seq = 1, 4096
+    costs = {"none": 0.0, "cheap": torch.rand((), generator=generator).item() * 0.05, "full": 0.3}
+    bytes_of = {p: layer_bytes_per_token(config, p, AUTOCAST_BF16) * batch * seq for p in ("none", "cheap", "full")}
+    head = explain_policies(config, batch, seq, AUTOCAST_BF16, []).fixed_bytes
+    for budget in (head + 6 * bytes_of["full"], head + 3 * bytes_of["cheap"] + 3 * bytes_of["full"],
+                   head + 6 * bytes_of["cheap"] + 2 * (bytes_of["none"] - bytes_of["cheap"])):
+        plan = plan_remat(config, batch, seq, AUTOCAST_BF16, budget, costs=costs,
+                          candidates=("none", "cheap", "full"))
+        best = min(sum(costs[p] for p in assignment)
+                   for assignment in itertools.product(bytes_of, repeat=6)
+                   if head + sum(bytes_of[p] for p in assignment) <= budget)
+        assert sum(plan.layer_extra) == pytest.approx(best)
+        assert plan.predicted_bytes <= budget
+
+
+def test_flop_model_prices_full_at_about_a_third_of_a_step():
+    costs = flop_policy_costs(preset("gpt2-small"), 1, 8192)
+    assert costs["cheap"] == 0 and 0.25 < costs["full"] < 0.4
+
+
+def test_plan_table_lists_every_layer():
+    plan = plan_remat(CONFIG, 1, 64, AUTOCAST_BF16, budget=None)
+    table = plan.table()
+    assert table.count("cheap") == 3 and "total" in table and "FLOP model" in table
+
+
+def test_parse_bytes():
+    assert parse_bytes("12GiB") == 12 * 2**30
+    assert parse_bytes("800MB") == 800 * 2**20
+    assert parse_bytes("1.5g") == int(1.5 * 2**30)
+    assert parse_bytes("4096") == 4096
+    for bad in ("lots", "-1G", "0"):
+        with pytest.raises(ValueError, match="--memory-budget"):
+            parse_bytes(bad)
