@@ -1,4 +1,4 @@
-# The two commands of the README: `make run` (the demo / main job) and `make test`.
+# The two commands of the README: `make run` (the main job: a short training run) and `make test`.
 # Both create .venv on first use and install the project with its test extras into it.
 # torch is pinned to 2.13.0 here because that CPU wheel is what a fresh CPU machine can install
 # without pulling several GB of CUDA packages; on a GPU machine install the project over the
@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: $(VENV)/.installed
-	$(PY) -m fused_remat
+	$(PY) -m fused_remat.train --out runs/main $(if $(wildcard runs/main/checkpoint.pt),--resume)
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n auto -p no:cacheprovider --benchmark-disable

@@ -87,7 +87,7 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> Path | None:
     loss_axis.set(xlabel="step", ylabel="loss (nats per token)", title="loss")
     loss_axis.legend()
     memory_axis.plot(steps, [r["peak_memory"] / 2**30 for r in records])
-    memory_axis.set(xlabel="step", ylabel="GiB", title="peak memory")
+    memory_axis.set(xlabel="step", ylabel="GiB", title="peak memory (CUDA allocated; on CPU the process's RSS)")
     figure.tight_layout()
     figure.savefig(png_path, dpi=120)
     plt.close(figure)
