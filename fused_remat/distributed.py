@@ -7,6 +7,7 @@ CUDA uses NCCL with one GPU per process; CPU uses gloo (how CI tests it, two pro
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -94,6 +95,25 @@ def wrap_model(model: nn.Module, run: Distributed) -> nn.Module:
         fully_shard(block)
     fully_shard(model)
     return model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool):
+    """With ``enabled=False``, backward inside accumulates gradients locally without communicating:
+    for every micro-batch but the last of a gradient-accumulation step."""
+    if enabled:
+        yield
+    elif isinstance(model, nn.parallel.DistributedDataParallel):
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -31,7 +31,8 @@ if not torch.cuda.is_available():
 from . import data as token_data  # noqa: E402
 from .checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint  # noqa: E402
 from .distributed import (  # noqa: E402
-    STRATEGIES, Distributed, init_distributed, load_training_state, shutdown, training_state, unwrap, wrap_model,
+    STRATEGIES, Distributed, gradient_sync, init_distributed, load_training_state, shutdown, training_state, unwrap,
+    wrap_model,
 )
 from .model import PRESETS, LanguageModel, ModelConfig, preset  # noqa: E402
 from .block import REMAT_POLICIES  # noqa: E402
@@ -271,9 +272,10 @@ def train(args: argparse.Namespace, run: Distributed) -> int:
             loss_sum = 0.0
             for micro in range(args.grad_accum):
                 inputs, targets = token_data.train_batch(data, step, micro, run.rank, args.batch_size, args.seq_len, args.seed)
-                with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                    loss = model(inputs.to(device), targets.to(device))
-                (loss / args.grad_accum).backward()
+                with gradient_sync(model, enabled=micro == args.grad_accum - 1):
+                    with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                        loss = model(inputs.to(device), targets.to(device))
+                    (loss / args.grad_accum).backward()
                 loss_sum += loss.detach()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip > 0 else math.inf)
             optimizer.step()

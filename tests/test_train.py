@@ -1,0 +1,262 @@
+"""The training CLI on CPU through the Triton interpreter: it learns, it resumes bit for bit, its
+checkpoints survive interrupted writes, bad input gets a clear error, and it runs under torchrun
+with DDP and FSDP2 (gloo, two processes)."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fused_remat import checkpoint as checkpoints
+from fused_remat import train
+from fused_remat.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from fused_remat.model import preset
+from fused_remat.planner import Precision, explain_policies
+
+UNIFORM_LOSS = math.log(256)
+# Small enough for the interpreter: about a second per step on a CI core.
+SHORT = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "2", "--eval-batches", "2"]
+TRAJECTORY_KEYS = ("step", "loss", "lr", "grad_norm", "val_loss")
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _trajectory(out: Path) -> list[tuple]:
+    return [tuple(record.get(key) for key in TRAJECTORY_KEYS) for record in _metrics(out)]
+
+
+@pytest.fixture(autouse=True)
+def _interpreted_kernels(triton_backend):
+    """The CLI must train on our kernels, not fall back to the reference blocks."""
+
+
+def test_a_short_run_learns_well_below_uniform_bytes(tmp_path):
+    out = tmp_path / "run"
+    assert train.main(["--preset", "tiny", "--steps", "50", "--seq-len", "32", "--batch-size", "4",
+                       "--eval-interval", "25", "--out", str(out)]) == 0
+    records = _metrics(out)
+    assert [r["step"] for r in records] == list(range(50))
+    final_train = sum(r["loss"] for r in records[-10:]) / 10
+    validation = [r["val_loss"] for r in records if "val_loss" in r]
+    assert len(validation) == 2
+    assert records[0]["loss"] > 0.95 * UNIFORM_LOSS  # it starts from (near) uniform guessing
+    assert final_train < 0.7 * UNIFORM_LOSS, final_train
+    assert validation[-1] < 0.7 * UNIFORM_LOSS, validation
+    assert all(r["tokens_per_s"] > 0 and r["peak_memory"] > 0 for r in records)
+    assert (out / "training.png").stat().st_size > 0
+    assert (out / "checkpoint.pt").is_file()
+
+
+class _StopAt:
+    """Stands in for Ctrl-C: the stop flag the SIGINT handler sets, raised after ``step`` steps."""
+
+    def __init__(self, step: int):
+        self.step, self.checks = step, 0
+
+    def __call__(self):
+        stop = self
+
+        class Request:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            @property
+            def requested(self):
+                stop.checks += 1
+                return stop.checks >= stop.step
+
+        return Request()
+
+
+def test_resume_continues_bit_for_bit(tmp_path, monkeypatch):
+    common = [*SHORT, "--steps", "4", "--eval-interval", "2", "--warmup", "1", "--grad-accum", "2"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert train.main([*common, "--out", str(whole)]) == 0
+
+    with monkeypatch.context() as patch:
+        patch.setattr(train, "StopRequest", _StopAt(2))
+        assert train.main([*common, "--out", str(split)]) == 130
+    assert load_checkpoint(split / "checkpoint.pt", {})["step"] == 2
+    assert len(_metrics(split)) == 2
+    # A different remat policy is allowed on resume: every policy computes the same bits.
+    assert train.main([*common, "--out", str(split), "--resume", "--remat", "full"]) == 0
+
+    assert _trajectory(split) == _trajectory(whole)
+    ours, theirs = (load_checkpoint(out / "checkpoint.pt", {}) for out in (split, whole))
+    assert all(torch.equal(ours["model"][name], theirs["model"][name]) for name in theirs["model"])
+
+
+def test_ctrl_c_checkpoints_and_exits(tmp_path):
+    out = tmp_path / "run"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    process = subprocess.Popen([sys.executable, "-m", "fused_remat.train", *SHORT, "--steps", "1000", "--out", str(out)],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().count("\n") >= 1):
+        assert process.poll() is None, process.communicate()[0]
+        assert time.monotonic() < deadline, "no step finished in time"
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=240)
+    assert process.returncode == 130, output
+    assert "continue with --resume" in output
+    step = load_checkpoint(out / "checkpoint.pt", {})["step"]
+    assert step == len(_metrics(out)) >= 1
+
+
+def test_an_interrupted_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint(path, dict(step=1, run={}, weights=torch.arange(5.0)))
+
+    def torn_write(obj, stream):
+        stream.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoints.torch, "save", torn_write)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(path, dict(step=2, run={}, weights=torch.zeros(5)))
+    monkeypatch.undo()
+    state = load_checkpoint(path, {})
+    assert state["step"] == 1 and torch.equal(state["weights"], torch.arange(5.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+
+
+def _snapshot(folder: Path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_corrupt_and_mismatched_checkpoints_are_refused_without_touching_the_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = [*SHORT, "--steps", "1", "--out", str(out)]
+    assert train.main(args) == 0
+    before = _snapshot(out)
+
+    assert train.main([*SHORT, "--steps", "1", "--seq-len", "48", "--out", str(out), "--resume"]) == 2
+    error = capsys.readouterr().err
+    assert "different run" in error and "seq_len: checkpoint has 32, this run has 48" in error
+    assert _snapshot(out) == before
+
+    assert train.main(args) == 2  # a second run into the same folder without --resume
+    assert "--resume" in capsys.readouterr().err
+    assert _snapshot(out) == before
+
+    data = bytearray((out / "checkpoint.pt").read_bytes())
+    (out / "checkpoint.pt").write_bytes(bytes(data[: len(data) // 2]))
+    before = _snapshot(out)
+    assert train.main([*args, "--resume"]) == 2
+    assert "not a readable checkpoint" in capsys.readouterr().err
+    assert _snapshot(out) == before
+
+    (out / "checkpoint.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="not a readable checkpoint"):
+        load_checkpoint(out / "checkpoint.pt", {})
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        load_checkpoint(tmp_path / "elsewhere" / "checkpoint.pt", {})
+    torch.save({"weights": torch.ones(1)}, out / "checkpoint.pt")
+    with pytest.raises(CheckpointError, match="not a fused_remat.train checkpoint"):
+        load_checkpoint(out / "checkpoint.pt", {})
+
+
+@pytest.mark.parametrize("arguments,message", [
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--preset", "gpt5"], "invalid choice"),
+    (["--memory-budget", "lots"], "--memory-budget"),
+    (["--lr", "-1"], "--lr"),
+])
+def test_bad_arguments_exit_with_a_usage_error(arguments, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train.main([*SHORT, *arguments, "--out", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arguments,message", [
+    (["--data", "no/such/file.txt"], "--data"),
+    (["--remat", "lazy"], "--remat"),
+    (["--remat", "cheap,full,full"], "3 policies for 2 layers"),
+    (["--remat", "auto"], "--memory-budget"),
+    (["--remat", "auto", "--memory-budget", "1KiB"], "--memory-budget: 0.0 MiB is below"),
+    (["--block", "reference", "--remat", "cheap"], "'cheap'"),
+    (["--resume"], "no checkpoint"),
+])
+def test_bad_settings_give_a_clear_error(arguments, message, tmp_path, capsys):
+    assert train.main([*SHORT, "--steps", "1", *arguments, "--out", str(tmp_path / "run")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+def test_remat_auto_prints_its_plan_and_trains(tmp_path, capsys):
+    fp32 = Precision(torch.float32, torch.float32)
+    one_full = explain_policies(preset("tiny"), 2, 32, fp32, ["full", "cheap"]).predicted_bytes
+    out = tmp_path / "run"
+    assert train.main([*SHORT, "--steps", "1", "--remat", "auto", "--memory-budget", str(one_full + 100),
+                       "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "remat plan" in printed and "budget" in printed
+    assert "remat full x1, cheap x1" in printed
+
+
+def test_trains_on_a_nanogpt_bin_file(tmp_path):
+    tokens = torch.randint(0, 1000, (5000,), dtype=torch.int32).to(torch.uint16)
+    (tmp_path / "tokens.bin").write_bytes(bytes(tokens.view(torch.uint8).tolist()))
+    out = tmp_path / "run"
+    assert train.main([*SHORT, "--steps", "2", "--data", str(tmp_path / "tokens.bin"), "--vocab-size", "1000",
+                       "--out", str(out)]) == 0
+    assert load_checkpoint(out / "checkpoint.pt", {})["model"]["embed.weight"].shape == (1000, 64)
+
+
+def test_learning_rate_warms_up_then_decays_to_the_minimum():
+    args = train.parse_args(["--steps", "100", "--lr", "1e-3", "--warmup", "10", "--out", "unused"])
+    rates = [train.learning_rate(step, args) for step in range(100)]
+    assert rates[0] == pytest.approx(1e-4) and rates[9] == pytest.approx(1e-3)
+    assert rates[-1] == pytest.approx(1e-4)
+    assert all(a >= b for a, b in zip(rates[9:], rates[10:]))
+
+
+def test_find_max_seq_len_on_cpu_ranks_the_policies(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train.main(["--preset", "tiny", "--batch-size", "1", "--find-max-seq-len", "--memory-budget", "2MiB",
+                       "--out", str(out)]) == 0
+    rows = {row["candidate"]: row["max_seq_len"] for row in json.loads((out / "max_seq_len.json").read_text())["rows"]}
+    assert 0 < rows["reference, eager"] <= rows["fused_remat cheap"] <= rows["fused_remat full"]
+    assert rows["reference, eager"] <= rows["reference, torch.utils.checkpoint"]
+    assert rows["fused_remat cheap"] <= rows["fused_remat auto"] <= rows["fused_remat full"]
+    assert "longest trainable sequence" in capsys.readouterr().out
+
+
+def _torchrun(strategy: str, out: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "fused_remat.train", "--distributed", strategy, *SHORT, "--steps", "3", "--eval-interval", "3", "--grad-accum", "2",
+               "--out", str(out)]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_ddp_and_fsdp2_train_the_same_model(tmp_path):
+    results = {}
+    for strategy in ("ddp", "fsdp"):
+        finished = _torchrun(strategy, tmp_path / strategy)
+        assert finished.returncode == 0, finished.stdout + finished.stderr
+        results[strategy] = _metrics(tmp_path / strategy)
+        assert f"x 2 {strategy}" in finished.stdout
+    assert [r["step"] for r in results["fsdp"]] == [0, 1, 2]
+    for ddp, fsdp in zip(results["ddp"], results["fsdp"]):
+        assert ddp["loss"] == pytest.approx(fsdp["loss"], rel=1e-5)
+    assert results["ddp"][-1]["val_loss"] == pytest.approx(results["fsdp"][-1]["val_loss"], rel=1e-5)
+    ddp_state = load_checkpoint(tmp_path / "ddp" / "checkpoint.pt", {})["model"]
+    fsdp_state = load_checkpoint(tmp_path / "fsdp" / "checkpoint.pt", {})["model"]
+    assert ddp_state.keys() == fsdp_state.keys()
+    for name in ddp_state:
+        torch.testing.assert_close(fsdp_state[name], ddp_state[name], rtol=1e-4, atol=1e-6, msg=name)
