@@ -1,7 +1,9 @@
 """`python -m bench`: run benchmark suites on the GPU and write results, tables and plots.
 
-    python -m bench                      # every suite, full mode (under ~9 minutes on an H100)
-    python -m bench --quick norms        # chosen suites, quick mode (under ~5 minutes for all)
+    python -m bench                      # every suite, full mode (under ~9 minutes on an H100 without train,
+                                         # to which train adds an estimated ~15: timings, longest sequence)
+    python -m bench --quick norms        # chosen suites, quick mode (under ~5 minutes for all but train,
+                                         # whose one quick case takes an estimated ~2)
     python -m bench readme               # rebuild the README's results section from bench/results/
     python -m bench summary --out DIR    # one line per suite of the run in DIR
 
@@ -23,7 +25,7 @@ import torch
 from bench import harness, report
 
 SUITES = {"norms": "bench.bench_norms", "attention": "bench.bench_attention", "memory": "bench.bench_memory",
-          "block": "bench.bench_block"}
+          "block": "bench.bench_block", "train": "bench.bench_train"}
 
 
 def _parse(argv):
@@ -71,8 +73,9 @@ def main(argv=None) -> int:
         module = importlib.import_module(SUITES[suite])
         suite_started = time.perf_counter()
         results = []
+        run_case = getattr(module, "run_case", harness.run_case)  # a suite may bring its own runner (train)
         for case in module.cases(quick=args.quick, device=device):
-            results += harness.run_case(case, args.quick, measure_memory=getattr(module, "MEASURE_MEMORY", False))
+            results += run_case(case, args.quick, measure_memory=getattr(module, "MEASURE_MEMORY", False))
         report.write_json(folder, suite, environment, ceilings, results)
         report.write_markdown(folder, suite, environment, ceilings, results)
         module.plots(folder, results, ceilings)
