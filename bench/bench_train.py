@@ -318,7 +318,7 @@ def run_case(case: Case, quick: bool, measure_memory: bool = True) -> list[Resul
 
 def _probe(config: ModelConfig, provider: Provider, batch: int, budget: int, device: str):
     """fits(seq_len) -> bool: capacity's probe for the provider, out-of-memory while compiling included."""
-    probe = capacity._Probe(config, provider.block_impl, provider.remat, batch, precision(device),
+    probe = capacity.TrainStepProbe(config, provider.block_impl, provider.remat, batch, precision(device),
                             torch.device(device), budget)
     if provider.compiled:
         torch._dynamo.reset()

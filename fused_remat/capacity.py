@@ -6,7 +6,8 @@ On a GPU a length fits when one full training step (forward, backward, AdamW upd
 the process may use, to ask the question for a smaller card. On CPU there is no allocator to
 exhaust, so a length fits when the bytes autograd keeps (the saved-memory meter) plus 16 bytes
 per parameter (fp32 weights, gradients, two AdamW moments) stay within ``--memory-budget``.
-Lengths are searched by doubling, then bisection, in multiples of ``GRANULARITY``.
+Lengths are searched by doubling, then bisection, in multiples of ``GRANULARITY``, to within
+1/64 of the answer (a probe at long lengths is a slow step), up to ``MAX_SEQ_LEN``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from .model import LanguageModel, ModelConfig, preset
 from .planner import Precision, plan_remat
 
 GRANULARITY = {"cuda": 256, "cpu": 32}
-MAX_SEQ_LEN = 1 << 21
+MAX_SEQ_LEN = 1 << 18  # 262,144 tokens: a longer probe step takes minutes on an H100
 # (label, block implementation, remat): the baselines first, then ours.
 CANDIDATES = (
     ("reference, eager", "reference", "none"),
@@ -36,8 +37,9 @@ CANDIDATES = (
 
 
 def largest_fitting(fits: Callable[[int], bool], granularity: int, limit: int = MAX_SEQ_LEN) -> int:
-    """The largest multiple of ``granularity`` up to ``limit`` for which ``fits`` holds, assuming
-    it holds below some length and fails above; 0 when not even ``granularity`` fits."""
+    """The largest multiple of ``granularity`` up to ``limit`` for which ``fits`` holds (to within
+    1/64 of it), assuming it holds below some length and fails above; 0 when not even
+    ``granularity`` fits, ``limit`` when everything probed fits."""
     good, bad = 0, None
     length = granularity
     while length <= limit:
@@ -47,7 +49,7 @@ def largest_fitting(fits: Callable[[int], bool], granularity: int, limit: int = 
         good, length = length, length * 2
     if bad is None:
         return good
-    while bad - good > granularity:
+    while bad - good > max(granularity, good // 64):
         middle = (good + bad) // 2 // granularity * granularity
         if fits(middle):
             good = middle
@@ -56,7 +58,7 @@ def largest_fitting(fits: Callable[[int], bool], granularity: int, limit: int = 
     return good
 
 
-class _Probe:
+class TrainStepProbe:
     """One training step of one model at a given length; True when it fits."""
 
     def __init__(self, config: ModelConfig, block_impl: str, remat: str, batch: int, precision: Precision,
@@ -116,7 +118,13 @@ class _Probe:
         with saved_memory(exclude=self.model.parameters()) as meter:
             loss = self._loss(tokens, autocast)
         del loss
-        return meter.bytes + 16 * self.parameters <= self.budget
+        saved = meter.bytes
+        if self.model.block_impl == "reference":
+            # torch.utils.checkpoint keeps each checkpointed block's input through saved-tensor
+            # hooks of its own, which hide it from the meter's: count those inputs here.
+            hidden = self.batch * (tokens.shape[1] - 1) * self.config.dim * self.precision.residual_bytes
+            saved += hidden * self.model.remat.count("full")
+        return saved + 16 * self.parameters <= self.budget
 
 
 def find_max_seq_len(args, run: Distributed) -> int:
@@ -139,16 +147,17 @@ def find_max_seq_len(args, run: Distributed) -> int:
     rows = []
     for label, block_impl, remat in CANDIDATES:
         torch.manual_seed(args.seed)
-        probe = _Probe(config, block_impl, remat, args.batch_size, precision, device, args.memory_budget)
+        probe = TrainStepProbe(config, block_impl, remat, args.batch_size, precision, device, args.memory_budget)
         longest = largest_fitting(probe, granularity)
         del probe
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        rows.append(dict(candidate=label, block=block_impl, remat=remat, max_seq_len=longest))
+        rows.append(dict(candidate=label, block=block_impl, remat=remat, max_seq_len=longest, capped=longest == MAX_SEQ_LEN))
         baseline = rows[0]["max_seq_len"]
         ratio = f"{longest / baseline:.2f}x" if baseline else "-"
-        print(f"  {label:<36} {longest:>10,d} tokens  {ratio:>7} vs eager", flush=True)
+        capped = ">=" if longest == MAX_SEQ_LEN else "  "
+        print(f"  {label:<36} {capped}{longest:>10,d} tokens  {ratio:>7} vs eager", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     result = dict(preset=args.preset, batch_size=args.batch_size, dtype=args.dtype, criterion=criterion,
                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -231,7 +231,7 @@ def test_find_max_seq_len_on_cpu_ranks_the_policies(tmp_path, capsys):
                        "--out", str(out)]) == 0
     rows = {row["candidate"]: row["max_seq_len"] for row in json.loads((out / "max_seq_len.json").read_text())["rows"]}
     assert 0 < rows["reference, eager"] <= rows["fused_remat cheap"] <= rows["fused_remat full"]
-    assert rows["reference, eager"] <= rows["reference, torch.utils.checkpoint"]
+    assert rows["reference, eager"] <= rows["reference, torch.utils.checkpoint"] <= rows["fused_remat full"]
     assert rows["fused_remat cheap"] <= rows["fused_remat auto"] <= rows["fused_remat full"]
     assert "longest trainable sequence" in capsys.readouterr().out
 
