@@ -6,6 +6,8 @@ TRITON_INTERPRET=1, otherwise the plain-PyTorch reference in ``fused_remat.refer
 - ``layer_norm(x, weight, bias=None, eps=1e-5)`` and ``rms_norm(x, weight, eps=1e-6)``
 - ``gelu(x, approximate="none")`` and ``swiglu(gate, up)``
 - ``attention(q, k, v, *, causal=False, scale=None, return_lse=False)`` (FlashAttention-style, GQA)
+- ``linear_cross_entropy(hidden, weight, targets, *, ignore_index=-100, chunk_tokens=None)``: the LM
+  head and its loss in row chunks, never holding the (tokens x vocab) logits
 
 and the block they make, ``TransformerBlock(dim, n_heads, ..., remat="cheap")``, a drop-in for the
 plain-PyTorch ``fused_remat.reference.TransformerBlock`` with the same parameters.
@@ -15,6 +17,7 @@ from . import memory, reference
 from .activations import gelu, swiglu
 from .attention import attention
 from .block import REMAT_POLICIES, TransformerBlock
+from .loss import linear_cross_entropy
 from .norms import layer_norm, rms_norm
 
-__all__ = ["REMAT_POLICIES", "TransformerBlock", "attention", "gelu", "layer_norm", "memory", "reference", "rms_norm", "swiglu"]
+__all__ = ["REMAT_POLICIES", "TransformerBlock", "attention", "gelu", "layer_norm", "linear_cross_entropy", "memory", "reference", "rms_norm", "swiglu"]

@@ -1,0 +1,253 @@
+"""The LM head and its cross-entropy in one step that never holds the (tokens x vocab) logits.
+
+``linear_cross_entropy(hidden, weight, targets)`` is ``F.cross_entropy(F.linear(hidden, weight).float(),
+targets)`` computed ``chunk_tokens`` rows at a time. An eager LM head keeps the logits (and autograd
+keeps them, or their log-softmax, for backward): T x V elements, which at long sequences dwarf
+every block activation (GPT-2's vocabulary is 65x its width).
+
+Per chunk of rows the forward pass computes the logits in the compute dtype, upcasts them to fp32,
+takes the log-sum-exp and the loss, and then, while the chunk's logits are at hand, turns them in
+place into ``softmax - onehot`` and multiplies them out into both gradients (the approach of
+Liger-Kernel's fused linear cross-entropy). Nothing is recomputed in backward.
+
+Saved for backward, in ``_LinearCrossEntropyFunction.forward`` only:
+
+- ``dhidden``: hidden's shape and dtype (when hidden requires grad);
+- ``dweight``: (V, dim) in fp32 whatever weight's dtype (when weight requires grad): the fp32
+  accumulator itself. Kept in a 16-bit weight's dtype it would be rounded twice, and its values,
+  on the summed loss's scale (below), could overflow fp16.
+
+The mean's 1/n_valid (n_valid: the targets that count) is split in two. The forward bakes
+``2**k / n_valid``, in (0.5, 1], into the softmax - onehot terms, and the backward multiplies by
+the incoming gradient times ``2**-k`` (then casts dweight to weight's dtype). Baking all of
+1/n_valid in would push the softmax terms of a large batch below fp16's smallest subnormal before
+a loss scale (the incoming gradient) could lift them, as it does in eager PyTorch; baking none in
+would round 16-bit dhidden twice. This way the saved values keep the summed loss's range, and an
+incoming gradient of 1 or any power of two (loss scales) costs no second rounding.
+
+Under ``torch.no_grad()``, or when neither hidden nor weight requires grad, only the loss is
+computed and nothing is saved.
+
+Transient memory: one chunk of logits in fp32 plus one in the compute dtype, and under autocast
+the weight cast once to the compute dtype. With 16-bit compute, dweight is the fp32 sum of
+per-chunk 16-bit products (no portable matmul writes fp32 from 16-bit inputs): one rounding per
+chunk where eager PyTorch rounds once. At training sizes the errors average out to eager's; on a
+few tokens split into a few chunks they can reach about twice eager's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .checks import check_same_device, check_tensor
+
+_OP = "linear_cross_entropy"
+
+# Default chunks are rounded up to whole multiples of this many rows: GPU matmul tiles are 64 or
+# 128 rows tall, so a partial last tile costs a full one anyway.
+CHUNK_ROW_MULTIPLE = 64
+
+
+def default_chunk_tokens(tokens: int, vocab: int, dim: int) -> int:
+    """Rows per chunk such that one fp32 chunk of logits holds about as many elements as hidden.
+
+    The transient of the LM head is then the size of one activation (hidden in fp32), not T x V:
+    ceil(V / dim) times smaller (66x at GPT-2's 50257 x 768), small next to what the blocks keep.
+    Smaller chunks would save memory nobody notices and pay for it in more, thinner matmuls and
+    more element-wise launches per token; the matmuls stay large because their other side is the
+    whole vocabulary.
+    """
+    logits_per_hidden_element = math.ceil(vocab / max(dim, 1))
+    rows = math.ceil(tokens / logits_per_hidden_element)
+    rows = math.ceil(rows / CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE
+    return max(1, min(rows, tokens))
+
+
+def _split_mean_scale(n_valid: int) -> tuple[float, float]:
+    """1/n_valid as (forward part 2**k / n_valid in (0.5, 1], backward part 2**-k); see the module docstring."""
+    if n_valid == 0:
+        return 1.0, 1.0  # every target ignored: the gradients are zero whatever the scale
+    power_of_two = 1 << (n_valid.bit_length() - 1)
+    return power_of_two / n_valid, 1.0 / power_of_two
+
+
+def _chunked_loss_and_grads(hidden_rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                            counted: torch.Tensor, chunk_tokens: int, compute_dtype: torch.dtype,
+                            want_dhidden: bool, want_dweight: bool, gradient_scale: float = 1.0):
+    """Per-row losses (fp32, 0 on rows that do not count), and when wanted the gradients of the summed
+    loss times ``gradient_scale``: dhidden in hidden's dtype, dweight in fp32.
+
+    ``targets``: int64 class per row, any valid id on rows that do not count; ``counted``: bool per row.
+    """
+    tokens, dim = hidden_rows.shape
+    # One cast per call (a no-op without autocast when dtypes agree); dropped on return, never saved.
+    weight_c = weight.to(compute_dtype)
+    # Per-row losses summed once at the end (pairwise inside torch.sum), as PyTorch's mean does: a
+    # running fp32 scalar over thousands of one-row chunks would lose digits.
+    row_losses = torch.empty(tokens, dtype=torch.float32, device=hidden_rows.device)
+    dhidden = torch.empty((tokens, dim), dtype=hidden_rows.dtype, device=hidden_rows.device) if want_dhidden else None
+    dweight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_dweight else None
+    for start in range(0, tokens, chunk_tokens):
+        rows = slice(start, start + chunk_tokens)
+        hidden_c = hidden_rows[rows].to(compute_dtype)
+        row_losses[rows], dlogits = _chunk_loss_and_dlogits(hidden_c, weight_c, targets[rows], counted[rows],
+                                                            want_dhidden or want_dweight, gradient_scale)
+        if dhidden is not None:
+            dhidden[rows] = dlogits @ weight_c
+        if dweight is not None:
+            if dlogits.dtype == torch.float32:
+                dweight.addmm_(dlogits.t(), hidden_c)
+            else:
+                # addmm_ needs one dtype: the 16-bit partial product (fp32-accumulated inside the
+                # matmul) is rounded once per chunk and summed over the chunks in fp32.
+                dweight += dlogits.t() @ hidden_c
+    return row_losses, dhidden, dweight
+
+
+def _chunk_loss_and_dlogits(hidden_c: torch.Tensor, weight_c: torch.Tensor, targets_c: torch.Tensor,
+                            counted_c: torch.Tensor, want_grads: bool, gradient_scale: float):
+    """Losses of one chunk's rows, and gradient_scale * d(summed loss)/d(logits) in the compute dtype
+    (None unless wanted).
+
+    Returning the low-precision dlogits from here lets the fp32 logits buffer die before the two
+    gradient matmuls, so about one fp32 chunk (plus one chunk in the compute dtype) is live at a time.
+    """
+    logits_c = hidden_c @ weight_c.t()
+    logits = logits_c.float()  # the same tensor as logits_c when computing in fp32
+    lse = torch.logsumexp(logits, dim=1)
+    target_logit = logits.gather(1, targets_c[:, None]).squeeze(1)
+    row_losses = torch.where(counted_c, lse - target_logit, 0.0)
+    if not want_grads:
+        return row_losses, None
+    # gradient_scale * (softmax - onehot), in place: exp(logit - (lse - log scale)) = scale * softmax,
+    # so the scale costs no pass of its own. Shifting rows that do not count by +inf makes their
+    # softmax exactly 0 and saves a masking pass; their onehot term is masked to 0 as well.
+    shift = torch.where(counted_c, lse - math.log(gradient_scale), torch.inf)
+    dlogits = logits.sub_(shift[:, None]).exp_()
+    dlogits.scatter_add_(1, targets_c[:, None], counted_c[:, None].float().mul_(-gradient_scale))
+    if dlogits.dtype != logits_c.dtype:
+        dlogits = logits_c.copy_(dlogits)  # reuse the compute-dtype buffer of this chunk's logits
+    return row_losses, dlogits
+
+
+class _LinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, counted, n_valid: int, chunk_tokens: int, compute_dtype: torch.dtype):
+        want_dhidden, want_dweight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        forward_scale, ctx.backward_scale = _split_mean_scale(n_valid)
+        # Dtypes are chosen by the caller (compute_dtype); autocast must not re-cast our matmuls.
+        with torch.autocast(hidden.device.type, enabled=False):
+            row_losses, dhidden, dweight = _chunked_loss_and_grads(
+                hidden.reshape(-1, hidden.shape[-1]), weight, targets, counted, chunk_tokens, compute_dtype,
+                want_dhidden, want_dweight, forward_scale)
+        # Everything kept for backward, in one place: the two gradients, short of the factor
+        # backward_scale (module docstring).
+        ctx.save_for_backward(dhidden, dweight)
+        ctx.hidden_shape = hidden.shape
+        ctx.weight_dtype = weight.dtype
+        return row_losses.sum() / max(n_valid, 1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # the kept gradients are constants: no double backward
+    def backward(ctx, grad_loss):
+        dhidden_kept, dweight_kept = ctx.saved_tensors
+        scale = grad_loss * ctx.backward_scale  # exact (a power of two), and a 0-dim device tensor: no host sync
+        dhidden = dweight = None
+        if dhidden_kept is not None:
+            dhidden = (dhidden_kept * scale).view(ctx.hidden_shape)  # computed in fp32, rounded to hidden's dtype
+        if dweight_kept is not None:
+            # Written straight into weight's dtype: one rounding, no second (V, dim) fp32 buffer.
+            dweight = torch.empty(dweight_kept.shape, dtype=ctx.weight_dtype, device=dweight_kept.device)
+            torch.mul(dweight_kept, scale, out=dweight)
+        return dhidden, dweight, None, None, None, None, None
+
+
+def _validate(hidden, weight, targets, ignore_index, chunk_tokens) -> None:
+    check_tensor(_OP, "hidden", hidden)
+    check_tensor(_OP, "weight", weight)
+    if hidden.dim() == 0:
+        raise ValueError(f"{_OP}: hidden must have shape (..., dim), got a scalar")
+    if weight.dim() != 2:
+        raise ValueError(f"{_OP}: weight must be 2-D (vocab, dim), got shape {tuple(weight.shape)}")
+    if weight.shape[0] == 0:
+        raise ValueError(f"{_OP}: weight must have at least one row (one vocabulary entry), got shape {tuple(weight.shape)}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"{_OP}: weight's dim {weight.shape[1]} (shape {tuple(weight.shape)}) does not match hidden's last dim "
+            f"{hidden.shape[-1]} (shape {tuple(hidden.shape)})"
+        )
+    if not isinstance(targets, torch.Tensor):
+        raise TypeError(f"{_OP}: targets must be a torch.Tensor, got {type(targets).__name__}")
+    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+        raise TypeError(f"{_OP}: targets must be an integer tensor (int64 or int32 class ids), got {targets.dtype}")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"{_OP}: targets must have hidden's leading shape {tuple(hidden.shape[:-1])}, got {tuple(targets.shape)}"
+        )
+    check_same_device(_OP, "hidden", hidden, weight=weight, targets=targets)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"{_OP}: ignore_index must be an int, got {ignore_index!r}")
+    if chunk_tokens is not None:
+        if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int):
+            raise TypeError(f"{_OP}: chunk_tokens must be a positive int or None, got {chunk_tokens!r}")
+        if chunk_tokens <= 0:
+            raise ValueError(f"{_OP}: chunk_tokens must be a positive int or None, got {chunk_tokens}")
+
+
+def _count_targets(targets: torch.Tensor, vocab: int, ignore_index: int) -> tuple[torch.Tensor, int]:
+    """The rows that count (bool) and how many, after checking every other id lies in [0, vocab).
+
+    One host sync. It is worth it: an out-of-range id would otherwise trip a device-side assert in
+    gather, which leaves the CUDA context unusable for the rest of the process.
+    """
+    counted = targets != ignore_index
+    out_of_range = counted & ((targets < 0) | (targets >= vocab))
+    n_valid, n_out_of_range = torch.stack([counted.sum(), out_of_range.sum()]).tolist()
+    if n_out_of_range:
+        example = targets[out_of_range][0].item()
+        raise ValueError(
+            f"{_OP}: targets must be class ids in [0, {vocab}) or ignore_index={ignore_index}; "
+            f"{n_out_of_range} are not, e.g. {example}"
+        )
+    return counted, n_valid
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                         ignore_index: int = -100, chunk_tokens: int | None = None) -> torch.Tensor:
+    """Mean cross-entropy of ``hidden @ weight.T`` against ``targets``, without the full logits.
+
+    hidden: (..., dim) fp32, bf16 or fp16; weight: (V, dim), the LM head (tied or not; fp32 master
+    weights under autocast are fine); targets: hidden's leading shape, integer class ids in [0, V)
+    or ``ignore_index``. Returns a 0-dim fp32 tensor: the mean over targets != ignore_index, the
+    value of ``F.cross_entropy(F.linear(hidden, weight).float(), targets, ignore_index=...)``.
+
+    The logits matmuls run in the autocast dtype when autocast is on for hidden's device, else in
+    hidden's dtype (weight is cast to it); softmax and loss in fp32. ``chunk_tokens`` rows are done
+    at a time (default: ``default_chunk_tokens``). Backward keeps dhidden (hidden's size) and an fp32
+    dweight (V x dim), never anything of size T x V; see the module docstring.
+
+    If every target is ignored the loss is 0 with zero gradients, where PyTorch returns NaN (0/0):
+    a batch of nothing but padding then leaves the weights alone instead of poisoning them.
+
+    Costs one host sync to check the target ids.
+    """
+    _validate(hidden, weight, targets, ignore_index, chunk_tokens)
+    vocab, dim = weight.shape
+    flat_targets = targets.reshape(-1).long()
+    counted, n_valid = _count_targets(flat_targets, vocab, ignore_index)
+    # gather/scatter need an id in range on every row; rows that do not count are masked anyway.
+    safe_targets = torch.where(counted, flat_targets, 0)
+    tokens = flat_targets.numel()
+    if chunk_tokens is None:
+        chunk_tokens = default_chunk_tokens(tokens, vocab, dim)
+    device_type = hidden.device.type
+    compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropyFunction.apply(hidden, weight, safe_targets, counted, n_valid, chunk_tokens, compute_dtype)
+    with torch.autocast(device_type, enabled=False):
+        row_losses, _, _ = _chunked_loss_and_grads(hidden.reshape(-1, dim), weight, safe_targets, counted, chunk_tokens,
+                                                   compute_dtype, want_dhidden=False, want_dweight=False)
+    return row_losses.sum() / max(n_valid, 1)
