@@ -10,7 +10,9 @@ TRITON_INTERPRET=1, otherwise the plain-PyTorch reference in ``fused_remat.refer
   head and its loss in row chunks, never holding the (tokens x vocab) logits
 
 and the block they make, ``TransformerBlock(dim, n_heads, ..., remat="cheap")``, a drop-in for the
-plain-PyTorch ``fused_remat.reference.TransformerBlock`` with the same parameters.
+plain-PyTorch ``fused_remat.reference.TransformerBlock`` with the same parameters; the language
+model built from it, ``LanguageModel(ModelConfig(...), remat=...)`` (``fused_remat.model``), its
+remat planner (``fused_remat.planner``) and trainer (``python -m fused_remat.train``).
 """
 
 from . import memory, reference
@@ -18,6 +20,7 @@ from .activations import gelu, swiglu
 from .attention import attention
 from .block import REMAT_POLICIES, TransformerBlock
 from .loss import linear_cross_entropy
+from .model import LanguageModel, ModelConfig
 from .norms import layer_norm, rms_norm
 
-__all__ = ["REMAT_POLICIES", "TransformerBlock", "attention", "gelu", "layer_norm", "linear_cross_entropy", "memory", "reference", "rms_norm", "swiglu"]
+__all__ = ["LanguageModel", "ModelConfig", "REMAT_POLICIES", "TransformerBlock", "attention", "gelu", "layer_norm", "linear_cross_entropy", "memory", "reference", "rms_norm", "swiglu"]

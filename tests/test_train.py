@@ -260,3 +260,13 @@ def test_ddp_and_fsdp2_train_the_same_model(tmp_path):
     assert ddp_state.keys() == fsdp_state.keys()
     for name in ddp_state:
         torch.testing.assert_close(fsdp_state[name], ddp_state[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.gpu
+def test_gpu_training_run_learns(tmp_path):
+    out = tmp_path / "run"
+    assert train.main(["--preset", "gpt2-small", "--steps", "40", "--seq-len", "4096", "--batch-size", "2",
+                       "--eval-interval", "20", "--out", str(out)]) == 0
+    records = _metrics(out)
+    assert records[-1]["val_loss"] < 0.7 * UNIFORM_LOSS
+    assert all(r["peak_memory"] > 0 and r["tokens_per_s"] > 0 for r in records)
