@@ -143,7 +143,8 @@ def resolve_remat(args, config: ModelConfig, precision: Precision, device: torch
         if not set(policies) <= set(REMAT_POLICIES):
             raise ValueError(f"--remat: fused blocks take {', '.join(REMAT_POLICIES)}, auto or a comma list, got {args.remat!r}")
         return policies, explain_policies(config, args.batch_size, args.seq_len, precision, policies)
-    budget = args.memory_budget if args.memory_budget is not None else default_activation_budget(config, device)
+    shards = run.world_size if run.strategy == "fsdp" else 1
+    budget = args.memory_budget if args.memory_budget is not None else default_activation_budget(config, device, shards)
     if device.type == "cuda":
         costs = measure_policy_costs(config, args.batch_size, args.seq_len, precision, device)
         source = f"timings on {torch.cuda.get_device_name(device)}"
@@ -154,14 +155,15 @@ def resolve_remat(args, config: ModelConfig, precision: Precision, device: torch
     return plan.policies, plan
 
 
-def default_activation_budget(config: ModelConfig, device: torch.device) -> int:
+def default_activation_budget(config: ModelConfig, device: torch.device, shards: int = 1) -> int:
     """On a GPU: free memory, less fp32 weights, gradients and two AdamW moments (16 bytes per
-    parameter), less 10% for the allocator and the transient buffers of one layer's backward."""
+    parameter, split over ``shards`` processes under FSDP), less 10% for the allocator and the
+    transient buffers of one layer's backward."""
     if device.type != "cuda":
         raise ValueError("--remat auto on CPU needs --memory-budget (there is no device memory to measure)")
     free, _ = torch.cuda.mem_get_info(device)
     parameters = sum(p.numel() for p in LanguageModel(config, device="meta").parameters())
-    return int(0.9 * (free - 16 * parameters))
+    return int(0.9 * (free - 16 * parameters // shards))
 
 
 def run_settings(args: argparse.Namespace, config: ModelConfig, data: token_data.TokenData, run: Distributed) -> dict:
