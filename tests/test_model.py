@@ -10,7 +10,7 @@ import torch
 from fused_remat.memory import saved_memory
 from fused_remat.model import LanguageModel, ModelConfig, preset, resolve_policies
 from fused_remat.planner import (
-    Precision, explain_policies, flop_policy_costs, layer_bytes_per_token, parse_bytes, plan_remat,
+    Precision, explain_policies, flop_policy_costs, layer_bytes_per_token, measure_policy_costs, parse_bytes, plan_remat,
 )
 
 # Three layers so that mixed plans have something to mix; GQA and RoPE as the LLaMA preset.
@@ -238,3 +238,10 @@ def test_gpu_activation_memory_follows_the_plan():
         predicted = explain_policies(config, batch, seq, AUTOCAST_BF16, [policy] * 4).predicted_bytes
         assert abs(held[policy] - predicted) <= 0.1 * predicted, (policy, held[policy], predicted)
     assert held["full"] < held["cheap"] < held["none"] <= eager * 1.1
+
+
+def test_measured_policy_costs_are_relative_to_none(device, triton_backend):
+    # On CPU the timings say nothing about a GPU; this checks the measurement's plumbing.
+    costs = measure_policy_costs(CONFIG, 1, 16, FP32, device, repeats=1)
+    assert set(costs) == {"none", "cheap", "full"}
+    assert costs["none"] == 0 and all(cost >= 0 for cost in costs.values())
