@@ -162,14 +162,8 @@ def _load_stdlib_sources(vocab_size: int) -> TokenData:
         f"Python {python} stdlib sources ({root}), {len(train_files) + len(val_files):,} files: "
         f"{train.numel() / 1e6:.1f} MB train / {val.numel() / 1e6:.1f} MB val, byte-level"
     )
-    return TokenData(
-        train=train,
-        val=val,
-        vocab_size=vocab_size,
-        description=description,
-        train_source=f"the training files of the Python stdlib corpus ({root})",
-        val_source=f"the validation files of the Python stdlib corpus ({root})",
-    )
+    corpus = f"the Python stdlib corpus ({root})"
+    return TokenData(train, val, vocab_size, description, f"the training files of {corpus}", f"the validation files of {corpus}")
 
 
 def _concatenate_files(root: Path, relative_paths: list[str]) -> torch.Tensor:
@@ -185,14 +179,7 @@ def _load_text(path: Path, vocab_size: int, seq_len: int | None) -> TokenData:
         f"{path}: {tokens.numel():,} bytes of text, {train.numel():,} train / {val.numel():,} val (the tail), "
         "byte-level"
     )
-    return TokenData(
-        train=train,
-        val=val,
-        vocab_size=vocab_size,
-        description=description,
-        train_source=train_source,
-        val_source=val_source,
-    )
+    return TokenData(train, val, vocab_size, description, train_source, val_source)
 
 
 def _load_token_files(path: Path, vocab_size: int | None, seq_len: int | None) -> TokenData:
@@ -217,14 +204,7 @@ def _load_token_files(path: Path, vocab_size: int | None, seq_len: int | None) -
         train = _map_tokens(train_file, dtype, vocab_size)
         val = _map_tokens(val_file, dtype, vocab_size)
         description = f"{train_file} ({train.numel():,} tokens) / {val_file} ({val.numel():,} tokens), {vocab_note}"
-        return TokenData(
-            train=train,
-            val=val,
-            vocab_size=vocab_size,
-            description=description,
-            train_source=str(train_file),
-            val_source=str(val_file),
-        )
+        return TokenData(train, val, vocab_size, description, str(train_file), str(val_file))
 
     tokens = _map_tokens(train_file, dtype, vocab_size)
     train, val, train_source, val_source = _hold_out_tail(tokens, train_file, seq_len)
@@ -232,14 +212,7 @@ def _load_token_files(path: Path, vocab_size: int | None, seq_len: int | None) -
         f"{train_file}: {tokens.numel():,} tokens, {train.numel():,} train / {val.numel():,} val (the tail), "
         f"{vocab_note}"
     )
-    return TokenData(
-        train=train,
-        val=val,
-        vocab_size=vocab_size,
-        description=description,
-        train_source=train_source,
-        val_source=val_source,
-    )
+    return TokenData(train, val, vocab_size, description, train_source, val_source)
 
 
 def _map_tokens(file: Path, dtype: torch.dtype, vocab_size: int) -> torch.Tensor:
