@@ -3,12 +3,15 @@
 Per layer, DESIGN.md's memory contract gives the bytes each policy keeps for backward, and a cost
 model gives the extra compute each policy adds to the layer's training step: ``cheap`` rebuilds
 only element-wise intermediates inside kernels that run anyway (no extra matrix products), while
-``full`` replays the forward up to fc1 (about a third of the layer's step). Either the FLOP model
+``full`` replays the forward up to fc1 (a quarter to a third of the layer's step). Either the FLOP model
 below or timings measured on the device (``measure_policy_costs``) supply those costs.
 
 The planner then picks, among all ways to give each layer a policy, the one with the least extra
-compute whose predicted bytes fit the budget: adaptive checkpoint selection, of which "every
-sqrt(n)-th layer" is the degenerate case for identical layers and a budget of 2 sqrt(n) layers.
+compute whose predicted bytes fit the budget: adaptive checkpoint selection. Chen et al.'s
+checkpoint-every-sqrt(n)-layers is the degenerate case with two choices per layer (keep everything
+or keep the input) and a budget fixed at about 2 sqrt(n) layers' worth; here every layer chooses
+between policies priced by measurement, under any budget.
+
 It places the ``full`` layers first (lowest indices): backward reaches them last, when the later
 layers' saved activations are already freed, so their replay does not add to the peak.
 """
