@@ -55,20 +55,24 @@ TRAJECTORY_SETTINGS = ("model", "block", "steps", "seq_len", "batch_size", "grad
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m fused_remat.train", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), help="model shape (default: tiny on CPU, gpt2-small on a GPU)")
-    parser.add_argument("--steps", type=int, help="optimizer steps (default: 50 on CPU, 200 on a GPU)")
-    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: 128 on CPU, 8192 on a GPU)")
-    parser.add_argument("--batch-size", type=int, help="sequences per micro-batch per process (default: 8 on CPU, 4 on a GPU)")
-    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    parser = argparse.ArgumentParser(prog="python -m fused_remat.train", description=__doc__.split("\n")[0])
+    cpu, gpu = DEVICE_DEFAULTS["cpu"], DEVICE_DEFAULTS["cuda"]
+
+    def by_device(name: str) -> str:
+        return f"(default: {cpu[name]} on CPU, {gpu[name]} on a GPU)"
+
+    parser.add_argument("--preset", choices=sorted(PRESETS), help=f"model shape {by_device('preset')}")
+    parser.add_argument("--steps", type=int, help=f"optimizer steps {by_device('steps')}")
+    parser.add_argument("--seq-len", type=int, help=f"tokens per sequence {by_device('seq_len')}")
+    parser.add_argument("--batch-size", type=int, help=f"sequences per micro-batch per process {by_device('batch_size')}")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     parser.add_argument("--remat", default="cheap",
-                        help="none | cheap | full | auto (plan for --memory-budget) | a comma list, one policy per layer")
+                        help="none | cheap (default) | full | auto (plan for --memory-budget) | a comma list, one policy per layer")
     parser.add_argument("--memory-budget", help="activation budget for --remat auto, e.g. 40GiB (default on a GPU: "
                         "what is free after weights, gradients and optimizer state)")
     parser.add_argument("--block", choices=("fused", "reference"), default="fused",
-                        help="fused_remat's block, or the plain-PyTorch twin (then --remat none is eager and full is "
-                        "torch.utils.checkpoint)")
+                        help="fused_remat's block (default), or the plain-PyTorch twin (then --remat none is eager and "
+                        "full is torch.utils.checkpoint)")
     parser.add_argument("--data", help="a text file, a nanoGPT uint16/uint32 .bin (or a folder with train.bin/val.bin); "
                         "default: the Python standard library's sources, byte-level")
     parser.add_argument("--vocab-size", type=int, help="vocabulary of a .bin file (default 256: bytes)")
@@ -77,13 +81,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, help="peak learning rate (default by preset)")
     parser.add_argument("--min-lr", type=float, help="final learning rate of the cosine decay (default lr / 10)")
     parser.add_argument("--warmup", type=int, help="linear warm-up steps (default steps / 10, at most 200)")
-    parser.add_argument("--weight-decay", type=float, default=0.1)
-    parser.add_argument("--grad-clip", type=float, default=1.0, help="clip the gradient norm to this (0: off)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), help="bf16: autocast over fp32 master weights (GPU default); fp32")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-interval", type=int, default=25, help="steps between validation losses")
-    parser.add_argument("--eval-batches", type=int, default=4)
-    parser.add_argument("--checkpoint-interval", type=int, default=100, help="steps between checkpoints (0: only at the end)")
+    parser.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay of the matrices (default 0.1)")
+    parser.add_argument("--grad-clip", type=float, default=1.0, help="clip the gradient norm to this; 0: off (default 1)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help=f"bf16: autocast over fp32 master weights; fp32 {by_device('dtype')}")
+    parser.add_argument("--seed", type=int, default=0, help="initialization and data order (default 0)")
+    parser.add_argument("--eval-interval", type=int, default=25, help="steps between validation losses (default 25)")
+    parser.add_argument("--eval-batches", type=int, default=4, help="batches per validation loss (default 4)")
+    parser.add_argument("--checkpoint-interval", type=int, default=100, help="steps between checkpoints; 0: only at the end (default 100)")
     parser.add_argument("--distributed", choices=STRATEGIES, help="under torchrun: ddp (default) or fsdp (FSDP2)")
     parser.add_argument("--find-max-seq-len", action="store_true",
                         help="instead of training: the longest sequence that trains one step, per policy")
