@@ -236,11 +236,11 @@ def test_find_max_seq_len_on_cpu_ranks_the_policies(tmp_path, capsys):
     assert "longest trainable sequence" in capsys.readouterr().out
 
 
-def _torchrun(strategy: str, out: Path) -> subprocess.CompletedProcess:
+def _torchrun(strategy: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "fused_remat.train", "--distributed", strategy, *SHORT, "--steps", "3", "--eval-interval", "3", "--grad-accum", "2",
-               "--out", str(out)]
+               "-m", "fused_remat.train", "--distributed", strategy, *SHORT, "--steps", "3", "--eval-interval", "3",
+               "--grad-accum", "2", "--out", str(out), *extra]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -260,6 +260,13 @@ def test_ddp_and_fsdp2_train_the_same_model(tmp_path):
     assert ddp_state.keys() == fsdp_state.keys()
     for name in ddp_state:
         torch.testing.assert_close(fsdp_state[name], ddp_state[name], rtol=1e-4, atol=1e-6, msg=name)
+
+    # Resuming the finished FSDP2 run loads the full state dicts into the sharded model and
+    # optimizer on both ranks, then has nothing left to do.
+    resumed = _torchrun("fsdp", tmp_path / "fsdp", "--resume")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "done: 3 steps" in resumed.stdout
+    assert _metrics(tmp_path / "fsdp") == results["fsdp"]
 
 
 @pytest.mark.gpu
