@@ -126,7 +126,7 @@ def main() -> int:
         grad_error = max((g.double() - g64).abs().max().item() for g, g64 in zip(grads, grads64))
         print(f"{name:<20} {y_error:>12.2e} {grad_error:>16.2e} {ours_bytes / 2**20:>11.2f} MiB {eager_bytes / 2**20:>10.2f} MiB")
     print(f"\n({time.perf_counter() - started:.1f} s; saved = bytes autograd keeps for backward, parameters left out)")
-    print(f"\nTransformerBlock, bf16: bytes kept for backward per token per layer (h = model dim)\n")
+    print("\nTransformerBlock, bf16: bytes kept for backward per token per layer (h = model dim)\n")
     print(block_memory_table(device))
     return 0
 

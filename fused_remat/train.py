@@ -25,21 +25,16 @@ from pathlib import Path
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
-
-from . import data as token_data  # noqa: E402
-from .checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint  # noqa: E402
-from .distributed import (  # noqa: E402
+from . import data as token_data
+from .block import REMAT_POLICIES
+from .checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
+from .distributed import (
     STRATEGIES, Distributed, gradient_sync, init_distributed, load_training_state, shutdown, training_state, unwrap,
     wrap_model,
 )
-from .model import PRESETS, LanguageModel, ModelConfig, preset  # noqa: E402
-from .block import REMAT_POLICIES  # noqa: E402
-from .planner import (  # noqa: E402
-    PLANNED_POLICIES, Precision, explain_policies, measure_policy_costs, parse_bytes, plan_remat,
-)
-from .reporting import Progress, plot_metrics, read_metrics, write_metrics  # noqa: E402
+from .model import PRESETS, LanguageModel, ModelConfig, preset
+from .planner import PLANNED_POLICIES, Precision, explain_policies, measure_policy_costs, parse_bytes, plan_remat
+from .reporting import Progress, plot_metrics, read_metrics, write_metrics
 
 # What a run does when an option is left out, by device: a short real run either way.
 DEVICE_DEFAULTS = {
@@ -330,6 +325,10 @@ def _summarize(policies: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if not torch.cuda.is_available():
+        # Triton's interpreter runs the kernels on CPU tensors; it must be chosen before triton is
+        # imported, which fused_remat does only when a kernel first runs.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     args = parse_args(argv)
     run = init_distributed(args.distributed)
     try:
