@@ -81,7 +81,7 @@ import torch
 
 from bench import harness
 from bench.harness import Case, Result, pytest_benchmark_case
-from fused_remat import capacity
+from fused_remat.training import capacity
 from fused_remat.memory import saved_memory
 from fused_remat.model import LanguageModel, ModelConfig, preset
 from fused_remat.planner import Precision, RematPlan, explain_policies, plan_remat
@@ -169,7 +169,7 @@ class TrainStep:
     training step on the next set and returns (loss, gradient norm before clipping)."""
 
     def __init__(self, provider: Provider, seq_len: int, batch: int, device: str):
-        from fused_remat import train  # the CLI's optimizer and defaults; imported late, as it is heavy
+        from fused_remat.training import loop as train  # the CLI's optimizer and defaults; imported late, as it is heavy
 
         config = model_config(device)
         self.device, self.precision = torch.device(device), precision(device)

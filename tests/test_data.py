@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fused_remat.data import TokenData, load_data, stdlib_split, train_batch, val_batches
+from fused_remat.training.data import TokenData, load_data, stdlib_split, train_batch, val_batches
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fused_remat import checkpoint as checkpoints
-from fused_remat import train
-from fused_remat.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from fused_remat.training import checkpoint as checkpoints
+from fused_remat.training import loop as train
+from fused_remat.training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fused_remat.model import preset
 from fused_remat.planner import Precision, explain_policies
 

@@ -19,9 +19,9 @@ from collections.abc import Callable
 import torch
 
 from .distributed import Distributed
-from .memory import saved_memory
-from .model import LanguageModel, ModelConfig, preset
-from .planner import Precision, plan_remat
+from ..memory import saved_memory
+from ..model import LanguageModel, ModelConfig, preset
+from ..planner import Precision, plan_remat
 
 GRANULARITY = {"cuda": 256, "cpu": 32}
 MAX_SEQ_LEN = 1 << 18  # 262,144 tokens: a longer probe step takes minutes on an H100

@@ -26,14 +26,14 @@ from pathlib import Path
 import torch
 
 from . import data as token_data
-from .block import REMAT_POLICIES
+from ..block import REMAT_POLICIES
 from .checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
 from .distributed import (
     STRATEGIES, Distributed, gradient_sync, init_distributed, load_training_state, shutdown, training_state, unwrap,
     wrap_model,
 )
-from .model import PRESETS, LanguageModel, ModelConfig, preset
-from .planner import PLANNED_POLICIES, Precision, explain_policies, measure_policy_costs, parse_bytes, plan_remat
+from ..model import PRESETS, LanguageModel, ModelConfig, preset
+from ..planner import PLANNED_POLICIES, Precision, explain_policies, measure_policy_costs, parse_bytes, plan_remat
 from .reporting import Progress, plot_metrics, read_metrics, write_metrics
 
 # What a run does when an option is left out, by device: a short real run either way.

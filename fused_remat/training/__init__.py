@@ -1,0 +1,1 @@
+"""The training application (being restructured)."""
