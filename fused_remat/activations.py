@@ -9,38 +9,42 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from .backend import kernels, use_triton
+from .backend import use_triton
 from .checks import check_same_device, check_same_dtype, check_tensor
 
 
 class GeluFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, approximate):
+        from .kernels.activations import gelu_fwd
 
         ctx.save_for_backward(x)
         ctx.approximate = approximate
-        return kernels("activations").gelu_fwd(x, approximate)
+        return gelu_fwd(x, approximate)
 
     @staticmethod
     def backward(ctx, dy):
+        from .kernels.activations import gelu_bwd
 
         (x,) = ctx.saved_tensors
-        dx, _ = kernels("activations").gelu_bwd(dy, x, ctx.approximate)
+        dx, _ = gelu_bwd(dy, x, ctx.approximate)
         return dx, None
 
 
 class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
+        from .kernels.activations import swiglu_fwd
 
         ctx.save_for_backward(gate, up)
-        return kernels("activations").swiglu_fwd(gate, up)
+        return swiglu_fwd(gate, up)
 
     @staticmethod
     def backward(ctx, dy):
+        from .kernels.activations import swiglu_bwd
 
         gate, up = ctx.saved_tensors
-        dgate, dup, _ = kernels("activations").swiglu_bwd(dy, gate, up)
+        dgate, dup, _ = swiglu_bwd(dy, gate, up)
         return dgate, dup
 
 

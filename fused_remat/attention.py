@@ -12,17 +12,19 @@ import numbers
 import torch
 
 from . import reference
-from .backend import kernels, use_triton
+from .backend import use_triton
 from .checks import check_same_device, check_same_dtype, check_tensor
+from .kernels.limits import MAX_HEAD_DIM
 
 _OP = "attention"
-MAX_HEAD_DIM = 256  # the kernels pad D to a power of two up to this
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float):
-        o, lse = kernels("attention").attention_fwd(q, k, v, causal, scale)
+        from .kernels.attention import attention_fwd
+
+        o, lse = attention_fwd(q, k, v, causal, scale)
         # Everything kept for backward, in one place: the inputs q, k, v, the output o and the fp32
         # log-sum-exp (B, Hq, Nq). Nothing of size Nq x Nk.
         ctx.save_for_backward(q, k, v, o, lse)
@@ -33,6 +35,8 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dlse):
+        from .kernels.attention import attention_bwd
+
         q, k, v, o, lse = ctx.saved_tensors
         if do is None and dlse is None:
             return None, None, None, None, None
@@ -40,7 +44,7 @@ class _Attention(torch.autograd.Function):
             do = torch.zeros_like(o)
         # The kernels recompute P = exp(q k^T * scale - lse) per block from q, k and the saved lse.
         # A gradient reaching lse (return_lse=True) enters as dS += P * dlse, folded into delta.
-        dq, dk, dv = kernels("attention").attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, dlse=dlse)
+        dq, dk, dv = attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, dlse=dlse)
         return dq, dk, dv, None, None
 
 

@@ -3,16 +3,20 @@
 CUDA tensors run the compiled Triton kernels. CPU tensors run the same kernels in Triton's
 interpreter when ``TRITON_INTERPRET=1`` was set before triton was imported, and the plain-PyTorch
 reference otherwise. ``FUSED_REMAT_BACKEND=auto|triton|reference`` overrides the choice.
+
+The ops import ``fused_remat.kernels`` inside the functions that launch them: importing
+fused_remat never imports triton, so ``TRITON_INTERPRET=1`` set after ``import fused_remat`` (as
+``python -m fused_remat`` does) still takes effect.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import os
-from types import ModuleType
 
 import torch
+
+from .kernels.limits import INTERPRET_ENV, triton_interpreting
 
 BACKEND_ENV = "FUSED_REMAT_BACKEND"
 BACKENDS = ("auto", "triton", "reference")
@@ -24,10 +28,6 @@ def requested_backend() -> str:
     if name not in BACKENDS:
         raise ValueError(f"{BACKEND_ENV}={name!r} is not one of {', '.join(BACKENDS)}")
     return name
-
-
-def triton_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def triton_installed() -> bool:
@@ -52,19 +52,11 @@ def use_triton(op: str, device: torch.device) -> bool:
         if not triton_installed():
             why = "triton is not installed"
         elif device.type == "cpu":
-            why = "CPU tensors need TRITON_INTERPRET=1 set before triton is imported"
+            why = f"CPU tensors need {INTERPRET_ENV}=1 set before triton is imported"
         elif device.type == "cuda":
-            why = "TRITON_INTERPRET=1 is set, and the interpreter runs on CPU tensors only"
+            why = f"{INTERPRET_ENV}=1 is set, and the interpreter runs on CPU tensors only"
         else:
             why = f"Triton has no backend for device type {device.type!r}"
         raise RuntimeError(f"{op}: {BACKEND_ENV}=triton but the Triton kernels cannot run here: {why}")
     return runnable
 
-
-def kernels(module: str) -> ModuleType:
-    """``fused_remat.kernels.<module>``, imported on first use.
-
-    Importing fused_remat never imports triton, so ``TRITON_INTERPRET=1`` set after
-    ``import fused_remat`` (as ``python -m fused_remat`` does) still takes effect.
-    """
-    return importlib.import_module(f"{__package__}.kernels.{module}")

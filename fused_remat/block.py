@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from . import reference
-from .backend import SUPPORTED_DTYPES, kernels, use_triton
+from .backend import SUPPORTED_DTYPES, use_triton
 
 REMAT_POLICIES = ("none", "cheap", "full")
 _OP = "TransformerBlock"
@@ -118,20 +118,25 @@ def _heads(qkv: torch.Tensor, g: _Geometry):
 def _rotate_qk_(qkv: torch.Tensor, g: _Geometry, inverse: bool) -> None:
     """Rotary embedding of the q and k heads of a packed qkv (or dqkv) buffer, in place."""
     rotated = qkv.view(g.batch, g.seq, g.n_heads + 2 * g.n_kv_heads, g.head_dim)[:, :, :g.n_heads + g.n_kv_heads]
+    from .kernels.rope import rotary_embedding_
+
     inv_freq = _rotary_frequencies(g.head_dim, g.rope_theta, qkv.device)
-    kernels("rope").rotary_embedding_(rotated, inv_freq, inverse=inverse)
+    rotary_embedding_(rotated, inv_freq, inverse=inverse)
 
 
 def _norm_forward(x, weights, g: _Geometry, residual=None):
+    from .kernels.norm import norm_fwd
+
     weight, bias = weights
-    return kernels("norm").norm_fwd(x, weight, bias, g.eps, rms=g.rms, residual=residual, out_dtype=g.compute_dtype)
+    return norm_fwd(x, weight, bias, g.eps, rms=g.rms, residual=residual, out_dtype=g.compute_dtype)
 
 
 def _activation_forward(u: torch.Tensor, g: _Geometry) -> torch.Tensor:
-    act = kernels("activations")
+    from .kernels.activations import gelu_fwd, swiglu_fwd
+
     if g.activation == "swiglu":
-        return act.swiglu_fwd(u[:, :g.ffn_dim], u[:, g.ffn_dim:])
-    return act.gelu_fwd(u, "tanh" if g.activation == "gelu_tanh" else "none")
+        return swiglu_fwd(u[:, :g.ffn_dim], u[:, g.ffn_dim:])
+    return gelu_fwd(u, "tanh" if g.activation == "gelu_tanh" else "none")
 
 
 def _forward_pass(x: torch.Tensor, w: _Weights, g: _Geometry, keep_outputs: bool, finish: bool):
@@ -139,13 +144,15 @@ def _forward_pass(x: torch.Tensor, w: _Weights, g: _Geometry, keep_outputs: bool
 
     ``keep_outputs`` holds on to norm and activation outputs (the ``none`` policy); ``finish=False``
     stops after fc1, which is all a backward replay needs."""
+    from .kernels.attention import attention_fwd
+
     y1, mean1, rstd1, _ = _norm_forward(x, w.norm1, g)
     qkv = F.linear(y1, w.qkv, w.qkv_bias)
     if g.rope_theta is not None:
         _rotate_qk_(qkv, g, inverse=False)
     q, k, v = _heads(qkv, g)
     o = torch.empty(g.tokens, g.dim, device=x.device, dtype=g.compute_dtype)
-    _, lse = kernels("attention").attention_fwd(
+    _, lse = attention_fwd(
         q, k, v, g.causal, g.head_dim**-0.5, out=o.view(g.batch, g.seq, g.n_heads, g.head_dim).transpose(1, 2)
     )
     y2, mean2, rstd2, h = _norm_forward(x, w.norm2, g, residual=F.linear(o, w.out, w.out_bias))
@@ -205,7 +212,10 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _Geometry, needs: 
 
     Where a policy did not keep a norm or activation output, the backward kernel that computes that
     op's input gradient also writes it, and it lives only until the weight gradient that needs it."""
-    act, norm, attention = kernels("activations"), kernels("norm"), kernels("attention")
+    from .kernels.activations import gelu_bwd, swiglu_bwd
+    from .kernels.attention import attention_bwd
+    from .kernels.norm import norm_bwd
+
     grads = {}
     dz = dy.to(g.compute_dtype)
     grads["fc2.bias"] = _bias_grad(needs["fc2.bias"], dz, named["fc2.bias"])
@@ -213,18 +223,18 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _Geometry, needs: 
     rebuild = acts.a is None
     if g.activation == "swiglu":
         du = torch.empty_like(acts.u)
-        _, _, rebuilt = act.swiglu_bwd(
+        _, _, rebuilt = swiglu_bwd(
             da, acts.u[:, :g.ffn_dim], acts.u[:, g.ffn_dim:], return_output=rebuild,
             dgate=du[:, :g.ffn_dim], dup=du[:, g.ffn_dim:],
         )
     else:
-        du, rebuilt = act.gelu_bwd(da, acts.u, "tanh" if g.activation == "gelu_tanh" else "none", return_output=rebuild)
+        du, rebuilt = gelu_bwd(da, acts.u, "tanh" if g.activation == "gelu_tanh" else "none", return_output=rebuild)
     del da
     grads["fc2.weight"] = _weight_grad(needs["fc2.weight"], dz, rebuilt if rebuild else acts.a, named["fc2.weight"])
     del rebuilt, dz
 
     grads["fc1.bias"] = _bias_grad(needs["fc1.bias"], du, named["fc1.bias"])
-    dh, grads["norm2.weight"], grads["norm2.bias"], rebuilt = norm.norm_bwd(
+    dh, grads["norm2.weight"], grads["norm2.bias"], rebuilt = norm_bwd(
         du @ w.fc1, acts.h, *w.norm2, acts.mean2, acts.rstd2, rms=g.rms, has_bias=w.norm2[1] is not None,
         residual_grad=dy, return_output=acts.y2 is None, out_dtype=g.compute_dtype,
     )
@@ -238,13 +248,13 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _Geometry, needs: 
     del d_attn
     dqkv = torch.empty_like(acts.qkv)
     o = acts.o.view(g.batch, g.seq, g.n_heads, g.head_dim).transpose(1, 2)
-    attention.attention_bwd(do, *_heads(acts.qkv, g), o, acts.lse, g.causal, g.head_dim**-0.5, out=_heads(dqkv, g))
+    attention_bwd(do, *_heads(acts.qkv, g), o, acts.lse, g.causal, g.head_dim**-0.5, out=_heads(dqkv, g))
     del do
     if g.rope_theta is not None:
         _rotate_qk_(dqkv, g, inverse=True)
 
     grads["qkv.bias"] = _bias_grad(needs["qkv.bias"], dqkv, named["qkv.bias"])
-    grads["x"], grads["norm1.weight"], grads["norm1.bias"], rebuilt = norm.norm_bwd(
+    grads["x"], grads["norm1.weight"], grads["norm1.bias"], rebuilt = norm_bwd(
         dqkv @ w.qkv, x, *w.norm1, acts.mean1, acts.rstd1, rms=g.rms, has_bias=w.norm1[1] is not None,
         residual_grad=dh, return_output=acts.y1 is None, out_dtype=g.compute_dtype,
     )

@@ -9,10 +9,9 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from .backend import kernels, use_triton
+from .backend import use_triton
 from .checks import check_same_device, check_tensor
-
-MAX_HIDDEN = 65536  # kernels/norm.py streams rows up to this width
+from .kernels.limits import MAX_NORM_WIDTH
 
 
 def _validate(op: str, x, weight, bias, eps) -> None:
@@ -24,8 +23,8 @@ def _validate(op: str, x, weight, bias, eps) -> None:
     if x.dim() == 0:
         raise ValueError(f"{op}: x must have at least one dimension (the normalized one), got a scalar")
     hidden = x.shape[-1]
-    if not 1 <= hidden <= MAX_HIDDEN:
-        raise ValueError(f"{op}: x's last dim (the normalized size) must be in 1..{MAX_HIDDEN}, got {hidden}")
+    if not 1 <= hidden <= MAX_NORM_WIDTH:
+        raise ValueError(f"{op}: x's last dim (the normalized size) must be in 1..{MAX_NORM_WIDTH}, got {hidden}")
     if weight.shape != (hidden,):
         raise ValueError(f"{op}: weight must have shape ({hidden},) to match x's last dim, got {tuple(weight.shape)}")
     if bias is not None:
@@ -46,35 +45,39 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
+        from .kernels.norm import layer_norm_fwd
 
         x_rows = _rows(x)
-        y, mean, rstd = kernels("norm").layer_norm_fwd(x_rows, weight.contiguous(), None if bias is None else bias.contiguous(), eps)
+        y, mean, rstd = layer_norm_fwd(x_rows, weight.contiguous(), None if bias is None else bias.contiguous(), eps)
         ctx.save_for_backward(x_rows, weight, mean, rstd)
         ctx.has_bias = bias is not None
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
+        from .kernels.norm import layer_norm_bwd
 
         x_rows, weight, mean, rstd = ctx.saved_tensors
-        dx, dweight, dbias = kernels("norm").layer_norm_bwd(_rows(dy), x_rows, weight.contiguous(), mean, rstd, ctx.has_bias)
+        dx, dweight, dbias = layer_norm_bwd(_rows(dy), x_rows, weight.contiguous(), mean, rstd, ctx.has_bias)
         return dx.view(dy.shape), dweight, dbias, None
 
 
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
+        from .kernels.norm import rms_norm_fwd
 
         x_rows = _rows(x)
-        y, rstd = kernels("norm").rms_norm_fwd(x_rows, weight.contiguous(), eps)
+        y, rstd = rms_norm_fwd(x_rows, weight.contiguous(), eps)
         ctx.save_for_backward(x_rows, weight, rstd)
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
+        from .kernels.norm import rms_norm_bwd
 
         x_rows, weight, rstd = ctx.saved_tensors
-        dx, dweight = kernels("norm").rms_norm_bwd(_rows(dy), x_rows, weight.contiguous(), rstd)
+        dx, dweight = rms_norm_bwd(_rows(dy), x_rows, weight.contiguous(), rstd)
         return dx.view(dy.shape), dweight, None
 
 

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kernels.limits import MAX_HEAD_DIM
+
 
 def _statistics_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -108,7 +110,6 @@ def rotary_embedding(x: torch.Tensor, theta: float, *, inverse: bool = False) ->
 
 
 NORMS = ("layernorm", "rmsnorm")
-MAX_BLOCK_HEAD_DIM = 256  # the attention kernels' limit
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 
 
@@ -212,8 +213,8 @@ def _check_block_config(dim, n_heads, n_kv_heads, ffn_dim, norm, activation, eps
     if n_heads % n_kv_heads:
         raise ValueError(f"TransformerBlock: n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
     head_dim = dim // n_heads
-    if head_dim > MAX_BLOCK_HEAD_DIM:
-        raise ValueError(f"TransformerBlock: head dim dim // n_heads = {head_dim} exceeds {MAX_BLOCK_HEAD_DIM}")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"TransformerBlock: head dim dim // n_heads = {head_dim} exceeds {MAX_HEAD_DIM}")
     if norm not in NORMS:
         raise ValueError(f"TransformerBlock: norm must be one of {NORMS}, got {norm!r}")
     if activation not in ACTIVATIONS:
