@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 
 from . import reference
 from .backend import SUPPORTED_DTYPES, use_triton
@@ -101,12 +100,62 @@ class _Activations:
     a: torch.Tensor | None = None  # activation output
 
 
-# What each policy keeps besides x (DESIGN.md's memory contract).
-_KEPT = {
-    "full": (),
-    "cheap": ("qkv", "o", "lse", "h", "u", "mean1", "rstd1", "mean2", "rstd2"),
-    "none": ("qkv", "o", "lse", "h", "u", "mean1", "rstd1", "mean2", "rstd2", "y1", "y2", "a"),
-}
+RESIDUAL, COMPUTE, FP32 = "residual", "compute", "fp32"
+
+
+@dataclass(frozen=True)
+class Kept:
+    """One tensor the block can keep for backward: its width in elements per token (a key of
+    ``block_widths``), what its elements are (the residual dtype, the compute dtype or fp32) and
+    the policies that keep it."""
+
+    name: str
+    width: str
+    dtype: str
+    policies: tuple[str, ...]
+
+
+# DESIGN.md's memory contract, the one place it is written: the Function's forward saves exactly
+# these (x first, then the rest in this order) and the planner prices policies from them. A new
+# policy or a new kept tensor is one edit here.
+KEPT_FOR_BACKWARD = (
+    Kept("x", "dim", RESIDUAL, ("none", "cheap", "full")),
+    Kept("qkv", "qkv", COMPUTE, ("none", "cheap")),
+    Kept("o", "dim", COMPUTE, ("none", "cheap")),
+    Kept("lse", "heads", FP32, ("none", "cheap")),
+    Kept("h", "dim", RESIDUAL, ("none", "cheap")),
+    Kept("u", "pre_activation", COMPUTE, ("none", "cheap")),
+    Kept("mean1", "mean", FP32, ("none", "cheap")),
+    Kept("rstd1", "rstd", FP32, ("none", "cheap")),
+    Kept("mean2", "mean", FP32, ("none", "cheap")),
+    Kept("rstd2", "rstd", FP32, ("none", "cheap")),
+    Kept("y1", "dim", COMPUTE, ("none",)),
+    Kept("y2", "dim", COMPUTE, ("none",)),
+    Kept("a", "ffn", COMPUTE, ("none",)),
+)
+# What each policy keeps besides x, in the order the Function saves it.
+_KEPT = {policy: tuple(k.name for k in KEPT_FOR_BACKWARD if policy in k.policies and k.name != "x")
+         for policy in REMAT_POLICIES}
+
+
+def block_widths(dim: int, n_heads: int, n_kv_heads: int | None, ffn_dim: int | None, norm: str,
+                 activation: str) -> dict[str, int]:
+    """Elements per token of each kind of tensor the block keeps, for one block configuration."""
+    head_dim = dim // n_heads
+    ffn = reference.default_ffn_dim(dim, activation) if ffn_dim is None else ffn_dim
+    return dict(
+        dim=dim, qkv=(n_heads + 2 * (n_kv_heads or n_heads)) * head_dim, heads=n_heads, ffn=ffn,
+        pre_activation=2 * ffn if activation == "swiglu" else ffn, mean=int(norm == "layernorm"), rstd=1,
+    )
+
+
+def kept_bytes_per_token(policy: str, widths: dict[str, int], residual_bytes: int, compute_bytes: int) -> int:
+    """Bytes the block keeps for backward per token under ``policy``: x and h in the residual
+    dtype (the parameters' dtype, fp32 master weights under autocast), the matmul and attention
+    outputs in the compute dtype, statistics in fp32."""
+    TransformerBlock.check_remat(policy)
+    size = {RESIDUAL: residual_bytes, COMPUTE: compute_bytes, FP32: 4}
+    return sum(widths[k.width] * size[k.dtype] for k in KEPT_FOR_BACKWARD if policy in k.policies)
 
 
 def _heads(qkv: torch.Tensor, g: _Geometry):
@@ -280,14 +329,14 @@ class TransformerBlock(reference.TransformerBlock):
     ``TRITON_INTERPRET=1`` and otherwise the reference block (``full`` through torch.utils.checkpoint).
     """
 
+    REMAT_POLICIES = REMAT_POLICIES
+
     def __init__(self, dim: int, n_heads: int, *, n_kv_heads: int | None = None, ffn_dim: int | None = None,
                  norm: str = "layernorm", activation: str = "gelu", bias: bool = True, causal: bool = True,
                  eps: float = 1e-5, rope_theta: float | None = None, remat: str = "cheap", device=None, dtype=None):
-        if remat not in REMAT_POLICIES:
-            raise ValueError(f"{_OP}: remat must be one of {REMAT_POLICIES}, got {remat!r}")
         super().__init__(dim, n_heads, n_kv_heads=n_kv_heads, ffn_dim=ffn_dim, norm=norm, activation=activation,
-                         bias=bias, causal=causal, eps=eps, rope_theta=rope_theta, device=device, dtype=dtype)
-        self.remat = remat
+                         bias=bias, causal=causal, eps=eps, rope_theta=rope_theta, remat=remat, device=device,
+                         dtype=dtype)
 
     @classmethod
     def from_reference(cls, block: reference.TransformerBlock, remat: str = "cheap") -> TransformerBlock:
@@ -303,9 +352,7 @@ class TransformerBlock(reference.TransformerBlock):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         if not use_triton(_OP, x.device):
-            if self.remat == "full" and torch.is_grad_enabled():
-                return torch.utils.checkpoint.checkpoint(super().forward, x, use_reentrant=False)
-            return super().forward(x)
+            return super().forward(x)  # the reference math; ``full`` through torch.utils.checkpoint
         params = [self.get_parameter(name) if self._has(name) else None for name in _PARAMETERS]
         geometry = _Geometry(
             batch=x.shape[0], seq=x.shape[1], dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,

@@ -19,16 +19,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 
 from . import reference
-from .block import REMAT_POLICIES, TransformerBlock
+from .block import TransformerBlock
 from .loss import linear_cross_entropy
 from .norms import layer_norm, rms_norm
 
-BLOCK_IMPLS = ("fused", "reference")
-REFERENCE_POLICIES = ("none", "full")  # eager, and torch.utils.checkpoint around each block
+BLOCK_CLASSES = {"fused": TransformerBlock, "reference": reference.TransformerBlock}
+BLOCK_IMPLS = tuple(BLOCK_CLASSES)
 
 
 @dataclass(frozen=True)
@@ -81,20 +80,18 @@ PRESETS = {
 
 def preset(name: str, **overrides) -> ModelConfig:
     if name not in PRESETS:
-        raise ValueError(f"--preset must be one of {', '.join(PRESETS)}, got {name!r}")
+        raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {name!r}")
     return dataclasses.replace(PRESETS[name], **{k: v for k, v in overrides.items() if v is not None})
 
 
 def resolve_policies(remat: str | Sequence[str], n_layers: int, block_impl: str = "fused") -> list[str]:
     """One policy for every layer, or a list with one per layer, checked against the block kind."""
-    allowed = REMAT_POLICIES if block_impl == "fused" else REFERENCE_POLICIES
+    if block_impl not in BLOCK_CLASSES:
+        raise ValueError(f"block_impl must be one of {BLOCK_IMPLS}, got {block_impl!r}")
     policies = [remat] * n_layers if isinstance(remat, str) else list(remat)
     if len(policies) != n_layers:
         raise ValueError(f"remat: got {len(policies)} policies for {n_layers} layers")
-    for policy in policies:
-        if policy not in allowed:
-            raise ValueError(f"remat: {block_impl} blocks take policies {allowed}, got {policy!r}")
-    return policies
+    return [BLOCK_CLASSES[block_impl].check_remat(policy) for policy in policies]
 
 
 class LanguageModel(nn.Module):
@@ -108,32 +105,30 @@ class LanguageModel(nn.Module):
     def __init__(self, config: ModelConfig, remat: str | Sequence[str] = "cheap", *, block_impl: str = "fused",
                  device=None, dtype=None):
         super().__init__()
-        if block_impl not in BLOCK_IMPLS:
-            raise ValueError(f"block_impl must be one of {BLOCK_IMPLS}, got {block_impl!r}")
+        policies = resolve_policies(remat, config.n_layers, block_impl)
         self.config, self.block_impl = config, block_impl
         factory = dict(device=device, dtype=dtype)
         self.embed = nn.Embedding(config.vocab_size, config.dim, **factory)
-        block_class = TransformerBlock if block_impl == "fused" else reference.TransformerBlock
-        self.blocks = nn.ModuleList(block_class(config.dim, config.n_heads, **config.block_kwargs(), **factory)
-                                    for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList(
+            BLOCK_CLASSES[block_impl](config.dim, config.n_heads, **config.block_kwargs(), remat=policy, **factory)
+            for policy in policies
+        )
         if config.norm == "rmsnorm":
             self.norm = nn.RMSNorm(config.dim, eps=config.eps, **factory)
         else:
             self.norm = nn.LayerNorm(config.dim, eps=config.eps, bias=config.bias, **factory)
         self.head = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False, **factory)
-        self.set_remat(remat)
         if device is None or torch.device(device).type != "meta":
             self.reset_parameters()
 
     @property
     def remat(self) -> list[str]:
-        return list(self._policies)
+        return [block.remat for block in self.blocks]
 
     def set_remat(self, remat: str | Sequence[str]) -> None:
-        self._policies = resolve_policies(remat, self.config.n_layers, self.block_impl)
-        if self.block_impl == "fused":
-            for block, policy in zip(self.blocks, self._policies):
-                block.remat = policy
+        """Change the policies between steps (validated before any block changes)."""
+        for block, policy in zip(self.blocks, resolve_policies(remat, self.config.n_layers, self.block_impl)):
+            block.remat = policy
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -155,11 +150,8 @@ class LanguageModel(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         self._check_tokens("tokens", tokens)
         x = self.embed(tokens)
-        for block, policy in zip(self.blocks, self._policies):
-            if self.block_impl == "reference" and policy == "full" and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
+        for block in self.blocks:
+            x = block(x)
         x = self._final_norm(x)
         if targets is None:
             return F.linear(x, self.head_weight)

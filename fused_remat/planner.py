@@ -19,15 +19,14 @@ layers' saved activations are already freed, so their replay does not add to the
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from dataclasses import dataclass
 
 import torch
 
-from .block import TransformerBlock
+from .block import TransformerBlock, block_widths, kept_bytes_per_token
+from .flops import ATTENTION_BACKWARD_FACTOR, attention_flops
 from .model import ModelConfig
-from .reference import llama_ffn_dim
 
 PLANNED_POLICIES = ("cheap", "full")
 _FP32 = 4
@@ -50,33 +49,15 @@ class Precision:
         return torch.empty((), dtype=self.compute).element_size()
 
 
-def _widths(config: ModelConfig) -> tuple[int, int, int, int]:
-    """(h_kv, ffn_dim, F = width of the MLP pre-activation, n_heads)."""
-    head_dim = config.dim // config.n_heads
-    h_kv = (config.n_kv_heads or config.n_heads) * head_dim
-    if config.ffn_dim is not None:
-        ffn = config.ffn_dim
-    else:
-        ffn = llama_ffn_dim(config.dim) if config.activation == "swiglu" else 4 * config.dim
-    pre_activation = 2 * ffn if config.activation == "swiglu" else ffn
-    return h_kv, ffn, pre_activation, config.n_heads
+def _widths(config: ModelConfig) -> dict[str, int]:
+    """Elements per token of what one layer keeps (``block_widths``) for this model's blocks."""
+    return block_widths(config.dim, config.n_heads, config.n_kv_heads, config.ffn_dim, config.norm, config.activation)
 
 
 def layer_bytes_per_token(config: ModelConfig, policy: str, precision: Precision) -> int:
-    """Bytes one fused block keeps for backward per token under ``policy`` (DESIGN.md's table)."""
-    h = config.dim
-    h_kv, ffn, pre_activation, heads = _widths(config)
-    r, c = precision.residual_bytes, precision.compute_bytes
-    statistics = 2 * (2 * _FP32 if config.norm == "layernorm" else _FP32)
-    if policy == "full":
-        return r * h  # x
-    # x and h in the residual dtype; qkv, attention output and fc1 output in the compute dtype.
-    cheap = 2 * r * h + c * (h + 2 * h_kv + h + pre_activation) + _FP32 * heads + statistics
-    if policy == "cheap":
-        return cheap
-    if policy == "none":
-        return cheap + c * (2 * h + ffn)  # both norm outputs and the activation output
-    raise ValueError(f"unknown remat policy {policy!r}")
+    """Bytes one fused block keeps for backward per token under ``policy`` (the block's own table,
+    ``fused_remat.block.KEPT_FOR_BACKWARD``)."""
+    return kept_bytes_per_token(policy, _widths(config), precision.residual_bytes, precision.compute_bytes)
 
 
 def head_bytes(config: ModelConfig, tokens: int, precision: Precision) -> int:
@@ -92,13 +73,12 @@ def layer_step_flops(config: ModelConfig, batch: int, seq_len: int) -> tuple[flo
 
     Matmuls cost 2 FLOPs per multiply-add forward and twice that backward; attention is
     4 B H N^2 D forward (half, causal) and 2.5x that backward (DESIGN.md)."""
-    h = config.dim
-    h_kv, ffn, pre_activation, _ = _widths(config)
+    widths = _widths(config)
     tokens = batch * seq_len
-    qkv_out_fc1 = 2 * tokens * h * (h + 2 * h_kv + h + pre_activation)
-    fc2 = 2 * tokens * ffn * h
-    attention = 4 * tokens * seq_len * h / 2
-    return qkv_out_fc1 + attention, 3 * (qkv_out_fc1 + fc2) + 3.5 * attention
+    qkv_out_fc1 = 2 * tokens * config.dim * (widths["qkv"] + widths["dim"] + widths["pre_activation"])
+    fc2 = 2 * tokens * widths["ffn"] * config.dim
+    attention = attention_flops(batch, config.n_heads, seq_len, seq_len, config.dim // config.n_heads, causal=True)
+    return qkv_out_fc1 + attention, 3 * (qkv_out_fc1 + fc2) + (1 + ATTENTION_BACKWARD_FACTOR) * attention
 
 
 def flop_policy_costs(config: ModelConfig, batch: int, seq_len: int) -> dict[str, float]:
@@ -195,8 +175,8 @@ def plan_remat(config: ModelConfig, batch: int, seq_len: int, precision: Precisi
             best = (key, counts)
     if best is None:
         smallest = fixed + layers * min(per_layer.values())
-        raise ValueError(f"--memory-budget: {_mib(budget)} is below the smallest plan's {_mib(smallest)} "
-                         f"({tokens:,} tokens, {layers} layers); lower --seq-len or --batch-size")
+        raise ValueError(f"budget: {_mib(budget)} is below the smallest plan's {_mib(smallest)} "
+                         f"({tokens:,} tokens, {layers} layers); shorten the sequences or the batch")
     # Most expensive policy first (``full`` on the earliest layers), as the module docstring explains.
     order = sorted(zip(candidates, best[1]), key=lambda item: -costs[item[0]])
     policies = [p for p, n in order for _ in range(n)]
@@ -224,16 +204,3 @@ def _compositions(total: int, parts: int):
         bounds = (0, *cuts, total)
         yield tuple(bounds[i + 1] - bounds[i] for i in range(parts))
 
-
-def parse_bytes(text: str) -> int:
-    """'12GiB', '800MB', '1.5G', '1000000' -> bytes (K/M/G/T are binary, as nvidia-smi's MiB)."""
-    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-    cleaned = text.strip().upper().removesuffix("B").removesuffix("I")
-    number, unit = (cleaned[:-1], cleaned[-1]) if cleaned and cleaned[-1] in units else (cleaned, "")
-    try:
-        value = float(number) * units[unit]
-    except ValueError:
-        raise ValueError(f"--memory-budget: expected a size such as 12GiB or 800MiB, got {text!r}") from None
-    if not value > 0 or not math.isfinite(value):
-        raise ValueError(f"--memory-budget must be positive, got {text!r}")
-    return int(value)

@@ -10,6 +10,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from .kernels.limits import MAX_HEAD_DIM
@@ -119,6 +120,11 @@ def llama_ffn_dim(dim: int, multiple_of: int = 256) -> int:
     return multiple_of * -(-hidden // multiple_of)
 
 
+def default_ffn_dim(dim: int, activation: str) -> int:
+    """The MLP width when none is given: 4 x dim for GELU, LLaMA's rounded 8/3 x dim for SwiGLU."""
+    return llama_ffn_dim(dim) if activation == "swiglu" else 4 * dim
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm Transformer block in plain PyTorch: the twin of ``fused_remat.TransformerBlock``.
 
@@ -134,13 +140,17 @@ class TransformerBlock(nn.Module):
     switches the linear and LayerNorm biases (RMSNorm has none).
 
     Parameter names and shapes are those of the fused block, so ``load_state_dict`` moves weights
-    between the two either way.
+    between the two either way. ``remat``: ``"none"`` (eager) or ``"full"`` (torch.utils.checkpoint
+    around the block, which keeps only x), settable between steps like the fused block's.
     """
+
+    REMAT_POLICIES = ("none", "full")
 
     def __init__(self, dim: int, n_heads: int, *, n_kv_heads: int | None = None, ffn_dim: int | None = None,
                  norm: str = "layernorm", activation: str = "gelu", bias: bool = True, causal: bool = True,
-                 eps: float = 1e-5, rope_theta: float | None = None, device=None, dtype=None):
+                 eps: float = 1e-5, rope_theta: float | None = None, remat: str = "none", device=None, dtype=None):
         super().__init__()
+        self.remat = remat
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         _check_block_config(dim, n_heads, n_kv_heads, ffn_dim, norm, activation, eps, rope_theta)
         self.dim, self.n_heads, self.n_kv_heads = dim, n_heads, n_kv_heads
@@ -148,16 +158,29 @@ class TransformerBlock(nn.Module):
         self.norm_kind, self.activation, self.causal, self.eps = norm, activation, bool(causal), float(eps)
         self.rope_theta = None if rope_theta is None else float(rope_theta)
         self.has_bias = bool(bias)
-        if ffn_dim is None:
-            ffn_dim = llama_ffn_dim(dim) if activation == "swiglu" else 4 * dim
-        self.ffn_dim = ffn_dim
+        self.ffn_dim = default_ffn_dim(dim, activation) if ffn_dim is None else ffn_dim
         factory = dict(device=device, dtype=dtype)
         self.norm1 = self._make_norm(bias, factory)
         self.qkv = nn.Linear(dim, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(dim, dim, bias=bias, **factory)
         self.norm2 = self._make_norm(bias, factory)
-        self.fc1 = nn.Linear(dim, 2 * ffn_dim if activation == "swiglu" else ffn_dim, bias=bias, **factory)
-        self.fc2 = nn.Linear(ffn_dim, dim, bias=bias, **factory)
+        self.fc1 = nn.Linear(dim, 2 * self.ffn_dim if activation == "swiglu" else self.ffn_dim, bias=bias, **factory)
+        self.fc2 = nn.Linear(self.ffn_dim, dim, bias=bias, **factory)
+
+    @classmethod
+    def check_remat(cls, policy) -> str:
+        """``policy`` if this block class takes it, else a ValueError naming the choices."""
+        if not isinstance(policy, str) or policy not in cls.REMAT_POLICIES:
+            raise ValueError(f"{cls.__name__}: remat must be one of {cls.REMAT_POLICIES}, got {policy!r}")
+        return policy
+
+    @property
+    def remat(self) -> str:
+        return self._remat
+
+    @remat.setter
+    def remat(self, policy: str) -> None:
+        self._remat = self.check_remat(policy)
 
     def _make_norm(self, bias: bool, factory: dict) -> nn.Module:
         if self.norm_kind == "rmsnorm":
@@ -165,6 +188,11 @@ class TransformerBlock(nn.Module):
         return nn.LayerNorm(self.dim, eps=self.eps, bias=bias, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.remat == "full" and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self._eager, x, use_reentrant=False)
+        return self._eager(x)
+
+    def _eager(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self._attention(self.norm1(x))
         return h + self.fc2(self._activate(self.fc1(self.norm2(h))))
 

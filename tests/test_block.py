@@ -8,6 +8,7 @@ import torch
 
 import fused_remat
 from fused_remat import reference
+from fused_remat.block import block_widths, kept_bytes_per_token
 from fused_remat.memory import saved_memory
 from numerics import assert_error_rule
 
@@ -136,17 +137,23 @@ def _bytes_per_token(block, dtype, device, batch=2, lengths=(16, 40)):
     return per_token
 
 
-def _contract(policy, norm, activation, dim=MEMORY_DIM, heads=MEMORY_HEADS, kv=MEMORY_KV, ffn=MEMORY_FFN, e=2):
-    """DESIGN.md's table, per token: bytes kept for backward by each policy."""
-    h, h_kv = dim, kv * (dim // heads)
-    pre_activation = 2 * ffn if activation == "swiglu" else ffn
-    statistics = 2 * (8 if norm == "layernorm" else 4)
-    if policy == "full":
-        return e * h
-    cheap = e * (h + (h + 2 * h_kv) + h + h + pre_activation) + 4 * heads + statistics
-    if policy == "cheap":
-        return cheap
-    return cheap + e * (h + h + ffn)  # none: also both norm outputs and the activation output
+def test_the_block_table_is_design_md_contract():
+    """DESIGN.md's figures for a GPT-style block (MHA, LayerNorm, GELU, F = 4h, bf16): 32h bytes per
+    token for ``none``, 20h for ``cheap``, 2h for ``full``, plus the fp32 lse (4 per head) and the
+    statistics (8 per LayerNorm)."""
+    h, heads = 768, 12
+    widths = block_widths(h, heads, None, None, "layernorm", "gelu")
+    kept = {policy: kept_bytes_per_token(policy, widths, residual_bytes=2, compute_bytes=2) for policy in POLICIES}
+    assert kept == {"none": 32 * h + 4 * heads + 16, "cheap": 20 * h + 4 * heads + 16, "full": 2 * h}
+    # Under autocast x and h stay in fp32: two more bytes each, and only those.
+    assert kept_bytes_per_token("cheap", widths, residual_bytes=4, compute_bytes=2) == kept["cheap"] + 2 * 2 * h
+    with pytest.raises(ValueError, match="remat must be one of"):
+        kept_bytes_per_token("some", widths, 2, 2)
+
+
+def _contract(policy, norm, activation):
+    widths = block_widths(MEMORY_DIM, MEMORY_HEADS, MEMORY_KV, MEMORY_FFN, norm, activation)
+    return kept_bytes_per_token(policy, widths, residual_bytes=2, compute_bytes=2)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -293,6 +300,15 @@ def test_bad_configuration_names_the_argument(kwargs, match):
     kwargs = dict(kwargs)
     with pytest.raises(ValueError, match=match):
         fused_remat.TransformerBlock(kwargs.pop("dim"), kwargs.pop("n_heads"), device="meta", **kwargs)
+
+
+def test_remat_is_checked_whenever_it_is_set():
+    fused = fused_remat.TransformerBlock(32, 4, remat="full")
+    plain = reference.TransformerBlock(32, 4, remat="full")
+    for block, wrong in ((fused, "auto"), (plain, "cheap")):
+        with pytest.raises(ValueError, match=f"remat must be one of .*got '{wrong}'"):
+            block.remat = wrong
+        assert block.remat == "full"
 
 
 def test_bad_input_names_the_argument(device, triton_backend):

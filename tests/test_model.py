@@ -10,7 +10,7 @@ import torch
 from fused_remat.memory import saved_memory
 from fused_remat.model import LanguageModel, ModelConfig, preset, resolve_policies
 from fused_remat.planner import (
-    Precision, explain_policies, flop_policy_costs, layer_bytes_per_token, measure_policy_costs, parse_bytes, plan_remat,
+    Precision, explain_policies, flop_policy_costs, layer_bytes_per_token, measure_policy_costs, plan_remat,
 )
 
 # Three layers so that mixed plans have something to mix; GQA and RoPE as the LLaMA preset.
@@ -101,7 +101,7 @@ def test_presets_build_on_the_meta_device():
 def test_bad_model_arguments_are_named():
     with pytest.raises(ValueError, match="vocab_size"):
         ModelConfig(vocab_size=0)
-    with pytest.raises(ValueError, match="--preset"):
+    with pytest.raises(ValueError, match="preset must be one of"):
         preset("gpt5")
     with pytest.raises(ValueError, match="3 policies for 2 layers"):
         resolve_policies(["cheap"] * 3, 2)
@@ -162,7 +162,7 @@ def test_plans_fit_their_budget_and_spend_the_least_recompute(device, triton_bac
         model.set_remat(plan.policies)
         assert _measured_bytes(model, tokens, FP32) <= budget
     assert plan.policies == ["cheap"] * 3 and plan.extra_compute == 0
-    with pytest.raises(ValueError, match="--memory-budget"):
+    with pytest.raises(ValueError, match="budget: .* is below the smallest plan"):
         plan_remat(CONFIG, batch, seq, FP32, smallest - 1)
 
 
@@ -194,16 +194,6 @@ def test_plan_table_lists_every_layer():
     plan = plan_remat(CONFIG, 1, 64, AUTOCAST_BF16, budget=None)
     table = plan.table()
     assert table.count("cheap") == 3 and "total" in table and "FLOP model" in table
-
-
-def test_parse_bytes():
-    assert parse_bytes("12GiB") == 12 * 2**30
-    assert parse_bytes("800MB") == 800 * 2**20
-    assert parse_bytes("1.5g") == int(1.5 * 2**30)
-    assert parse_bytes("4096") == 4096
-    for bad in ("lots", "-1G", "0"):
-        with pytest.raises(ValueError, match="--memory-budget"):
-            parse_bytes(bad)
 
 
 @pytest.mark.gpu
