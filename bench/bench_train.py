@@ -10,10 +10,11 @@ LayerNorm, RoPE) with the byte vocabulary (256) that ``python -m fused_remat.tra
 diluting the differences that come from the blocks, which is what this suite compares; the loss is
 ``fused_remat.linear_cross_entropy`` (chunked, never all logits) in every provider alike.
 
-One step, as ``fused_remat.train`` does it: forward and loss under bf16 autocast over fp32 master
-weights, backward, ``clip_grad_norm_`` to 1.0, the fused AdamW step of ``train.make_optimizer``
-(decay on matrices only), ``zero_grad(set_to_none=True)``. Batch 1 at N = 8192, 16384 and 32768
-(quick: 16384), the tokens fresh random ids from INPUT_SETS rotating sets (harness.rotating), the
+One step is the trainer's own, ``fused_remat.training.step.train_step``: forward and loss under
+bf16 autocast over fp32 master weights, backward, ``clip_grad_norm_`` to 1.0, the fused AdamW step
+of ``step.make_optimizer`` (decay on matrices only; learning rate, decay and clipping those of
+``TrainConfig.build`` for the preset), ``zero_grad(set_to_none=True)``. Batch 1 at N = 8192, 16384
+and 32768 (quick: 16384), the tokens fresh random ids from INPUT_SETS rotating sets (harness.rotating), the
 same sequence for every provider. Every provider starts from the same weights.
 
 Providers:
@@ -52,8 +53,8 @@ Memory, per step:
 - OOM in any provider is recorded as "OOM" for that provider; its memory is released before the next.
 The Markdown table gives each provider's time and peak memory as ratios to eager's.
 
-Longest trainable sequence (full mode only; slow): ``fused_remat.capacity``'s probe (one training
-step, fits unless CUDA runs out of memory; ``auto`` plans for the memory left at each length) and its
+Longest trainable sequence (full mode only; slow): ``fused_remat.training.capacity``'s probe (one
+training step, fits unless CUDA runs out of memory; ``auto`` plans for the memory left at each length) and its
 search ``largest_fitting`` (doubling, then bisection, here in steps of 1024 tokens), per provider,
 within a budget of 16 GiB set with ``torch.cuda.set_per_process_memory_fraction``. A fixed budget
 keeps the probes short (a step costs N^2: on a whole 80 GB card ``full`` fits close to a million
@@ -81,10 +82,12 @@ import torch
 
 from bench import harness
 from bench.harness import Case, Result, pytest_benchmark_case
-from fused_remat.training import capacity
 from fused_remat.memory import saved_memory
 from fused_remat.model import LanguageModel, ModelConfig, preset
 from fused_remat.planner import Precision, RematPlan, explain_policies, plan_remat
+from fused_remat.training import capacity
+from fused_remat.training.config import TrainConfig
+from fused_remat.training.step import forward_loss, make_optimizer, train_step
 
 MEASURE_MEMORY = True
 GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
@@ -169,8 +172,6 @@ class TrainStep:
     training step on the next set and returns (loss, gradient norm before clipping)."""
 
     def __init__(self, provider: Provider, seq_len: int, batch: int, device: str):
-        from fused_remat.training import loop as train  # the CLI's optimizer and defaults; imported late, as it is heavy
-
         config = model_config(device)
         self.device, self.precision = torch.device(device), precision(device)
         self.info: dict = {}
@@ -188,25 +189,19 @@ class TrainStep:
         if provider.compiled:
             torch._dynamo.reset()  # each case compiles its own shapes: no recompile limit, no stale graphs
             self.forward = torch.compile(self.model, dynamic=False)
-        settings = train.parse_args(["--preset", preset_name(device)])  # lr, weight decay, clipping
-        self.optimizer = train.make_optimizer(self.model, settings, self.device)
+        settings = TrainConfig.build(device, preset=preset_name(device))  # the CLI's lr, weight decay, clipping
+        self.optimizer = make_optimizer(self.model, lr=settings.lr, weight_decay=settings.weight_decay)
         self.grad_clip = settings.grad_clip
-        self.autocast = self.precision.compute != self.precision.residual
         generator = torch.Generator(device).manual_seed(INPUT_SEED)
         self.make_tokens = lambda: (torch.randint(0, config.vocab_size, (batch, seq_len + 1), generator=generator, device=device),)
         self._next = harness.rotating(self.make_tokens, self.step_on)
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(self.device.type, dtype=self.precision.compute, enabled=self.autocast):
-            return self.forward(tokens[:, :-1], tokens[:, 1:])
+        return forward_loss(self.forward, tokens[:, :-1], tokens[:, 1:], self.precision.compute)
 
     def step_on(self, tokens: torch.Tensor):
-        loss = self.loss(tokens)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach(), grad_norm
+        return train_step(self.forward, self.optimizer, [(tokens[:, :-1], tokens[:, 1:])],
+                          compute_dtype=self.precision.compute, grad_clip=self.grad_clip)
 
     def __call__(self):
         return self._next()

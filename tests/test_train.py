@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from fused_remat.training import checkpoint as checkpoints
-from fused_remat.training import loop as train
+from fused_remat.training import cli, loop
 from fused_remat.training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from fused_remat.training.config import TrainConfig, flag_error, parse_size
 from fused_remat.model import preset
 from fused_remat.planner import Precision, explain_policies
 
@@ -41,7 +42,7 @@ def _interpreted_kernels(triton_backend):
 
 def test_a_short_run_learns_well_below_uniform_bytes(tmp_path):
     out = tmp_path / "run"
-    assert train.main(["--preset", "tiny", "--steps", "50", "--seq-len", "32", "--batch-size", "4",
+    assert cli.main(["--preset", "tiny", "--steps", "50", "--seq-len", "32", "--batch-size", "4",
                        "--eval-interval", "25", "--out", str(out)]) == 0
     records = _metrics(out)
     assert [r["step"] for r in records] == list(range(50))
@@ -83,15 +84,15 @@ class _StopAt:
 def test_resume_continues_bit_for_bit(tmp_path, monkeypatch):
     common = [*SHORT, "--steps", "4", "--eval-interval", "2", "--warmup", "1", "--grad-accum", "2"]
     whole, split = tmp_path / "whole", tmp_path / "split"
-    assert train.main([*common, "--out", str(whole)]) == 0
+    assert cli.main([*common, "--out", str(whole)]) == 0
 
     with monkeypatch.context() as patch:
-        patch.setattr(train, "StopRequest", _StopAt(2))
-        assert train.main([*common, "--out", str(split)]) == 130
+        patch.setattr(loop, "StopRequest", _StopAt(2))
+        assert cli.main([*common, "--out", str(split)]) == 130
     assert load_checkpoint(split / "checkpoint.pt", {})["step"] == 2
     assert len(_metrics(split)) == 2
     # A different remat policy is allowed on resume: every policy computes the same bits.
-    assert train.main([*common, "--out", str(split), "--resume", "--remat", "full"]) == 0
+    assert cli.main([*common, "--out", str(split), "--resume", "--remat", "full"]) == 0
 
     assert _trajectory(split) == _trajectory(whole)
     ours, theirs = (load_checkpoint(out / "checkpoint.pt", {}) for out in (split, whole))
@@ -140,22 +141,22 @@ def _snapshot(folder: Path) -> dict:
 def test_corrupt_and_mismatched_checkpoints_are_refused_without_touching_the_run(tmp_path, capsys):
     out = tmp_path / "run"
     args = [*SHORT, "--steps", "1", "--out", str(out)]
-    assert train.main(args) == 0
+    assert cli.main(args) == 0
     before = _snapshot(out)
 
-    assert train.main([*SHORT, "--steps", "1", "--seq-len", "48", "--out", str(out), "--resume"]) == 2
+    assert cli.main([*SHORT, "--steps", "1", "--seq-len", "48", "--out", str(out), "--resume"]) == 2
     error = capsys.readouterr().err
     assert "different run" in error and "seq_len: checkpoint has 32, this run has 48" in error
     assert _snapshot(out) == before
 
-    assert train.main(args) == 2  # a second run into the same folder without --resume
+    assert cli.main(args) == 2  # a second run into the same folder without --resume
     assert "--resume" in capsys.readouterr().err
     assert _snapshot(out) == before
 
     data = bytearray((out / "checkpoint.pt").read_bytes())
     (out / "checkpoint.pt").write_bytes(bytes(data[: len(data) // 2]))
     before = _snapshot(out)
-    assert train.main([*args, "--resume"]) == 2
+    assert cli.main([*args, "--resume"]) == 2
     assert "not a readable checkpoint" in capsys.readouterr().err
     assert _snapshot(out) == before
 
@@ -177,7 +178,7 @@ def test_corrupt_and_mismatched_checkpoints_are_refused_without_touching_the_run
 ])
 def test_bad_arguments_exit_with_a_usage_error(arguments, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        train.main([*SHORT, *arguments, "--out", str(tmp_path / "run")])
+        cli.main([*SHORT, *arguments, "--out", str(tmp_path / "run")])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -192,7 +193,7 @@ def test_bad_arguments_exit_with_a_usage_error(arguments, message, tmp_path, cap
     (["--resume"], "no checkpoint"),
 ])
 def test_bad_settings_give_a_clear_error(arguments, message, tmp_path, capsys):
-    assert train.main([*SHORT, "--steps", "1", *arguments, "--out", str(tmp_path / "run")]) == 2
+    assert cli.main([*SHORT, "--steps", "1", *arguments, "--out", str(tmp_path / "run")]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "run" / "checkpoint.pt").exists()
 
@@ -201,7 +202,7 @@ def test_remat_auto_prints_its_plan_and_trains(tmp_path, capsys):
     fp32 = Precision(torch.float32, torch.float32)
     one_full = explain_policies(preset("tiny"), 2, 32, fp32, ["full", "cheap"]).predicted_bytes
     out = tmp_path / "run"
-    assert train.main([*SHORT, "--steps", "1", "--remat", "auto", "--memory-budget", str(one_full + 100),
+    assert cli.main([*SHORT, "--steps", "1", "--remat", "auto", "--memory-budget", str(one_full + 100),
                        "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "remat plan" in printed and "budget" in printed
@@ -212,22 +213,64 @@ def test_trains_on_a_nanogpt_bin_file(tmp_path):
     tokens = torch.randint(0, 1000, (5000,), dtype=torch.int32).to(torch.uint16)
     (tmp_path / "tokens.bin").write_bytes(bytes(tokens.view(torch.uint8).tolist()))
     out = tmp_path / "run"
-    assert train.main([*SHORT, "--steps", "2", "--data", str(tmp_path / "tokens.bin"), "--vocab-size", "1000",
+    assert cli.main([*SHORT, "--steps", "2", "--data", str(tmp_path / "tokens.bin"), "--vocab-size", "1000",
                        "--out", str(out)]) == 0
     assert load_checkpoint(out / "checkpoint.pt", {})["model"]["embed.weight"].shape == (1000, 64)
 
 
 def test_learning_rate_warms_up_then_decays_to_the_minimum():
-    args = train.parse_args(["--steps", "100", "--lr", "1e-3", "--warmup", "10", "--out", "unused"])
-    rates = [train.learning_rate(step, args) for step in range(100)]
+    config = cli.parse_args(["--steps", "100", "--lr", "1e-3", "--warmup", "10", "--out", "unused"])
+    rates = [config.learning_rate(step) for step in range(100)]
     assert rates[0] == pytest.approx(1e-4) and rates[9] == pytest.approx(1e-3)
     assert rates[-1] == pytest.approx(1e-4)
     assert all(a >= b for a, b in zip(rates[9:], rates[10:]))
 
 
+@pytest.mark.parametrize("text,size", [
+    ("1000000", 1_000_000), ("12GiB", 12 * 2**30), ("800MiB", 800 * 2**20), ("1.5G", 3 * 2**29), ("800MB", 800 * 2**20),
+    ("64k", 64 * 2**10), ("2TiB", 2 * 2**40), (" 1.8mib ", int(1.8 * 2**20)), ("100B", 100), ("1e3", 1000),
+])
+def test_parse_size_reads_binary_units(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["lots", "", "12 GiB of memory", "-1GiB", "0", "0.1", "GiB", "1.5.2M", "12PiB", "inf"])
+def test_parse_size_refuses_what_is_not_a_positive_size(text):
+    with pytest.raises(ValueError, match="size"):
+        parse_size(text)
+
+
+def test_config_fills_defaults_by_device_and_preset():
+    config = TrainConfig.build("cpu", steps=None, memory_budget="1.5KiB", out=None)
+    assert (config.preset, config.steps, config.seq_len, config.dtype) == ("tiny", 50, 64, "fp32")
+    assert config.lr == 3e-3 and config.min_lr == pytest.approx(3e-4) and config.warmup == 5
+    assert config.memory_budget == 1536 and config.out == Path("runs/tiny")
+    gpu = TrainConfig.build("cuda", preset="llama-1b", steps=5000)
+    assert (gpu.dtype, gpu.compute_dtype, gpu.warmup, gpu.lr) == ("bf16", torch.bfloat16, 200, 3e-4)
+    assert gpu.precision == Precision(torch.float32, torch.bfloat16)
+    with pytest.raises(ValueError, match="--memory-budget: expected a size"):
+        TrainConfig.build("cpu", memory_budget="lots")
+    with pytest.raises(ValueError, match="--preset must be one of"):
+        TrainConfig.build("cpu", preset="gpt5")
+
+
+def test_library_errors_are_shown_with_the_flag():
+    assert str(flag_error("--memory-budget", ValueError("budget: 1 MiB is below 2 MiB"), "budget")) == \
+        "--memory-budget: 1 MiB is below 2 MiB"
+    assert str(flag_error("--memory-budget", ValueError("--memory-budget: too small"), "budget")) == "--memory-budget: too small"
+    assert str(flag_error("--preset", ValueError("preset must be one of a, b"), "preset")) == "--preset must be one of a, b"
+    assert str(flag_error("--remat", ValueError("Block: remat must be one of"), "remat")) == "--remat: Block: remat must be one of"
+
+
+def test_python_m_fused_remat_training_is_the_same_cli():
+    shown = [subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, check=True).stdout
+             for module in ("fused_remat.train", "fused_remat.training")]
+    assert shown[0] == shown[1] and "--find-max-seq-len" in shown[0]
+
+
 def test_find_max_seq_len_on_cpu_ranks_the_policies(tmp_path, capsys):
     out = tmp_path / "run"
-    assert train.main(["--preset", "tiny", "--batch-size", "1", "--find-max-seq-len", "--memory-budget", "1.8MiB",
+    assert cli.main(["--preset", "tiny", "--batch-size", "1", "--find-max-seq-len", "--memory-budget", "1.8MiB",
                        "--out", str(out)]) == 0
     rows = {row["candidate"]: row["max_seq_len"] for row in json.loads((out / "max_seq_len.json").read_text())["rows"]}
     assert 0 < rows["reference, eager"] <= rows["fused_remat cheap"] <= rows["fused_remat full"]
@@ -272,7 +315,7 @@ def test_ddp_and_fsdp2_train_the_same_model(tmp_path):
 @pytest.mark.gpu
 def test_gpu_training_run_learns(tmp_path):
     out = tmp_path / "run"
-    assert train.main(["--preset", "gpt2-small", "--steps", "40", "--seq-len", "4096", "--batch-size", "2",
+    assert cli.main(["--preset", "gpt2-small", "--steps", "40", "--seq-len", "4096", "--batch-size", "2",
                        "--eval-interval", "20", "--out", str(out)]) == 0
     records = _metrics(out)
     assert records[-1]["val_loss"] < 0.7 * UNIFORM_LOSS

@@ -1,1 +1,16 @@
-"""The training application (being restructured)."""
+"""The training application: ``python -m fused_remat.train`` (or ``python -m fused_remat.training``).
+It sits on top of the op library (it imports ``fused_remat``'s model, planner and meter; the
+library never imports it). Modules:
+
+    cli.py          the command line: argparse flags -> TrainConfig, main() with its exit statuses
+    config.py       TrainConfig (every setting of a run, defaults by device and preset), parse_size
+    step.py         train_step (forward under autocast, backward, clipping, AdamW step, zero_grad),
+                    make_optimizer, forward_loss: the one step of training, capacity and bench
+    loop.py         train(): data, model and remat policies, resume, the step loop, evaluation,
+                    metrics, checkpoints, Ctrl-C
+    data.py         the token sources (stdlib corpus, text, nanoGPT .bin) and deterministic batches
+    distributed.py  torchrun: process group, DDP/FSDP2 wrapping, gradient sync, state dicts
+    checkpoint.py   atomic checkpoints and the checks made before resuming
+    reporting.py    the progress line, metrics.jsonl, the training plot
+    capacity.py     --find-max-seq-len: the longest trainable sequence per remat policy
+"""

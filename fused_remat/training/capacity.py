@@ -8,6 +8,10 @@ exhaust, so a length fits when the bytes autograd keeps (the saved-memory meter)
 per parameter (fp32 weights, gradients, two AdamW moments) stay within ``--memory-budget``.
 Lengths are searched by doubling, then bisection, in multiples of ``GRANULARITY``, to within
 1/64 of the answer (a probe at long lengths is a slow step), up to ``MAX_SEQ_LEN``.
+
+``find_max_seq_len(config, run)`` is what ``python -m fused_remat.train --find-max-seq-len`` runs;
+``TrainStepProbe`` and ``largest_fitting`` are also the training benchmark's
+(``bench/bench_train.py``). A probe steps as training does (``training/step.py``).
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ from collections.abc import Callable
 
 import torch
 
-from .distributed import Distributed
 from ..memory import saved_memory
-from ..model import LanguageModel, ModelConfig, preset
+from ..model import LanguageModel, ModelConfig
 from ..planner import Precision, plan_remat
+from .config import TrainConfig
+from .distributed import Distributed
+from .step import forward_loss, make_optimizer, train_step
 
 GRANULARITY = {"cuda": 256, "cpu": 32}
 MAX_SEQ_LEN = 1 << 18  # 262,144 tokens: a longer probe step takes minutes on an H100
@@ -67,12 +73,9 @@ class TrainStepProbe:
         self.device, self.budget = device, budget
         self.model = LanguageModel(config, "none" if remat == "auto" else remat, block_impl=block_impl, device=device)
         self.parameters = sum(p.numel() for p in self.model.parameters())
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4,
-                                           **(dict(fused=True) if device.type == "cuda" else dict(foreach=True)))
+        self.optimizer = make_optimizer(self.model, lr=1e-4, weight_decay=0.1)
         # One short step first, so the AdamW moments exist as they do during training.
-        self._loss(torch.randint(0, config.vocab_size, (1, 17), device=device), precision.compute != torch.float32).backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._step(torch.randint(0, config.vocab_size, (1, 17), device=device))
 
     def _activation_budget(self) -> int:
         if self.device.type == "cuda":
@@ -89,11 +92,10 @@ class TrainStepProbe:
                 return False
             self.model.set_remat(plan.policies)
         tokens = torch.randint(0, self.config.vocab_size, (self.batch, seq_len + 1), device=self.device)
-        autocast = self.precision.compute != torch.float32
         try:
             if self.device.type == "cuda":
-                return self._step_fits_on_gpu(tokens, autocast)
-            return self._saved_bytes_fit(tokens, autocast)
+                return self._step_fits_on_gpu(tokens)
+            return self._saved_bytes_fit(tokens)
         finally:
             self.optimizer.zero_grad(set_to_none=True)
             del tokens
@@ -101,22 +103,23 @@ class TrainStepProbe:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
-    def _loss(self, tokens, autocast: bool):
-        with torch.autocast(self.device.type, dtype=self.precision.compute, enabled=autocast):
-            return self.model(tokens[:, :-1], tokens[:, 1:])
+    def _loss(self, tokens):
+        return forward_loss(self.model, tokens[:, :-1], tokens[:, 1:], self.precision.compute)
 
-    def _step_fits_on_gpu(self, tokens, autocast: bool) -> bool:
+    def _step(self, tokens) -> None:
+        train_step(self.model, self.optimizer, [(tokens[:, :-1], tokens[:, 1:])], compute_dtype=self.precision.compute)
+
+    def _step_fits_on_gpu(self, tokens) -> bool:
         try:
-            self._loss(tokens, autocast).backward()
-            self.optimizer.step()
+            self._step(tokens)
             torch.cuda.synchronize(self.device)
             return True
         except torch.OutOfMemoryError:
             return False
 
-    def _saved_bytes_fit(self, tokens, autocast: bool) -> bool:
+    def _saved_bytes_fit(self, tokens) -> bool:
         with saved_memory(exclude=self.model.parameters()) as meter:
-            loss = self._loss(tokens, autocast)
+            loss = self._loss(tokens)
         del loss
         saved = meter.bytes
         if self.model.block_impl == "reference":
@@ -127,27 +130,28 @@ class TrainStepProbe:
         return saved + 16 * self.parameters <= self.budget
 
 
-def find_max_seq_len(args, run: Distributed) -> int:
+def find_max_seq_len(config: TrainConfig, run: Distributed) -> int:
+    """Prints the longest trainable sequence of every candidate in CANDIDATES and writes them to
+    ``config.out``/max_seq_len.json; 0 when done."""
     device = run.device()
     if run.world_size > 1:
         raise ValueError("--find-max-seq-len runs in one process (one GPU); start it without torchrun")
-    if device.type != "cuda" and args.memory_budget is None:
+    if device.type != "cuda" and config.memory_budget is None:
         raise ValueError("--find-max-seq-len on CPU needs --memory-budget (there is no device memory to exhaust)")
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    precision = Precision(residual=torch.float32, compute=dtype)
-    config = preset(args.preset, vocab_size=args.vocab_size or 256)
-    if device.type == "cuda" and args.memory_budget is not None:
+    budget = config.memory_budget
+    model_config = config.model_config(config.vocab_size or 256)
+    if device.type == "cuda" and budget is not None:
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_budget / total), device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
     granularity = GRANULARITY[device.type]
     criterion = ("one training step without CUDA out-of-memory" if device.type == "cuda"
                  else "saved activations (meter) + 16 B/parameter within --memory-budget")
-    print(f"longest trainable sequence: {args.preset} ({config.describe()}), batch {args.batch_size}, {args.dtype}, "
+    print(f"longest trainable sequence: {config.preset} ({model_config.describe()}), batch {config.batch_size}, {config.dtype}, "
           f"criterion: {criterion}, in steps of {granularity}")
     rows = []
     for label, block_impl, remat in CANDIDATES:
-        torch.manual_seed(args.seed)
-        probe = TrainStepProbe(config, block_impl, remat, args.batch_size, precision, device, args.memory_budget)
+        torch.manual_seed(config.seed)
+        probe = TrainStepProbe(model_config, block_impl, remat, config.batch_size, config.precision, device, budget)
         longest = largest_fitting(probe, granularity)
         del probe
         gc.collect()
@@ -158,10 +162,10 @@ def find_max_seq_len(args, run: Distributed) -> int:
         ratio = f"{longest / baseline:.2f}x" if baseline else "-"
         capped = ">=" if longest == MAX_SEQ_LEN else "  "
         print(f"  {label:<36} {capped}{longest:>10,d} tokens  {ratio:>7} vs eager", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    result = dict(preset=args.preset, batch_size=args.batch_size, dtype=args.dtype, criterion=criterion,
+    config.out.mkdir(parents=True, exist_ok=True)
+    result = dict(preset=config.preset, batch_size=config.batch_size, dtype=config.dtype, criterion=criterion,
                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                  memory_budget=args.memory_budget, rows=rows)
-    (args.out / "max_seq_len.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"written to {args.out / 'max_seq_len.json'}")
+                  memory_budget=budget, rows=rows)
+    (config.out / "max_seq_len.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"written to {config.out / 'max_seq_len.json'}")
     return 0

@@ -1,0 +1,103 @@
+"""`python -m fused_remat.train`: train a language model built from fused_remat's TransformerBlock.
+
+    python -m fused_remat.train                                  # a short run on whatever device is here
+    python -m fused_remat.train --preset gpt2-small --seq-len 32768 --remat auto --memory-budget 40GiB
+    python -m fused_remat.train --data train.bin --vocab-size 50304 --out runs/owt
+    python -m fused_remat.train --out runs/owt --resume          # continues bit for bit
+    python -m fused_remat.train --find-max-seq-len               # longest trainable sequence per policy
+    torchrun --nproc_per_node 8 -m fused_remat.train --distributed fsdp ...
+
+Without CUDA the kernels run in Triton's interpreter (so only the tiny preset is practical).
+The run's folder (``--out``) receives ``checkpoint.pt`` (atomic, on an interval and on Ctrl-C),
+``metrics.jsonl`` (one record per step, validation loss where evaluated) and ``training.png``.
+
+This module is the command line only: flags -> ``TrainConfig`` (``training/config.py``), then the
+training loop (``training/loop.py``) or the capacity search (``training/capacity.py``). Exit
+status 0 when done, 2 for a bad flag or setting (the message names the flag), 130 when stopped
+by Ctrl-C or SIGTERM after checkpointing. ``python -m fused_remat.train`` (the module
+``fused_remat/train.py``) and ``python -m fused_remat.training`` both run ``main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from ..model import PRESETS
+from .capacity import find_max_seq_len
+from .checkpoint import CheckpointError
+from .config import DEVICE_DEFAULTS, DTYPES, TrainConfig
+from .distributed import STRATEGIES, init_distributed, shutdown
+from .loop import train
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """The run's config from the command line (``sys.argv[1:]`` when ``argv`` is None), with the
+    defaults of the device this process sees; a bad value exits with a usage error (status 2)."""
+    parser = argparse.ArgumentParser(prog="python -m fused_remat.train", description=__doc__.split("\n")[0])
+    cpu, gpu = DEVICE_DEFAULTS["cpu"], DEVICE_DEFAULTS["cuda"]
+
+    def by_device(name: str) -> str:
+        return f"(default: {cpu[name]} on CPU, {gpu[name]} on a GPU)"
+
+    parser.add_argument("--preset", choices=sorted(PRESETS), help=f"model shape {by_device('preset')}")
+    parser.add_argument("--steps", type=int, help=f"optimizer steps {by_device('steps')}")
+    parser.add_argument("--seq-len", type=int, help=f"tokens per sequence {by_device('seq_len')}")
+    parser.add_argument("--batch-size", type=int, help=f"sequences per micro-batch per process {by_device('batch_size')}")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    parser.add_argument("--remat", default="cheap",
+                        help="none | cheap (default) | full | auto (plan for --memory-budget) | a comma list, one policy per layer")
+    parser.add_argument("--memory-budget", help="activation budget for --remat auto, e.g. 40GiB (default on a GPU: "
+                        "what is free after weights, gradients and optimizer state)")
+    parser.add_argument("--block", choices=("fused", "reference"), default="fused",
+                        help="fused_remat's block (default), or the plain-PyTorch twin (then --remat none is eager and "
+                        "full is torch.utils.checkpoint)")
+    parser.add_argument("--data", help="a text file, a nanoGPT uint16/uint32 .bin (or a folder with train.bin/val.bin); "
+                        "default: the Python standard library's sources, byte-level")
+    parser.add_argument("--vocab-size", type=int, help="vocabulary of a .bin file (default 256: bytes)")
+    parser.add_argument("--out", help="the run's folder (default runs/<preset>)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    parser.add_argument("--lr", type=float, help="peak learning rate (default by preset)")
+    parser.add_argument("--min-lr", type=float, help="final learning rate of the cosine decay (default lr / 10)")
+    parser.add_argument("--warmup", type=int, help="linear warm-up steps (default steps / 10, at most 200)")
+    parser.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay of the matrices (default 0.1)")
+    parser.add_argument("--grad-clip", type=float, default=1.0, help="clip the gradient norm to this; 0: off (default 1)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help=f"bf16: autocast over fp32 master weights; fp32 {by_device('dtype')}")
+    parser.add_argument("--seed", type=int, default=0, help="initialization and data order (default 0)")
+    parser.add_argument("--eval-interval", type=int, default=25, help="steps between validation losses (default 25)")
+    parser.add_argument("--eval-batches", type=int, default=4, help="batches per validation loss (default 4)")
+    parser.add_argument("--checkpoint-interval", type=int, default=100, help="steps between checkpoints; 0: only at the end (default 100)")
+    parser.add_argument("--distributed", choices=STRATEGIES, help="under torchrun: ddp (default) or fsdp (FSDP2)")
+    parser.add_argument("--find-max-seq-len", action="store_true",
+                        help="instead of training: the longest sequence that trains one step, per policy")
+    flags = parser.parse_args(argv)
+    try:
+        return TrainConfig.build("cuda" if torch.cuda.is_available() else "cpu", **vars(flags))
+    except ValueError as error:
+        parser.error(str(error))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the command line ``argv``; returns the exit status (module docstring)."""
+    if not torch.cuda.is_available():
+        # Triton's interpreter runs the kernels on CPU tensors; it must be chosen before triton is
+        # imported, which fused_remat does only when a kernel first runs.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    config = parse_args(argv)
+    run = init_distributed(config.distributed)
+    try:
+        if config.find_max_seq_len:
+            return find_max_seq_len(config, run)
+        return train(config, run)
+    except (ValueError, FileNotFoundError, CheckpointError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    finally:
+        shutdown(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""The settings of a training run: ``TrainConfig``, its defaults by device and preset, and
+``parse_size`` for byte counts such as ``12GiB``.
+
+``TrainConfig.build(device_type, **options)`` fills what was left out (``None``) and checks the
+rest; the command line (``training/cli.py``) passes its parsed flags through it, and the benchmark
+(``bench/bench_train.py``) uses it for the trainer's learning rate, weight decay and clipping.
+Its ``ValueError`` messages name the command-line flag, as the CLI shows them unchanged. The
+library's own errors do not name flags: ``flag_error`` rewrites one of them for the CLI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from pathlib import Path
+
+import torch
+
+from ..model import PRESETS, ModelConfig, preset
+from ..planner import Precision
+
+# What a run does when an option is left out, by device: a short real run either way.
+DEVICE_DEFAULTS = {
+    "cpu": dict(preset="tiny", steps=50, seq_len=64, batch_size=4, dtype="fp32"),
+    "cuda": dict(preset="gpt2-small", steps=200, seq_len=8192, batch_size=4, dtype="bf16"),
+}
+PEAK_LR = {"tiny": 3e-3, "gpt2-small": 6e-4, "gpt2-medium": 3e-4, "llama-1b": 3e-4}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# Binary multiples, as nvidia-smi's MiB: "12G", "12GB" and "12GiB" are all 12 * 2**30 bytes.
+SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(?:([KMGT])(?:I?B)?|B)?\s*", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """A byte count from ``text``: a bare number of bytes (``1000000``) or a number with a unit
+    K, M, G or T, optionally followed by B or iB, in any case (``800MiB``, ``1.5G``, ``12gb``);
+    the units are powers of 1024. Rounds down to whole bytes; ValueError unless positive."""
+    match = _SIZE.fullmatch(text)
+    if match is None:
+        raise ValueError(f"expected a size such as 12GiB, 800MiB or a number of bytes, got {text!r}")
+    size = float(match.group(1)) * SIZE_UNITS[(match.group(2) or "").upper()]
+    if not math.isfinite(size) or int(size) < 1:
+        raise ValueError(f"expected a positive size, got {text!r}")
+    return int(size)
+
+
+def flag_error(flag: str, error: ValueError, *names: str) -> ValueError:
+    """``error`` as the CLI shows it, led by ``flag`` where the library named the argument by one of
+    ``names``: "budget: 1 MiB is below ..." -> "--memory-budget: 1 MiB is below ...", "preset must
+    be ..." -> "--preset must be ..."; any other message gets "--flag: " in front."""
+    message = str(error)
+    for name in (flag, *names):
+        for separator in (": ", " "):
+            if message.startswith(name + separator):
+                return ValueError(flag + separator + message[len(name) + len(separator):])
+    return ValueError(f"{flag}: {message}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Every setting of a run (the CLI's flags, ``--memory-budget`` in bytes, ``--out`` a Path),
+    with the defaults already filled in: use ``TrainConfig.build``."""
+
+    preset: str
+    steps: int
+    seq_len: int
+    batch_size: int
+    lr: float
+    min_lr: float
+    warmup: int
+    dtype: str
+    out: Path
+    grad_accum: int = 1
+    remat: str = "cheap"  # a policy, "auto", or a comma list with one policy per layer
+    memory_budget: int | None = None
+    block: str = "fused"
+    data: str | None = None
+    vocab_size: int | None = None
+    resume: bool = False
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # 0: no clipping
+    seed: int = 0
+    eval_interval: int = 25
+    eval_batches: int = 4
+    checkpoint_interval: int = 100  # 0: only at the end
+    distributed: str | None = None
+    find_max_seq_len: bool = False
+
+    @classmethod
+    def build(cls, device_type: str, **options) -> TrainConfig:
+        """The config for a run on ``device_type`` ("cuda" or "cpu"): options that are None or left
+        out take the device's defaults (DEVICE_DEFAULTS), the preset's peak learning rate, lr / 10
+        and steps / 10 (at most 200) warm-up steps. ValueError naming the flag for a bad value."""
+        given = {name: value for name, value in options.items() if value is not None}
+        values = {**DEVICE_DEFAULTS[device_type], **given}
+        for name in ("steps", "seq_len", "batch_size", "grad_accum", "eval_batches", "eval_interval"):
+            if values.get(name, 1) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {values[name]}")
+        if values.get("checkpoint_interval", 0) < 0:
+            raise ValueError("--checkpoint-interval must be >= 0")
+        if values["preset"] not in PRESETS:
+            raise ValueError(f"--preset must be one of {', '.join(PRESETS)}, got {values['preset']!r}")
+        values.setdefault("lr", PEAK_LR[values["preset"]])
+        values.setdefault("min_lr", values["lr"] / 10)
+        values.setdefault("warmup", min(200, values["steps"] // 10))
+        if not values["lr"] > 0 or values["min_lr"] < 0 or values["warmup"] < 0:
+            raise ValueError("--lr must be positive, --min-lr and --warmup non-negative")
+        if values["dtype"] not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {values['dtype']!r}")
+        values["out"] = Path(values.get("out") or f"runs/{values['preset']}")
+        if isinstance(values.get("memory_budget"), str):
+            try:
+                values["memory_budget"] = parse_size(values["memory_budget"])
+            except ValueError as error:
+                raise flag_error("--memory-budget", error) from None
+        if values.get("vocab_size", 1) < 1:
+            raise ValueError(f"--vocab-size must be positive, got {values['vocab_size']}")
+        return cls(**values)
+
+    def learning_rate(self, step: int) -> float:
+        """Linear warm-up to ``lr`` over ``warmup`` steps, then cosine decay to ``min_lr`` at the
+        last step."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        progress = (step - self.warmup) / max(1, self.steps - 1 - self.warmup)
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    def model_config(self, vocab_size: int) -> ModelConfig:
+        """The ``preset`` model with ``vocab_size`` tokens."""
+        try:
+            return preset(self.preset, vocab_size=vocab_size)
+        except ValueError as error:
+            raise flag_error("--preset", error, "preset") from None
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def precision(self) -> Precision:
+        """fp32 master weights and residual stream; matmuls in ``dtype`` (bf16: under autocast)."""
+        return Precision(residual=torch.float32, compute=self.compute_dtype)

@@ -1,0 +1,63 @@
+"""One training step, written once: the training loop (``training/loop.py``), the capacity probe
+(``training/capacity.py``) and the training benchmark (``bench/bench_train.py``) all step with
+``train_step`` and build their optimizer with ``make_optimizer``.
+
+    optimizer = make_optimizer(model, lr=config.lr, weight_decay=config.weight_decay)
+    loss, grad_norm = train_step(model, optimizer, [(inputs, targets)], compute_dtype=torch.bfloat16,
+                                 grad_clip=1.0)
+
+``model(inputs, targets)`` returns the mean loss (``fused_remat.model.LanguageModel`` does; a
+DDP/FSDP2 wrapper or a ``torch.compile`` of it too). With ``compute_dtype`` bf16 or fp16 the forward
+and loss run under autocast over the model's fp32 weights; with None or fp32, without autocast.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .distributed import gradient_sync
+
+
+def forward_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                 compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``model(inputs, targets)``, under autocast to ``compute_dtype`` unless it is None or fp32."""
+    autocast = compute_dtype is not None and compute_dtype != torch.float32
+    with torch.autocast(inputs.device.type, dtype=compute_dtype, enabled=autocast):
+        return model(inputs, targets)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+               micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
+               compute_dtype: torch.dtype | None = None, grad_clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over ``micro_batches`` ((inputs, targets) pairs on the model's device):
+    forward and loss (``forward_loss``) and backward of loss / len(micro_batches) for each, with
+    data-parallel gradient communication only on the last; then the gradient norm clipped to
+    ``grad_clip`` (0: measured, not clipped), the optimizer's step and ``zero_grad(set_to_none=True)``.
+    Returns the mean loss (detached) and the gradient norm before clipping (a DTensor under FSDP2)."""
+    count = len(micro_batches)
+    loss_sum = None
+    for index, (inputs, targets) in enumerate(micro_batches):
+        with gradient_sync(model, enabled=index == count - 1):
+            loss = forward_loss(model, inputs, targets, compute_dtype)
+            (loss / count).backward()
+        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum / count, grad_norm
+
+
+def make_optimizer(model: nn.Module, *, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW (betas 0.9/0.95, eps 1e-8) decaying the matrices only (not norms or biases), the fused
+    implementation when the parameters are on CUDA, foreach elsewhere."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    groups = [dict(params=[p for p in trainable if p.dim() >= 2], weight_decay=weight_decay),
+              dict(params=[p for p in trainable if p.dim() < 2], weight_decay=0.0)]
+    on_cuda = any(p.device.type == "cuda" for p in trainable)
+    implementation = dict(fused=True) if on_cuda else dict(foreach=True)
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, **implementation)
+
