@@ -27,16 +27,14 @@ configuration runs, and dot operands are upcast to fp32 (the interpreter's bf16 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .launch import next_power_of_2
+from .limits import MAX_HEAD_DIM, triton_interpreting
 from .precision import round_to
 
-MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -492,10 +490,6 @@ _attn_bwd_dkdv_tuned = triton.autotune(
 # --------------------------------------------------------------------------------------------
 
 
-def _interpreting(t: torch.Tensor) -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1" or t.device.type == "cpu"
-
-
 def _check(q, k, v):
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("attention kernels take 4-D q, k, v (B, H, N, D)")
@@ -517,7 +511,7 @@ def _common(q, k, causal, scale):
     head_dim_p2 = max(16, next_power_of_2(head_dim))
     consts = dict(
         CAUSAL=bool(causal), HEAD_DIM=head_dim_p2, EVEN_D=head_dim == head_dim_p2,
-        UPCAST_DOT=_interpreting(q), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST_DOT=triton_interpreting(), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     sizes = (q_heads, q_len, k_len, head_dim, q_heads // k.shape[1])
     keys = (next_power_of_2(q_len), next_power_of_2(k_len))
@@ -584,7 +578,7 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, dlse=None,
     delta = torch.empty((batch, q_heads, q_len), device=q.device, dtype=torch.float32)
     if dlse is not None:
         dlse = dlse.contiguous()
-    pre_block = 16 if _interpreting(q) else max(16, min(128, 8192 // consts["HEAD_DIM"]))
+    pre_block = 16 if triton_interpreting() else max(16, min(128, 8192 // consts["HEAD_DIM"]))
     _attn_bwd_preprocess[(triton.cdiv(q_len, pre_block), q_heads, batch)](
         o, do, dlse if dlse is not None else delta, delta, *_strides(o), *_strides(do), q_heads, q_len, head_dim,
         HAS_DLSE=dlse is not None, HEAD_DIM=consts["HEAD_DIM"], BLOCK_M=pre_block,
@@ -609,7 +603,7 @@ def _pick(plain, tuned, q, config):
     """(kernel, launch kwargs): a pinned config, the interpreter's fixed one, or the autotuner."""
     if config is not None:
         return plain, dict(config)
-    if _interpreting(q):
+    if triton_interpreting():
         return plain, dict(INTERPRETER_CONFIG)
     return tuned, {}
 

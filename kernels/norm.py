@@ -4,9 +4,9 @@ Forward writes y and the fp32 statistics (mean and rstd for LayerNorm, rstd for 
 rebuilds x-hat from x and the statistics in registers, so the normalized output is never stored.
 RMSNorm is LayerNorm without centering: one pair of kernels serves both through ``IS_RMS``.
 
-Rows of up to ``MAX_SINGLE_PASS_N`` columns (16384 forward, 8192 backward) are held in registers, ``BLOCK_M`` rows per program.
-Wider rows (up to ``MAX_N``) are streamed in ``BLOCK_N`` chunks, one row per program, reading x
-again for each pass instead of holding it.
+Rows of up to ``MAX_SINGLE_PASS_N`` columns (16384 forward, 8192 backward) are held in registers,
+``BLOCK_M`` rows per program. Wider rows (up to ``limits.MAX_NORM_WIDTH``) are streamed in
+``BLOCK_N`` chunks, one row per program, reading x again for each pass instead of holding it.
 
 Weight/bias gradients are deterministic: each program of the backward grid accumulates its own
 rows into its own row of an fp32 partial buffer, and the host sums that buffer in a fixed order.
@@ -18,10 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .precision import round_to
 from .launch import next_power_of_2, persistent_program_count
+from .limits import MAX_NORM_WIDTH
+from .precision import round_to
 
-MAX_N = 65536
 # Widest row held in registers. Backward holds more per element (x, dy, w, x-hat) and spills past
 # 8192 columns at 16 warps on sm_90 (checked with ptxas), so it streams sooner.
 MAX_SINGLE_PASS_N = {"forward": 16384, "backward": 8192}
@@ -223,8 +223,8 @@ def _check_launch(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
     if x.dim() != 2 or (x.stride(-1) != 1 and x.numel() > 0):
         raise ValueError(f"norm kernels take a 2-D x with unit column stride, got shape {tuple(x.shape)} strides {x.stride()}")
     rows, cols = x.shape
-    if not 1 <= cols <= MAX_N:
-        raise ValueError(f"norm kernels support 1 to {MAX_N} columns, got {cols}")
+    if not 1 <= cols <= MAX_NORM_WIDTH:
+        raise ValueError(f"norm kernels support 1 to {MAX_NORM_WIDTH} columns, got {cols}")
     if weight.shape != (cols,) or not weight.is_contiguous():
         raise ValueError(f"weight must be contiguous with shape ({cols},), got {tuple(weight.shape)}")
     return rows, cols

@@ -1,12 +1,12 @@
 """Rounding that is the same in compiled Triton and in Triton's interpreter."""
 
-import os
-
 import triton
 import triton.language as tl
 
-# Read once, like triton itself reads it: kernels are compiled or interpreted for the whole process.
-INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+from .limits import triton_interpreting
+
+# Fixed at import, as triton fixes interpretation per kernel when @triton.jit wraps it.
+INTERPRETED = tl.constexpr(triton_interpreting())
 
 
 @triton.jit

@@ -23,9 +23,9 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .launch import next_power_of_2
+from .limits import MAX_HEAD_DIM
 from .precision import INTERPRETED, round_to
 
-MAX_HEAD_DIM = 256
 # Pairs (2 elements each) one program rotates: 4096 elements, 8 KiB of bf16 in and out.
 PAIRS_PER_PROGRAM = 2048
 NUM_WARPS = 4
