@@ -24,8 +24,17 @@ import torch
 
 from bench import harness, report
 
+# The registry: suite name -> the module whose SUITE (a harness.Suite) it is. A suite module is
+# imported only when it runs, after --smoke has set TRITON_INTERPRET.
 SUITES = {"norms": "bench.bench_norms", "attention": "bench.bench_attention", "memory": "bench.bench_memory",
           "block": "bench.bench_block", "train": "bench.bench_train"}
+
+
+def load_suite(name: str) -> harness.Suite:
+    suite = importlib.import_module(SUITES[name]).SUITE
+    if suite.name != name:
+        raise RuntimeError(f"{SUITES[name]}.SUITE is named {suite.name!r}, registered as {name!r}")
+    return suite
 
 
 def _parse(argv):
@@ -69,18 +78,15 @@ def main(argv=None) -> int:
     ceilings = harness.measure_ceilings(args.quick)
     if ceilings:
         print(f"measured ceilings: copy {ceilings['copy_GBps']:,.0f} GB/s, bf16 matmul {ceilings['bf16_matmul_TFLOPs']:,.0f} TFLOP/s\n")
-    for suite in args.suites or list(SUITES):
-        module = importlib.import_module(SUITES[suite])
+    for name in args.suites or list(SUITES):
+        suite = load_suite(name)
         suite_started = time.perf_counter()
-        results = []
-        run_case = getattr(module, "run_case", harness.run_case)  # a suite may bring its own runner (train)
-        for case in module.cases(quick=args.quick, device=device):
-            results += run_case(case, args.quick, measure_memory=getattr(module, "MEASURE_MEMORY", False))
-        report.write_json(folder, suite, environment, ceilings, results)
-        report.write_markdown(folder, suite, environment, ceilings, results)
-        module.plots(folder, results, ceilings)
-        print(report.markdown_table(suite, environment, ceilings, results))
-        print(f"({suite}: {time.perf_counter() - suite_started:.0f} s)\n")
+        results = suite.run(args.quick, device)
+        report.write_json(folder, name, environment, ceilings, results)
+        report.write_markdown(folder, name, environment, ceilings, results)
+        suite.plots(folder, results, ceilings)
+        print(report.markdown_table(name, environment, ceilings, results))
+        print(f"({name}: {time.perf_counter() - suite_started:.0f} s)\n")
     print(f"results in {folder} ({time.perf_counter() - started:.0f} s in all)")
     return 0
 

@@ -23,8 +23,9 @@ that outlive them.
 
 TFLOP/s counts the step's model FLOPs, the same for every provider (what ``full`` and
 ``checkpoint`` recompute is not counted): matmuls 6 x T x P, with T = B x N tokens and P the
-matmul weights (qkv, out_proj, fc1, fc2; no biases or norm weights), plus causal attention
-4 x B x H x N^2 x D / 2 forward, times 3.5 for forward and backward (DESIGN.md's convention).
+matmul weights (qkv, out_proj, fc1, fc2; no biases or norm weights), plus causal attention's
+forward and backward (``fused_remat.flops.attention_flops``: 4 x B x H x N^2 x D / 2 forward,
+times 3.5 for forward and backward, DESIGN.md's convention).
 The ceiling is the measured bf16 matmul rate.
 
 Memory, per step:
@@ -47,21 +48,15 @@ and checks that every provider computes the same gradients.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.utils.checkpoint
 
 import fused_remat
-from bench.bench_attention import WORK
-from bench.bench_norms import _compiled
-from bench.harness import Case, pytest_benchmark_case, rotating
+from bench.harness import Case, Suite, compiled_triton, dtype_name, pytest_benchmark_case, rotating
+from bench.providers import compiled
 from fused_remat import reference
-
-MEASURE_MEMORY = True
-GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-needs_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA device with compiled Triton")
+from fused_remat.flops import attention_flops
 
 CONFIGS = {
     "gpt2-small": dict(dim=768, n_heads=12, norm="layernorm", activation="gelu_tanh"),
@@ -113,7 +108,7 @@ def _forwards(config: dict, device: str, dtype: torch.dtype, compile_peer: bool)
     builds["eager"] = peer(lambda block: block)
     builds["checkpoint"] = peer(lambda block: lambda x: torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False))
     if compile_peer:
-        builds["compile"] = peer(lambda block: _compiled(block)())
+        builds["compile"] = peer(compiled)
     return builds
 
 
@@ -157,32 +152,36 @@ def matmul_parameters(config: dict) -> int:
 
 def step_flops(config: dict, batch: int, n: int) -> float:
     """Model FLOPs of one causal forward+backward step (module docstring)."""
-    head_dim = config["dim"] // config["n_heads"]
-    attention = 4.0 * batch * config["n_heads"] * n * n * head_dim / 2 * WORK["fwd+bwd"]
+    heads = config["n_heads"]
+    attention = attention_flops(batch, heads, n, n, config["dim"] // heads, True, "fwd+bwd")
     return 6.0 * batch * n * matmul_parameters(config) + attention
 
 
-def cases(quick: bool, device: str = "cuda") -> list[Case]:
-    """One case per (configuration, N): every remat policy of ours and the reference's peers."""
+def grid(quick: bool, device: str = "cuda") -> tuple[tuple[str, int], ...]:
+    """(configuration, N) of every case, in the order the suite runs them."""
     if device != "cuda":
-        configs, grid, dtype = SMOKE_CONFIGS, SMOKE, torch.float32
-    else:
-        configs, dtype = CONFIGS, torch.bfloat16
-        grid = QUICK if quick else tuple((name, n) for name in CONFIGS for n in LENGTHS)
+        return SMOKE
+    return QUICK if quick else tuple((name, n) for name in CONFIGS for n in LENGTHS)
+
+
+def case(name: str, n: int, device: str = "cuda") -> Case:
+    """One configuration at one N: every remat policy of ours and the reference's peers."""
+    configs, dtype = (CONFIGS, torch.bfloat16) if device == "cuda" else (SMOKE_CONFIGS, torch.float32)
+    config = configs[name]
     batch = 1
-    result = []
-    for name, n in grid:
-        config = configs[name]
-        builds = _forwards(config, device, dtype, compile_peer=device == "cuda")
-        result.append(Case(
-            suite="block", name=f"block fwd+bwd {name} B{batch} N{n}",
-            params={"config": name, "batch": batch, "n": n, "dim": config["dim"], "heads": config["n_heads"],
-                    "kv_heads": config.get("n_kv_heads", config["n_heads"]), "dtype": str(dtype).removeprefix("torch."),
-                    "baseline": "eager"},
-            providers={provider: _provider(build, batch, n, config["dim"], dtype, device) for provider, build in builds.items()},
-            unit="TFLOP/s", work=step_flops(config, batch, n), ceiling="matmul",
-        ))
-    return result
+    builds = _forwards(config, device, dtype, compile_peer=device == "cuda")
+    return Case(
+        suite="block", name=f"block fwd+bwd {name} B{batch} N{n}",
+        params={"config": name, "batch": batch, "n": n, "dim": config["dim"], "heads": config["n_heads"],
+                "kv_heads": config.get("n_kv_heads", config["n_heads"]), "dtype": dtype_name(dtype),
+                "baseline": "eager"},
+        providers={provider: _provider(build, batch, n, config["dim"], dtype, device) for provider, build in builds.items()},
+        unit="TFLOP/s", work=step_flops(config, batch, n), ceiling="matmul",
+    )
+
+
+def cases(quick: bool, device: str = "cuda") -> list[Case]:
+    return [case(name, n, device) for name, n in grid(quick, device)]
 
 
 def plots(folder, results, ceilings):
@@ -208,20 +207,22 @@ def test_flops_count_the_matmul_weights():
 
 def test_smoke_on_cpu(triton_backend):
     """Every provider runs one step through the interpreter and computes eager's gradients."""
-    if GPU:
+    if compiled_triton():
         pytest.skip("the GPU cases cover this")
-    for case in cases(quick=True, device="cpu"):
-        grads = {provider: factory()() for provider, factory in case.providers.items()}
+    for built in cases(quick=True, device="cpu"):
+        grads = {provider: factory()() for provider, factory in built.providers.items()}
         expected = grads.pop("eager")
         assert len(expected) > 1 and all(torch.isfinite(g).all() for g in expected)
         for provider, got in grads.items():
             for g, e in zip(got, expected, strict=True):
-                torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5, msg=lambda m, p=provider: f"{case.name} {p}: {m}")
+                torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5, msg=lambda m, p=provider: f"{built.name} {p}: {m}")
 
 
-@pytest.mark.gpu
-@needs_gpu
+@pytest.mark.gpu  # conftest.py skips it without a CUDA device and compiled Triton
 @pytest.mark.parametrize("provider", [*POLICIES, "eager", "checkpoint", "compile"])
-@pytest.mark.parametrize("case", cases(quick=True), ids=lambda case: case.params["config"] + f"-N{case.params['n']}")
-def test_gpu(case, provider, benchmark):
-    pytest_benchmark_case(benchmark, case, provider)
+@pytest.mark.parametrize("point", grid(quick=True), ids=lambda point: f"{point[0]}-N{point[1]}")
+def test_gpu(point, provider, benchmark):
+    pytest_benchmark_case(benchmark, case(*point), provider)
+
+
+SUITE = Suite("block", cases, plots, measure_memory=True)

@@ -2,7 +2,8 @@
 torch.compile of the same eager function, and Liger-Kernel when it is installed.
 
 GB/s counts the bytes an ideal kernel must move (each input read once, each output written once,
-per-row statistics included, weights left out as negligible) over the median time.
+per-row statistics included, weights left out as negligible) over the median time. Inputs and
+the output gradient are drawn before the timed call (bench/providers.py).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import torch
 import torch.nn.functional as F
 
 import fused_remat
-from bench.harness import Case, optional_import, pytest_benchmark_case, rotating
+from bench.harness import Case, Suite, dtype_name, optional_import, pytest_benchmark_case
+from bench.providers import MODES, compiled, pass_provider
 
-MODES = ("fwd", "bwd", "fwd+bwd")
+OPS = ("layer_norm", "rms_norm", "gelu", "swiglu")
 
 
 def _liger(op: str):
@@ -73,89 +75,67 @@ def _ops() -> dict:
     }
 
 
-def _runner(fn, mode):
-    """(make-inputs wrapper, run) for one mode: backward is timed on a retained graph."""
-    if mode == "fwd":
-        return (lambda inputs: inputs), (lambda *inputs: fn(*inputs))
-
-    def with_forward(inputs):
-        out = fn(*inputs)
-        return out, inputs, torch.randn_like(out)
-
-    if mode == "bwd":
-        return with_forward, (lambda out, inputs, dy: torch.autograd.grad(out, inputs, dy, retain_graph=True))
-
-    def forward_backward(*inputs):
-        out = fn(*inputs)
-        return torch.autograd.grad(out, inputs, torch.randn_like(out))
-
-    return (lambda inputs: inputs), forward_backward
+def _shapes(quick: bool, device: str) -> list[tuple[int, int]]:
+    """(rows, hidden) of the cases."""
+    if device != "cuda":
+        return [(5, 96)]
+    if quick:
+        return [(16384, 1024), (16384, 4096), (16384, 16384)]
+    return [(rows, hidden) for hidden in (1024, 2048, 4096, 8192, 16384) for rows in (8192, 32768, 65536) if rows * hidden <= 2**28]
 
 
-def _provider(fn, mode, make_inputs):
-    prepare, run = _runner(fn, mode)
-    return lambda: rotating(lambda: prepare(make_inputs()), run)
+def grid(quick: bool, device: str = "cuda") -> list[tuple[str, str, int, int]]:
+    """(op, mode, rows, hidden) of every case, in the order the suite runs them: plain values, cheap to list."""
+    return [(op, mode, rows, hidden) for op in OPS for rows, hidden in _shapes(quick, device) for mode in MODES]
 
 
-def _compiled(eager):
-    def build():
-        torch._dynamo.reset()  # each case compiles its own shapes: no recompile limit, no stale graphs
-        return torch.compile(eager, dynamic=False)
+def _name(op: str, mode: str, rows: int, hidden: int) -> str:
+    return f"{op} {mode} {rows}x{hidden}"
 
-    return build
+
+def case(op: str, mode: str, rows: int, hidden: int, device: str = "cuda") -> Case:
+    """One op in one mode at one shape; providers ours, eager and, on a GPU, torch.compile and Liger."""
+    ours, eager, make, (fwd_bytes, bwd_bytes), stat_bytes = _ops()[op]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+
+    def make_inputs():
+        return make(rows, hidden, dtype, device), torch.randn(rows, hidden, device=device, dtype=dtype)
+
+    providers = {"fused_remat": pass_provider(ours, mode, make_inputs), "eager": pass_provider(eager, mode, make_inputs)}
+    if device == "cuda":
+        providers["torch.compile"] = lambda: pass_provider(compiled(eager), mode, make_inputs)()
+        liger = _liger(op)
+        if liger is not None:
+            providers["liger"] = pass_provider(liger, mode, make_inputs)
+    per_element = {"fwd": fwd_bytes, "bwd": bwd_bytes, "fwd+bwd": fwd_bytes + bwd_bytes}[mode]
+    stats = stat_bytes * rows * (2 if mode == "fwd+bwd" else 1)
+    element = torch.finfo(dtype).bits // 8
+    return Case(
+        suite="norms", name=_name(op, mode, rows, hidden),
+        params={"op": op, "mode": mode, "rows": rows, "hidden": hidden, "dtype": dtype_name(dtype)},
+        providers=providers, unit="GB/s", work=per_element * element * rows * hidden + stats, ceiling="copy",
+    )
 
 
 def cases(quick: bool, device: str = "cuda") -> list[Case]:
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    if device != "cuda":
-        shapes = [(5, 96)]
-    elif quick:
-        shapes = [(16384, 1024), (16384, 4096), (16384, 16384)]
-    else:
-        shapes = [(rows, hidden) for hidden in (1024, 2048, 4096, 8192, 16384) for rows in (8192, 32768, 65536) if rows * hidden <= 2**28]
-    element = torch.finfo(dtype).bits // 8
-    result = []
-    for op, (ours, eager, make, (fwd_bytes, bwd_bytes), stat_bytes) in _ops().items():
-        liger = _liger(op) if device == "cuda" else None
-        for rows, hidden in shapes:
-            def make_inputs(make=make, rows=rows, hidden=hidden):
-                return make(rows, hidden, dtype, device)
-
-            for mode in MODES:
-                per_element = {"fwd": fwd_bytes, "bwd": bwd_bytes, "fwd+bwd": fwd_bytes + bwd_bytes}[mode]
-                stats = stat_bytes * rows * (2 if mode == "fwd+bwd" else 1)
-                providers = {"fused_remat": _provider(ours, mode, make_inputs), "eager": _provider(eager, mode, make_inputs)}
-                if device == "cuda":
-                    providers["torch.compile"] = lambda eager=eager, mode=mode, make_inputs=make_inputs: _provider(
-                        _compiled(eager)(), mode, make_inputs
-                    )()
-                    if liger is not None:
-                        providers["liger"] = _provider(liger, mode, make_inputs)
-                result.append(Case(
-                    suite="norms", name=f"{op} {mode} {rows}x{hidden}",
-                    params={"op": op, "mode": mode, "rows": rows, "hidden": hidden, "dtype": str(dtype).removeprefix("torch.")},
-                    providers=providers, unit="GB/s", work=per_element * element * rows * hidden + stats, ceiling="copy",
-                ))
-    return result
+    return [case(*point, device=device) for point in grid(quick, device)]
 
 
-@pytest.mark.parametrize("case", cases(quick=True, device="cpu"), ids=lambda c: c.name)
-def test_smoke_on_cpu(case, triton_backend):
+@pytest.mark.parametrize("point", grid(quick=True, device="cpu"), ids=lambda point: _name(*point))
+def test_smoke_on_cpu(point, triton_backend):
     """Every provider runs through the interpreter, so this suite cannot rot without CI noticing."""
-    outputs = {name: factory()() for name, factory in case.providers.items()}
+    built = case(*point, device="cpu")
+    outputs = {name: factory()() for name, factory in built.providers.items()}
     ours, eager = outputs["fused_remat"], outputs["eager"]
     for a, b in zip(ours if isinstance(ours, tuple) else (ours,), eager if isinstance(eager, tuple) else (eager,)):
         assert a.shape == b.shape and torch.isfinite(a).all()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "case,provider",
-    [(c, p) for c in cases(quick=True) for p in ("fused_remat", "eager", "torch.compile")],
-    ids=lambda value: value.name if isinstance(value, Case) else value,
-)
-def test_gpu(case, provider, benchmark):
-    pytest_benchmark_case(benchmark, case, provider)
+@pytest.mark.parametrize("provider", ["fused_remat", "eager", "torch.compile"])
+@pytest.mark.parametrize("point", grid(quick=True), ids=lambda point: _name(*point))
+def test_gpu(point, provider, benchmark):
+    pytest_benchmark_case(benchmark, case(*point), provider)
 
 
 def plots(folder, results, ceilings):
@@ -167,3 +147,6 @@ def plots(folder, results, ceilings):
     dtype = chosen[0].params["dtype"] if chosen else ""
     plot(folder, "norms", f"norms and activations, {dtype}, {rows} rows: GB/s (higher is better)", chosen,
          x_key="hidden", group_keys=("op", "mode"), value=lambda r: r.metric, ylabel="GB/s", ceiling=ceilings.get("copy_GBps"))
+
+
+SUITE = Suite("norms", cases, plots)

@@ -89,7 +89,6 @@ from fused_remat.training import capacity
 from fused_remat.training.config import TrainConfig
 from fused_remat.training.step import forward_loss, make_optimizer, train_step
 
-MEASURE_MEMORY = True
 GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 needs_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA device with compiled Triton")
 
@@ -444,6 +443,9 @@ def _capacity_plot(folder, results):
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+SUITE = harness.Suite("train", cases, plots, run_case=run_case, measure_memory=True)
 
 
 def test_smoke_on_cpu(triton_backend):

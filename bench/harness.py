@@ -1,14 +1,17 @@
-"""What every suite shares: cases, providers, timing, ceilings and the run's metadata.
+"""What every suite shares: cases, suites, timing, ceilings and the run's metadata.
 
-A suite module defines ``cases(quick: bool) -> list[Case]``. A ``Case`` holds, per provider, a
-factory that builds fresh inputs and returns the zero-argument callable to time; ``work`` turns a
-median time into the case's metric (GB/s from bytes moved, or TFLOP/s from FLOPs).
+A suite module defines ``SUITE = Suite(name, cases, plots, ...)``, where ``cases(quick, device)``
+returns its list of ``Case``. A ``Case`` holds, per provider, a factory that builds fresh inputs
+and returns the zero-argument callable to time; ``work`` turns a median time into the case's
+metric (GB/s from bytes moved, or TFLOP/s from FLOPs). What the providers of several suites share
+is in bench/providers.py.
 """
 
 from __future__ import annotations
 
 import datetime
 import itertools
+import os
 import platform
 import subprocess
 import time
@@ -128,6 +131,40 @@ def run_case(case: Case, quick: bool, measure_memory: bool = False) -> list[Resu
     return results
 
 
+@dataclass(frozen=True)
+class Suite:
+    """One benchmark suite as ``python -m bench`` runs it.
+
+    ``cases(quick, device)`` builds the cases (only when the suite runs: each provider builds its
+    inputs later still); ``plots(folder, results, ceilings)`` draws them; ``run_case`` times one
+    case's providers (a suite may bring its own, as train does); ``measure_memory`` adds peak and
+    saved memory to every result.
+    """
+
+    name: str
+    cases: Callable[..., list[Case]]
+    plots: Callable[[Path, list[Result], dict], object]
+    run_case: Callable[..., list[Result]] = run_case
+    measure_memory: bool = False
+
+    def run(self, quick: bool, device: str) -> list[Result]:
+        results = []
+        for case in self.cases(quick=quick, device=device):
+            results += self.run_case(case, quick, measure_memory=self.measure_memory)
+        return results
+
+
+def compiled_triton() -> bool:
+    """Whether Triton compiles for a CUDA device here rather than interpreting: where the suites'
+    GPU tests run (conftest.py skips those marked ``gpu`` otherwise) and their CPU smoke tests skip."""
+    return torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """How results record a dtype: "bfloat16" for torch.bfloat16."""
+    return str(dtype).removeprefix("torch.")
+
+
 def pytest_benchmark_case(benchmark, case: Case, provider: str) -> None:
     """Time one provider of ``case`` with pytest-benchmark, synchronizing the GPU in every round."""
     fn = case.providers[provider]()
@@ -178,12 +215,6 @@ def measure_ceilings(quick: bool) -> dict:
     ms, _, _ = time_ms(lambda: torch.matmul(a, b), quick)
     matmul_tflops = 2 * n**3 / (ms * 1e-3) / 1e12
     return {"copy_GBps": copy_gbs, "bf16_matmul_TFLOPs": matmul_tflops}
-
-
-def best_peer(results: list[Result], ours: str = "fused_remat") -> Result | None:
-    """The fastest successful provider other than ours."""
-    peers = [r for r in results if r.provider != ours and r.ms is not None]
-    return min(peers, key=lambda r: r.ms, default=None)
 
 
 def optional_import(module: str):
