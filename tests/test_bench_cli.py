@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import report
-from bench.__main__ import SUITES
+from bench import harness, report
+from bench.__main__ import SUITES, load_suite
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -36,6 +36,19 @@ def test_smoke_run_writes_results_tables_and_plots(suite, tmp_path):
     assert list(out.glob(f"{suite}*.png")), "no plot written"
     section = report.readme_section(tmp_path / "results")
     assert f"**{suite}**" in section and "Not yet measured" not in section
+
+
+@pytest.mark.parametrize("name", sorted(SUITES))
+def test_every_registered_suite_is_a_suite_of_its_name(name):
+    suite = load_suite(name)
+    assert isinstance(suite, harness.Suite) and suite.name == name
+
+
+def test_importing_the_cli_leaves_triton_and_the_suites_unimported():
+    """--smoke sets TRITON_INTERPRET in main(): nothing imported before that may import triton."""
+    code = "import sys, bench.__main__; print(sorted(m for m in sys.modules if m == 'triton' or m.startswith('bench.bench_')))"
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr[-3000:]
 
 
 def test_readme_section_says_not_measured_without_results(tmp_path):
