@@ -335,6 +335,7 @@ def _describe(value) -> str:
 
 # --- model-level checks -----------------------------------------------------------------------
 
+_NO_CACHE = "the block keeps no KV cache; pass use_cache=False (to generate() too)"
 # Base-model arguments that need no check (what they change happens outside the decoder layers).
 _HARMLESS = frozenset({"input_ids", "inputs_embeds", "token_type_ids", "return_dict"})
 
@@ -361,10 +362,8 @@ def _check_model_inputs(arguments: dict, config) -> None:
                 raise _refuse("attention_mask with padding (zeros)", "the block attends to every earlier token; use unpadded batches")
         elif name in ("position_ids", "cache_position") and seq is not None:
             _check_positions(name, value, seq)
-        elif name == "use_cache":
-            raise _refuse("use_cache=True", "the block keeps no KV cache; pass use_cache=False (generate(..., use_cache=False) too)")
-        elif name == "past_key_values":
-            raise _refuse("past_key_values", "the block keeps no KV cache")
+        elif name in ("use_cache", "past_key_values"):
+            raise _refuse("use_cache=True" if name == "use_cache" else "past_key_values", _NO_CACHE)
         else:
             raise _refuse(f"{name}={_describe(value)}", "the fused decoder layers cannot honour it")
     for flag in ("output_attentions", "output_hidden_states"):

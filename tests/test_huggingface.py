@@ -1,0 +1,229 @@
+"""apply_fused_remat on tiny random Hugging Face causal LMs (built from configs: no downloads): the
+patched model computes what the unpatched one does, refuses what the block cannot honour, and
+reverts to Hugging Face layers with its weights."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from fused_remat.integrations.huggingface import (  # noqa: E402
+    FusedDecoderLayer,
+    UnsupportedByFusedBlock,
+    apply_fused_remat,
+    revert_fused_remat,
+)
+from numerics import assert_error_rule  # noqa: E402
+
+VOCAB, SEQ = 64, 12
+LLAMA_LIKE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+CONFIGS = {
+    "llama": lambda **kw: transformers.LlamaConfig(**{**LLAMA_LIKE, **kw}),
+    "mistral": lambda **kw: transformers.MistralConfig(**{**LLAMA_LIKE, "head_dim": 16, "sliding_window": 32, **kw}),
+    "qwen2": lambda **kw: transformers.Qwen2Config(**{**LLAMA_LIKE, **kw}),
+    "gpt2": lambda **kw: transformers.GPT2Config(**{**dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, n_inner=128,
+                                                          resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0), **kw}),
+}
+
+
+def _model(arch: str, **config) -> torch.nn.Module:
+    """A random model whose norm weights, norm biases and linear biases are away from their 1/0
+    initialization, so that their gradients and the packing of biases are tested too."""
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[arch](**config))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "ln_" in name or name.endswith("bias"):
+                param.copy_((1.0 if name.endswith("weight") else 0.0) + 0.3 * torch.randn_like(param))
+    return model
+
+
+def _tokens(batch=2, seq=SEQ):
+    return torch.randint(0, VOCAB, (batch, seq))
+
+
+def _huggingface_grads(model) -> dict:
+    """Every parameter's gradient under its Hugging Face name; fused layers' gradients unpacked."""
+    fused = {name: m for name, m in model.named_modules() if isinstance(m, FusedDecoderLayer)}
+    grads = {n: p.grad for n, p in model.named_parameters() if n.rsplit(".", 2)[0] not in fused}
+    for prefix, layer in fused.items():
+        unpacked = layer.huggingface_tensors({n: p.grad for n, p in layer.named_parameters()})
+        grads.update({f"{prefix}.{name}": grad for name, grad in unpacked.items()})
+    return grads
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), _huggingface_grads(model)
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_logits_and_every_gradient_match_the_unpatched_model(arch, triton_backend):
+    model = _model(arch)
+    model64 = copy.deepcopy(model).double()
+    ids = _tokens()
+    logits, grads = _loss_and_grads(model, ids)
+    logits64, grads64 = _loss_and_grads(model64, ids)
+
+    apply_fused_remat(model)
+    assert all(isinstance(layer, FusedDecoderLayer) for layer in model.base_model.get_submodule("layers" if arch != "gpt2" else "h"))
+    fused_logits, fused_grads = _loss_and_grads(model, ids)
+    assert_error_rule("logits", fused_logits, logits, logits64, torch.float32)
+    assert fused_grads.keys() == grads64.keys()
+    for name, grad in fused_grads.items():
+        assert_error_rule(f"d {name}", grad, grads[name], grads64[name], torch.float32)
+    for layer in model.base_model.modules():
+        if isinstance(layer, FusedDecoderLayer):  # the stand-ins for biases the layer lacks stay out of training
+            assert all(layer.get_parameter(n).grad is None for n in layer._zero_biases)
+
+
+def test_training_steps_follow_the_unpatched_model(triton_backend):
+    """AdamW steps on Qwen2 (its zero stand-in biases stay out) with transformers' own loss; the
+    last step runs with Hugging Face's gradient checkpointing on, which makes the layers remat='full'."""
+    reference = _model("qwen2")
+    patched = apply_fused_remat(copy.deepcopy(reference))
+    ids = _tokens(batch=1)
+    losses = {}
+    for name, model in (("reference", reference), ("patched", patched)):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        model.train()
+        losses[name] = []
+        for step in range(3):
+            if step == 2:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)
+                    model.gradient_checkpointing_enable()
+            loss = model(ids, labels=ids).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses[name].append(loss.item())
+    assert {layer.remat for layer in patched.model.layers} == {"full"}
+    assert losses["patched"][-1] < losses["patched"][0]
+    assert losses["patched"] == pytest.approx(losses["reference"], rel=1e-4)
+
+
+def test_gradient_checkpointing_switch_maps_onto_remat():
+    model = apply_fused_remat(_model("llama"), remat="none")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable()
+        assert [layer.remat for layer in model.model.layers] == ["full", "full"]
+        assert model.is_gradient_checkpointing
+        model.gradient_checkpointing_disable()
+    assert [layer.remat for layer in model.model.layers] == ["none", "none"]
+
+
+def test_an_all_ones_mask_and_explicit_positions_are_fine(triton_backend):
+    reference = _model("llama")
+    patched = apply_fused_remat(copy.deepcopy(reference))
+    ids = _tokens()
+    kwargs = dict(attention_mask=torch.ones_like(ids), position_ids=torch.arange(SEQ).expand(2, SEQ))
+    with torch.no_grad():
+        expected = reference(ids, **kwargs).logits
+        assert torch.allclose(patched(ids, **kwargs).logits, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("call, named", [
+    (dict(attention_mask=torch.tensor([[1] * SEQ, [0] * 3 + [1] * (SEQ - 3)])), "attention_mask with padding"),
+    (dict(attention_mask=torch.ones(2, 1, SEQ, SEQ)), "4-D attention_mask"),
+    (dict(position_ids=torch.arange(SEQ).expand(2, SEQ) + 1), "position_ids"),
+    (dict(position_ids=torch.tensor([list(range(6)) * 2] * 2)), "position_ids"),  # packed sequences
+    (dict(use_cache=True), "use_cache=True"),
+    (dict(past_key_values="cache"), "past_key_values"),
+    (dict(output_attentions=True), "output_attentions"),
+    (dict(output_hidden_states=True), "output_hidden_states"),
+])
+def test_inputs_the_block_cannot_honour_are_refused(call, named):
+    model = apply_fused_remat(_model("llama"))
+    if named == "past_key_values":
+        call = dict(past_key_values=transformers.DynamicCache(config=model.config))
+    with pytest.raises(UnsupportedByFusedBlock, match=named):
+        model(_tokens(), **call)
+
+
+def test_configurations_the_block_cannot_honour_are_refused():
+    for arch, config, named in [
+        ("llama", dict(hidden_act="gelu"), "hidden_act"),
+        ("llama", dict(head_dim=32), "head_dim"),
+        ("gpt2", dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
+        ("gpt2", dict(activation_function="relu"), "activation_function"),
+    ]:
+        model = _model(arch, **config)
+        layers = list(model.base_model.children())
+        with pytest.raises(UnsupportedByFusedBlock, match=named):
+            apply_fused_remat(model)
+        assert list(model.base_model.children()) == layers  # refused before anything changed
+    scaled = _model("llama")
+    if getattr(scaled.config, "rope_parameters", None) is not None:
+        scaled.config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    else:
+        scaled.config.rope_scaling = {"rope_type": "linear", "factor": 2.0}
+    with pytest.raises(UnsupportedByFusedBlock, match="RoPE type 'linear'"):
+        apply_fused_remat(scaled)
+    with pytest.raises(UnsupportedByFusedBlock, match="model_type 'bert'"):
+        apply_fused_remat(transformers.BertForMaskedLM(transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64)))
+
+
+def test_calls_the_layers_cannot_honour_are_refused():
+    window = apply_fused_remat(_model("mistral", sliding_window=8))
+    with pytest.raises(UnsupportedByFusedBlock, match="sliding_window=8 with a sequence of 12"):
+        window(_tokens())
+    dropout = apply_fused_remat(_model("gpt2", attn_pdrop=0.1)).train()
+    with pytest.raises(UnsupportedByFusedBlock, match="dropout 0.1 in training mode"):
+        dropout(_tokens())
+    qwen = apply_fused_remat(_model("qwen2"))
+    qwen.requires_grad_(True)  # would train the zero stand-ins for o_proj's and the MLP's missing biases
+    with pytest.raises(UnsupportedByFusedBlock, match="requires_grad on"):
+        qwen(_tokens())
+    layer = qwen.model.layers[0]
+    x = torch.randn(1, SEQ, 64)
+    with pytest.raises(UnsupportedByFusedBlock, match="attention_mask"):
+        layer(x, attention_mask=torch.zeros(1, 1, SEQ, SEQ))  # outside the model nothing vouches for it
+
+
+def test_generate_refuses_the_cache_and_matches_without_it(triton_backend):
+    reference = _model("llama")
+    patched = apply_fused_remat(copy.deepcopy(reference))
+    prompt = _tokens(1, 5)
+    settings = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with pytest.raises(UnsupportedByFusedBlock, match="no KV cache; pass use_cache=False"):
+        patched.generate(prompt, **settings)
+    expected = reference.generate(prompt, **settings)
+    assert torch.equal(patched.generate(prompt, use_cache=False, **settings), expected)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+def test_revert_restores_huggingface_layers_with_the_weights(arch):
+    model = _model(arch)
+    original = {name: p.detach().clone() for name, p in model.state_dict().items()}
+    layer_class = type(model.base_model.get_submodule("h.0" if arch == "gpt2" else "layers.0"))
+    apply_fused_remat(model)
+    assert revert_fused_remat(model) is model
+    assert type(model.base_model.get_submodule("h.0" if arch == "gpt2" else "layers.0")) is layer_class
+    state = model.state_dict()
+    assert state.keys() == original.keys()
+    assert all(torch.equal(state[name], value) for name, value in original.items())
+    storages = [p.untyped_storage().data_ptr() for p in model.parameters()]
+    assert len(storages) == len(set(storages))  # split pieces are copies: save_pretrained sees no shared tensors
+
+    apply_fused_remat(model)  # trained weights come back unpacked
+    with torch.no_grad():
+        for layer in model.base_model.modules():
+            if isinstance(layer, FusedDecoderLayer):
+                for name, param in layer.named_parameters():
+                    if name not in layer._zero_biases:
+                        param.add_(torch.randn_like(param))
+    expected = {f"{prefix}.{n}": t.clone() for prefix, layer in model.named_modules() if isinstance(layer, FusedDecoderLayer)
+                for n, t in layer.huggingface_tensors(dict(layer.named_parameters())).items()}
+    revert_fused_remat(model)
+    state = model.state_dict()
+    assert all(torch.equal(state[name], value) for name, value in expected.items())
+    with pytest.raises(ValueError, match="not patched"):
+        revert_fused_remat(model)
