@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .launch import next_power_of_2
-from .precision import round_to
+from .precision import load_tile, store_tile
 
 MAX_BLOCK_N = 1024
 TILE_ELEMENTS = 4096  # elements per program: BLOCK_M x BLOCK_N, fewer only for small tensors
@@ -66,30 +66,20 @@ def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _load(PTR, stride, rows, cols, mask):
-    return tl.load(PTR + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _store(PTR, stride, rows, cols, mask, value):
-    tl.store(PTR + rows[:, None] * stride + cols[None, :], round_to(value, PTR.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _gelu(
     X, DY, DX, Y, M, N, stride_x, stride_dy, stride_dx, stride_y,
     APPROXIMATE_TANH: tl.constexpr, BACKWARD: tl.constexpr, WRITE_Y: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Forward (WRITE_Y only): y = gelu(x). Backward: dx = dy * gelu'(x), and y too when WRITE_Y."""
-    rows, cols, mask = _tile(M, N, BLOCK_M, BLOCK_N)
-    x = _load(X, stride_x, rows, cols, mask)
-    y, derivative = _gelu_and_derivative(x, APPROXIMATE_TANH)
+    rows, cols, mask = _tile(M, N, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    x = load_tile(X, stride_x, rows, cols, mask)
+    y, derivative = _gelu_and_derivative(x, APPROXIMATE_TANH=APPROXIMATE_TANH)
     if BACKWARD:
-        dy = _load(DY, stride_dy, rows, cols, mask)
-        _store(DX, stride_dx, rows, cols, mask, dy * derivative)
+        dy = load_tile(DY, stride_dy, rows, cols, mask)
+        store_tile(DX, stride_dx, rows, cols, mask, dy * derivative)
     if WRITE_Y:
-        _store(Y, stride_y, rows, cols, mask, y)
+        store_tile(Y, stride_y, rows, cols, mask, y)
 
 
 @triton.jit
@@ -98,17 +88,17 @@ def _swiglu(
     BACKWARD: tl.constexpr, WRITE_Y: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """y = silu(g) u; d/dgate = u * s * (1 + g (1 - s)) with s = sigmoid(g); d/dup = silu(g)."""
-    rows, cols, mask = _tile(M, N, BLOCK_M, BLOCK_N)
-    gate = _load(GATE, stride_gate, rows, cols, mask)
-    up = _load(UP, stride_up, rows, cols, mask)
+    rows, cols, mask = _tile(M, N, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    gate = load_tile(GATE, stride_gate, rows, cols, mask)
+    up = load_tile(UP, stride_up, rows, cols, mask)
     sig = tl.sigmoid(gate)
     silu = gate * sig
     if BACKWARD:
-        dy = _load(DY, stride_dy, rows, cols, mask)
-        _store(DGATE, stride_dgate, rows, cols, mask, dy * up * sig * (1.0 + gate * (1.0 - sig)))
-        _store(DUP, stride_dup, rows, cols, mask, dy * silu)
+        dy = load_tile(DY, stride_dy, rows, cols, mask)
+        store_tile(DGATE, stride_dgate, rows, cols, mask, dy * up * sig * (1.0 + gate * (1.0 - sig)))
+        store_tile(DUP, stride_dup, rows, cols, mask, dy * silu)
     if WRITE_Y:
-        _store(Y, stride_y, rows, cols, mask, silu * up)
+        store_tile(Y, stride_y, rows, cols, mask, silu * up)
 
 
 def _tiling(rows: int, cols: int) -> tuple[int, int, int, int]:

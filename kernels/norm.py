@@ -20,12 +20,26 @@ import triton.language as tl
 
 from .launch import next_power_of_2, persistent_program_count
 from .limits import MAX_NORM_WIDTH
-from .precision import round_to
+from .precision import load_tile, round_to, store_tile
 
 # Widest row held in registers. Backward holds more per element (x, dy, w, x-hat) and spills past
 # 8192 columns at 16 warps on sm_90 (checked with ptxas), so it streams sooner.
 MAX_SINGLE_PASS_N = {"forward": 16384, "backward": 8192}
 STREAM_BLOCK_N = 4096
+
+
+@triton.jit
+def _load_vector(PTR, col, col_mask):
+    return tl.load(PTR + col, mask=col_mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _scale_shift(x_hat, w, B, col, col_mask, HAS_BIAS: tl.constexpr):
+    """The norm's output x_hat * w (+ b) in fp32."""
+    y = x_hat * w[None, :]
+    if HAS_BIAS:
+        y += _load_vector(B, col, col_mask)[None, :]
+    return y
 
 
 @triton.jit
@@ -38,14 +52,12 @@ def _row_statistics(X, rows64, row_mask, N, stride_x, eps, IS_RMS: tl.constexpr,
         total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for start in range(0, N, BLOCK_N):
             mask = row_mask[:, None] & ((start + cols)[None, :] < N)
-            x = tl.load(X + rows64[:, None] * stride_x + (start + cols)[None, :], mask=mask, other=0.0)
-            total += x.to(tl.float32)
+            total += load_tile(X, stride_x, rows64, start + cols, mask)
         mean = tl.sum(total, axis=1) / N
     squares = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, N, BLOCK_N):
         mask = row_mask[:, None] & ((start + cols)[None, :] < N)
-        x = tl.load(X + rows64[:, None] * stride_x + (start + cols)[None, :], mask=mask, other=0.0)
-        centred = tl.where(mask, x.to(tl.float32) - mean[:, None], 0.0)
+        centred = tl.where(mask, load_tile(X, stride_x, rows64, start + cols, mask) - mean[:, None], 0.0)
         squares += centred * centred
     rstd = tl.math.rsqrt(tl.sum(squares, axis=1) / N + eps)
     return mean, rstd
@@ -66,10 +78,11 @@ def _norm_fwd(
     rows64 = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     if SINGLE_PASS:
-        mask = row_mask[:, None] & (cols[None, :] < N)
-        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        col_mask = cols < N
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = load_tile(X, stride_x, rows64, cols, mask)
         if HAS_RESIDUAL:
-            x += tl.load(R + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            x += load_tile(R, stride_r, rows64, cols, mask)
             # Normalize the rounded sum: backward rebuilds x-hat from the stored h and must agree.
             h = round_to(x, H.dtype.element_ty)
             tl.store(H + rows64[:, None] * stride_h + cols[None, :], h, mask=mask)
@@ -81,41 +94,51 @@ def _norm_fwd(
             mean = tl.sum(x, axis=1) / N
             centred = tl.where(mask, x - mean[:, None], 0.0)
         rstd = tl.math.rsqrt(tl.sum(centred * centred, axis=1) / N + eps)
-        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
-        y = centred * rstd[:, None] * w[None, :]
-        if HAS_BIAS:
-            y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(Y + rows64[:, None] * stride_y + cols[None, :], round_to(y, Y.dtype.element_ty), mask=mask)
+        w = _load_vector(W, cols, col_mask)
+        y = _scale_shift(centred * rstd[:, None], w, B, cols, col_mask, HAS_BIAS=HAS_BIAS)
+        store_tile(Y, stride_y, rows64, cols, mask, y)
     else:
-        mean, rstd = _row_statistics(X, rows64, row_mask, N, stride_x, eps, IS_RMS, BLOCK_M, BLOCK_N)
+        mean, rstd = _row_statistics(X, rows64, row_mask, N, stride_x, eps, IS_RMS=IS_RMS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
         for start in range(0, N, BLOCK_N):
             col = start + cols
-            mask = row_mask[:, None] & (col[None, :] < N)
-            x = tl.load(X + rows64[:, None] * stride_x + col[None, :], mask=mask, other=0.0).to(tl.float32)
-            w = tl.load(W + col, mask=col < N, other=0.0).to(tl.float32)
-            y = (x - mean[:, None]) * rstd[:, None] * w[None, :]
-            if HAS_BIAS:
-                y += tl.load(B + col, mask=col < N, other=0.0).to(tl.float32)[None, :]
-            tl.store(Y + rows64[:, None] * stride_y + col[None, :], round_to(y, Y.dtype.element_ty), mask=mask)
+            col_mask = col < N
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = load_tile(X, stride_x, rows64, col, mask)
+            w = _load_vector(W, col, col_mask)
+            y = _scale_shift((x - mean[:, None]) * rstd[:, None], w, B, col, col_mask, HAS_BIAS=HAS_BIAS)
+            store_tile(Y, stride_y, rows64, col, mask, y)
     if not IS_RMS:
         tl.store(MEAN + rows, mean, mask=row_mask)
     tl.store(RSTD + rows, rstd, mask=row_mask)
 
 
 @triton.jit
+def _load_bwd_tile(X, DY, W, rows64, col, col_mask, mask, mean, rstd, stride_x, stride_dy):
+    """(x_hat, dy, w) of one tile in fp32, x_hat rebuilt from x and the row statistics (0 outside ``mask``)."""
+    x = load_tile(X, stride_x, rows64, col, mask)
+    dy = load_tile(DY, stride_dy, rows64, col, mask)
+    w = _load_vector(W, col, col_mask)
+    x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    return x_hat, dy, w
+
+
+@triton.jit
 def _finish_rows(
-    dx, x_hat, w, B, DRES, DX, Y, rows64, col, col_mask, mask, stride_dres, stride_dx, stride_y,
-    HAS_BIAS: tl.constexpr, HAS_DRES: tl.constexpr, WRITE_Y: tl.constexpr,
+    x_hat, dy, w, c1, c2, rstd, B, DRES, DX, Y, rows64, col, col_mask, mask, stride_dres, stride_dx, stride_y,
+    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DRES: tl.constexpr, WRITE_Y: tl.constexpr,
 ):
-    """Store one tile of dx (plus the residual gradient) and, when asked, the rebuilt output."""
+    """Store one tile of dx = rstd * (w*dy - x_hat * c1 - c2) (no c2 for RMSNorm) plus the residual
+    gradient and, when asked, the rebuilt output."""
+    w_dy = w[None, :] * dy
+    if IS_RMS:
+        dx = (w_dy - x_hat * c1[:, None]) * rstd[:, None]
+    else:
+        dx = (w_dy - x_hat * c1[:, None] - c2[:, None]) * rstd[:, None]
     if HAS_DRES:
-        dx += tl.load(DRES + rows64[:, None] * stride_dres + col[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(DX + rows64[:, None] * stride_dx + col[None, :], round_to(dx, DX.dtype.element_ty), mask=mask)
+        dx += load_tile(DRES, stride_dres, rows64, col, mask)
+    store_tile(DX, stride_dx, rows64, col, mask, dx)
     if WRITE_Y:
-        y = x_hat * w[None, :]
-        if HAS_BIAS:
-            y += tl.load(B + col, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(Y + rows64[:, None] * stride_y + col[None, :], round_to(y, Y.dtype.element_ty), mask=mask)
+        store_tile(Y, stride_y, rows64, col, mask, _scale_shift(x_hat, w, B, col, col_mask, HAS_BIAS=HAS_BIAS))
 
 
 @triton.jit
@@ -147,35 +170,28 @@ def _norm_bwd(
         else:
             mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
         if SINGLE_PASS:
-            mask = row_mask[:, None] & (cols[None, :] < N)
-            x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
-            x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+            col_mask = cols < N
+            mask = row_mask[:, None] & col_mask[None, :]
+            x_hat, dy, w = _load_bwd_tile(X, DY, W, rows64, cols, col_mask, mask, mean, rstd, stride_x, stride_dy)
             w_dy = w[None, :] * dy
             c1 = tl.sum(x_hat * w_dy, axis=1) / N
-            if IS_RMS:
-                dx = (w_dy - x_hat * c1[:, None]) * rstd[:, None]
-            else:
-                c2 = tl.sum(w_dy, axis=1) / N
-                dx = (w_dy - x_hat * c1[:, None] - c2[:, None]) * rstd[:, None]
+            c2 = tl.sum(w_dy, axis=1) / N
             _finish_rows(
-                dx, x_hat, w, B, DRES, DX, Y, rows64, cols, cols < N, mask, stride_dres, stride_dx, stride_y,
-                HAS_BIAS, HAS_DRES, WRITE_Y,
+                x_hat, dy, w, c1, c2, rstd, B, DRES, DX, Y, rows64, cols, col_mask, mask, stride_dres, stride_dx,
+                stride_y, IS_RMS=IS_RMS, HAS_BIAS=HAS_BIAS, HAS_DRES=HAS_DRES, WRITE_Y=WRITE_Y,
             )
             dw_acc += tl.sum(dy * x_hat, axis=0)
             if HAS_BIAS:
                 db_acc += tl.sum(dy, axis=0)
         else:
+            # Two sweeps over the row: the sums c1 and c2 first, then dx and the weight gradients.
             c1 = tl.zeros([BLOCK_M], dtype=tl.float32)
             c2 = tl.zeros([BLOCK_M], dtype=tl.float32)
             for start in range(0, N, BLOCK_N):
                 col = start + cols
-                mask = row_mask[:, None] & (col[None, :] < N)
-                x = tl.load(X + rows64[:, None] * stride_x + col[None, :], mask=mask, other=0.0).to(tl.float32)
-                dy = tl.load(DY + rows64[:, None] * stride_dy + col[None, :], mask=mask, other=0.0).to(tl.float32)
-                w = tl.load(W + col, mask=col < N, other=0.0).to(tl.float32)
-                x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+                col_mask = col < N
+                mask = row_mask[:, None] & col_mask[None, :]
+                x_hat, dy, w = _load_bwd_tile(X, DY, W, rows64, col, col_mask, mask, mean, rstd, stride_x, stride_dy)
                 c1 += tl.sum(x_hat * w[None, :] * dy, axis=1)
                 c2 += tl.sum(w[None, :] * dy, axis=1)
             c1 = c1 / N
@@ -184,18 +200,10 @@ def _norm_bwd(
                 col = start + cols
                 col_mask = col < N
                 mask = row_mask[:, None] & col_mask[None, :]
-                x = tl.load(X + rows64[:, None] * stride_x + col[None, :], mask=mask, other=0.0).to(tl.float32)
-                dy = tl.load(DY + rows64[:, None] * stride_dy + col[None, :], mask=mask, other=0.0).to(tl.float32)
-                w = tl.load(W + col, mask=col_mask, other=0.0).to(tl.float32)
-                x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-                w_dy = w[None, :] * dy
-                if IS_RMS:
-                    dx = (w_dy - x_hat * c1[:, None]) * rstd[:, None]
-                else:
-                    dx = (w_dy - x_hat * c1[:, None] - c2[:, None]) * rstd[:, None]
+                x_hat, dy, w = _load_bwd_tile(X, DY, W, rows64, col, col_mask, mask, mean, rstd, stride_x, stride_dy)
                 _finish_rows(
-                    dx, x_hat, w, B, DRES, DX, Y, rows64, col, col_mask, mask, stride_dres, stride_dx, stride_y,
-                    HAS_BIAS, HAS_DRES, WRITE_Y,
+                    x_hat, dy, w, c1, c2, rstd, B, DRES, DX, Y, rows64, col, col_mask, mask, stride_dres, stride_dx,
+                    stride_y, IS_RMS=IS_RMS, HAS_BIAS=HAS_BIAS, HAS_DRES=HAS_DRES, WRITE_Y=WRITE_Y,
                 )
                 dw = tl.load(partial_row + col, mask=col_mask, other=0.0)
                 tl.store(partial_row + col, dw + tl.sum(dy * x_hat, axis=0), mask=col_mask)
