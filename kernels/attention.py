@@ -27,6 +27,8 @@ configuration runs, and dot operands are upcast to fp32 (the interpreter's bf16 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -35,8 +37,8 @@ from .launch import next_power_of_2
 from .limits import MAX_HEAD_DIM, triton_interpreting
 from .precision import round_to
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)  # the scores run in log2 units: exp(x) = exp2(x * LOG2E)
+LN2 = tl.constexpr(0.6931471805599453)  # back to natural log: ln(x) = log2(x) * LN2
 
 # The one configuration the interpreter runs (CPU; no autotuning, small blocks keep CI fast).
 INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
@@ -45,6 +47,30 @@ INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages"
 # --------------------------------------------------------------------------------------------
 # Device helpers
 # --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _program_place(GROUP, REVERSE: tl.constexpr, BLOCK: tl.constexpr):
+    """Where this program sits on a (row blocks, heads, batch) grid: (first row, head, head // GROUP,
+    batch), the last three int64 for the offsets. REVERSE hands the row blocks out last first."""
+    pid = tl.program_id(0)
+    if REVERSE:
+        pid = tl.num_programs(0) - 1 - pid
+    head = tl.program_id(1)
+    batch = tl.program_id(2).to(tl.int64)
+    return pid * BLOCK, head.to(tl.int64), (head // GROUP).to(tl.int64), batch
+
+
+@triton.jit
+def _head(base, batch, head, stride_b, stride_h):
+    """Pointer to the (N, D) matrix of one batch and head of a (B, H, N, D) tensor."""
+    return base + batch * stride_b + head * stride_h
+
+
+@triton.jit
+def _row_stats(base, batch, head, Hq, Nq):
+    """Pointer to the Nq values of one batch and head of a contiguous fp32 (B, Hq, Nq) tensor."""
+    return base + (batch * Hq + head) * Nq
 
 
 @triton.jit
@@ -113,11 +139,29 @@ def _visible(offs_m, keys, Nq, Nk, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def _key_block(
+    q, K_head, V_head, stride_kn, stride_vn, start_n, offs_m, Nq, Nk, D, qk_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """k and v of the key block at start_n, and the scores q k^T * qk_scale (log2 units) of the query
+    rows offs_m; MASKED sets the scores of keys a row does not see to -inf."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k = _load_rows(K_head, start_n, offs_n, Nk, stride_kn, offs_d, D, CHECK_ROWS=MASKED, EVEN_D=EVEN_D)
+    v = _load_rows(V_head, start_n, offs_n, Nk, stride_vn, offs_d, D, CHECK_ROWS=MASKED, EVEN_D=EVEN_D)
+    s = _dot(q, tl.trans(k), UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION) * qk_scale
+    if MASKED:
+        s = tl.where(_visible(offs_m, start_n + offs_n, Nq, Nk, CAUSAL=CAUSAL), s, float("-inf"))
+    return k, v, s
+
+
+@triton.jit
 def _load_lse_log2(LSE_row, offs_m, Nq):
     """lse in log2 units, with rows that see no key (lse = -inf) and padding rows set to +inf, so that
     P = exp2(S2 - lse2) is exactly 0 for them instead of NaN."""
     lse = tl.load(LSE_row + offs_m, mask=offs_m < Nq, other=float("-inf"))
-    return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
 
 
 # --------------------------------------------------------------------------------------------
@@ -131,27 +175,24 @@ def _attn_fwd_inner(
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """Online softmax over the key blocks in [lo, hi): running max m_i, sum l_i and output acc."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
-        k = _load_rows(K_head, start_n, offs_n, Nk, stride_kn, offs_d, D, MASKED, EVEN_D)
-        v = _load_rows(V_head, start_n, offs_n, Nk, stride_vn, offs_d, D, MASKED, EVEN_D)
-        s = _dot(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION) * qk_scale  # log2 units
+        k, v, s = _key_block(
+            q, K_head, V_head, stride_kn, stride_vn, start_n, offs_m, Nq, Nk, D, qk_scale,
+            MASKED=MASKED, CAUSAL=CAUSAL, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
+            UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N,
+        )
+        m_new = tl.maximum(m_i, tl.max(s, 1))
         if MASKED:
-            keys = start_n + offs_n
-            visible = _visible(offs_m, keys, Nq, Nk, CAUSAL)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
             # A row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
             m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
             m_shift = m_new
         p = tl.math.exp2(s - m_shift[:, None])
         alpha = tl.math.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST_DOT, DOT_PRECISION)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -169,46 +210,40 @@ def _attn_fwd(
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """o = softmax(q k^T * scale) v and lse per row. Grid: (query blocks, Hq, B).
+    """o = softmax(q k^T * scale) v and lse per row. Grid: (query blocks, Hq, B); causal runs the
+    last query blocks (which see the most keys) first, for a shorter tail.
 
     N_CTX_Q_KEY and N_CTX_K_KEY are unused here: they are the autotuner's length buckets."""
-    pid_m = tl.program_id(0)
-    if CAUSAL:
-        # Later query blocks see more keys: start them first for a shorter tail.
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    head = tl.program_id(1)
-    batch = tl.program_id(2).to(tl.int64)
-    kv_head = (head // GROUP).to(tl.int64)
-    head64 = head.to(tl.int64)
-    start_m = pid_m * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    start_m, head, kv_head, batch = _program_place(GROUP, REVERSE=CAUSAL, BLOCK=BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_m = start_m + offs_r
     offs_d = tl.arange(0, HEAD_DIM)
-
-    Q_head = Q + batch * stride_qb + head64 * stride_qh
-    K_head = K + batch * stride_kb + kv_head * stride_kh
-    V_head = V + batch * stride_vb + kv_head * stride_vh
-    q = _load_rows(Q_head, start_m, tl.arange(0, BLOCK_M), Nq, stride_qn, offs_d, D, True, EVEN_D)
+    K_head = _head(K, batch, kv_head, stride_kb, stride_kh)
+    V_head = _head(V, batch, kv_head, stride_vb, stride_vh)
+    q = _load_rows(_head(Q, batch, head, stride_qb, stride_qh), start_m, offs_r, Nq, stride_qn, offs_d, D,
+                   CHECK_ROWS=True, EVEN_D=EVEN_D)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    full_end, masked_end = _key_ranges(start_m, Nq, Nk, CAUSAL, BLOCK_M, BLOCK_N)
+    full_end, masked_end = _key_ranges(start_m, Nq, Nk, CAUSAL=CAUSAL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_vn, start_m, 0, full_end, Nq, Nk, D, qk_scale,
-        False, CAUSAL, HEAD_DIM, EVEN_D, UPCAST_DOT, DOT_PRECISION, BLOCK_M, BLOCK_N,
+        MASKED=False, CAUSAL=CAUSAL, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
+        UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_vn, start_m, full_end, masked_end, Nq, Nk, D, qk_scale,
-        True, CAUSAL, HEAD_DIM, EVEN_D, UPCAST_DOT, DOT_PRECISION, BLOCK_M, BLOCK_N,
+        MASKED=True, CAUSAL=CAUSAL, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
+        UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
 
     empty = l_i == 0.0  # rows that saw no key
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    O_head = O + batch * stride_ob + head64 * stride_oh
-    _store_rows(O_head, start_m, tl.arange(0, BLOCK_M), Nq, stride_on, offs_d, D, round_to(o, O.dtype.element_ty), EVEN_D)
-    LSE_row = LSE + (batch * Hq + head64) * Nq
-    tl.store(LSE_row + offs_m, lse, mask=offs_m < Nq)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    _store_rows(_head(O, batch, head, stride_ob, stride_oh), start_m, offs_r, Nq, stride_on, offs_d, D,
+                round_to(o, O.dtype.element_ty), EVEN_D=EVEN_D)
+    tl.store(_row_stats(LSE, batch, head, Hq, Nq) + offs_m, lse, mask=offs_m < Nq)
 
 
 # --------------------------------------------------------------------------------------------
@@ -226,19 +261,18 @@ def _attn_bwd_preprocess(
 ):
     """delta = rowsum(dO * O) in fp32, minus dLSE when lse has a gradient (dS = P (dP - delta)).
     DLSE and DELTA are contiguous (B, Hq, Nq). Grid: (query blocks, Hq, B)."""
-    start_m = tl.program_id(0) * BLOCK_M
-    head = tl.program_id(1).to(tl.int64)
-    batch = tl.program_id(2).to(tl.int64)
+    start_m, head, _, batch = _program_place(1, REVERSE=False, BLOCK=BLOCK_M)
     offs_r = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    o = _load_rows(O + batch * stride_ob + head * stride_oh, start_m, offs_r, Nq, stride_on, offs_d, D, True, False)
-    do = _load_rows(DO + batch * stride_dob + head * stride_doh, start_m, offs_r, Nq, stride_don, offs_d, D, True, False)
+    o = _load_rows(_head(O, batch, head, stride_ob, stride_oh), start_m, offs_r, Nq, stride_on, offs_d, D,
+                   CHECK_ROWS=True, EVEN_D=False)
+    do = _load_rows(_head(DO, batch, head, stride_dob, stride_doh), start_m, offs_r, Nq, stride_don, offs_d, D,
+                    CHECK_ROWS=True, EVEN_D=False)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     offs_m = start_m + offs_r
-    row = (batch * Hq + head) * Nq
     if HAS_DLSE:
-        delta -= tl.load(DLSE + row + offs_m, mask=offs_m < Nq, other=0.0).to(tl.float32)
-    tl.store(DELTA + row + offs_m, delta, mask=offs_m < Nq)
+        delta -= tl.load(_row_stats(DLSE, batch, head, Hq, Nq) + offs_m, mask=offs_m < Nq, other=0.0).to(tl.float32)
+    tl.store(_row_stats(DELTA, batch, head, Hq, Nq) + offs_m, delta, mask=offs_m < Nq)
 
 
 @triton.jit
@@ -254,18 +288,19 @@ def _attn_bwd_dkdv_inner(
     offs_d = tl.arange(0, HEAD_DIM)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_r
-        q = _load_rows(Q_head, start_m, offs_r, Nq, stride_qn, offs_d, D, True, EVEN_D)
-        do = _load_rows(DO_head, start_m, offs_r, Nq, stride_don, offs_d, D, True, EVEN_D)
+        q = _load_rows(Q_head, start_m, offs_r, Nq, stride_qn, offs_d, D, CHECK_ROWS=True, EVEN_D=EVEN_D)
+        do = _load_rows(DO_head, start_m, offs_r, Nq, stride_don, offs_d, D, CHECK_ROWS=True, EVEN_D=EVEN_D)
         lse2 = _load_lse_log2(LSE_row, offs_m, Nq)
         delta = tl.load(DELTA_row + offs_m, mask=offs_m < Nq, other=0.0)
         # P^T recomputed from the saved lse: exp2(S^T * scale * log2 e - lse * log2 e).
-        p_t = tl.math.exp2(_dot(k, tl.trans(q), UPCAST_DOT, DOT_PRECISION) * qk_scale - lse2[None, :])
+        p_t = tl.math.exp2(_dot(k, tl.trans(q), UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION) * qk_scale
+                           - lse2[None, :])
         if MASKED:  # the causal diagonal: query i sees key j iff j <= i + Nk - Nq
             p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + (Nk - Nq), p_t, 0.0)
-        dv += _dot(p_t.to(do.dtype), do, UPCAST_DOT, DOT_PRECISION)
-        dp_t = _dot(v, tl.trans(do), UPCAST_DOT, DOT_PRECISION)
+        dv += _dot(p_t.to(do.dtype), do, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
+        dp_t = _dot(v, tl.trans(do), UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
-        dk += _dot(ds_t.to(q.dtype), q, UPCAST_DOT, DOT_PRECISION)
+        dk += _dot(ds_t.to(q.dtype), q, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
     return dk, dv
 
 
@@ -286,13 +321,13 @@ def _attn_bwd_dkdv(
 ):
     """dK, dV for one key block of one kv head, summed over the GROUP query heads that share it.
     Grid: (key blocks, Hkv, B). Rows of the key block past Nk are computed but never stored."""
-    start_n = tl.program_id(0) * BLOCK_N
-    kv_head = tl.program_id(1).to(tl.int64)
-    batch = tl.program_id(2).to(tl.int64)
+    start_n, kv_head, _, batch = _program_place(1, REVERSE=False, BLOCK=BLOCK_N)
     offs_r = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    k = _load_rows(K + batch * stride_kb + kv_head * stride_kh, start_n, offs_r, Nk, stride_kn, offs_d, D, True, EVEN_D)
-    v = _load_rows(V + batch * stride_vb + kv_head * stride_vh, start_n, offs_r, Nk, stride_vn, offs_d, D, True, EVEN_D)
+    k = _load_rows(_head(K, batch, kv_head, stride_kb, stride_kh), start_n, offs_r, Nk, stride_kn, offs_d, D,
+                   CHECK_ROWS=True, EVEN_D=EVEN_D)
+    v = _load_rows(_head(V, batch, kv_head, stride_vb, stride_vh), start_n, offs_r, Nk, stride_vn, offs_d, D,
+                   CHECK_ROWS=True, EVEN_D=EVEN_D)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
@@ -310,25 +345,27 @@ def _attn_bwd_dkdv(
 
     for g in range(GROUP):
         head = kv_head * GROUP + g
-        Q_head = Q + batch * stride_qb + head * stride_qh
-        DO_head = DO + batch * stride_dob + head * stride_doh
-        LSE_row = LSE + (batch * Hq + head) * Nq
-        DELTA_row = DELTA + (batch * Hq + head) * Nq
+        Q_head = _head(Q, batch, head, stride_qb, stride_qh)
+        DO_head = _head(DO, batch, head, stride_dob, stride_doh)
+        LSE_row = _row_stats(LSE, batch, head, Hq, Nq)
+        DELTA_row = _row_stats(DELTA, batch, head, Hq, Nq)
         if CAUSAL:
             dk, dv = _attn_bwd_dkdv_inner(
                 dk, dv, k, v, Q_head, DO_head, LSE_row, DELTA_row, stride_qn, stride_don, start_n, masked_lo, masked_hi,
-                Nq, Nk, D, qk_scale, True, HEAD_DIM, EVEN_D, UPCAST_DOT, DOT_PRECISION, BLOCK_M, BLOCK_N,
+                Nq, Nk, D, qk_scale, MASKED=True, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
+                UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
             )
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, Q_head, DO_head, LSE_row, DELTA_row, stride_qn, stride_don, start_n, full_lo, Nq,
-            Nq, Nk, D, qk_scale, False, HEAD_DIM, EVEN_D, UPCAST_DOT, DOT_PRECISION, BLOCK_M, BLOCK_N,
+            Nq, Nk, D, qk_scale, MASKED=False, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
+            UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         )
 
     dk = dk * sm_scale
-    _store_rows(DK + batch * stride_dkb + kv_head * stride_dkh, start_n, offs_r, Nk, stride_dkn, offs_d, D,
-                round_to(dk, DK.dtype.element_ty), EVEN_D)
-    _store_rows(DV + batch * stride_dvb + kv_head * stride_dvh, start_n, offs_r, Nk, stride_dvn, offs_d, D,
-                round_to(dv, DV.dtype.element_ty), EVEN_D)
+    _store_rows(_head(DK, batch, kv_head, stride_dkb, stride_dkh), start_n, offs_r, Nk, stride_dkn, offs_d, D,
+                round_to(dk, DK.dtype.element_ty), EVEN_D=EVEN_D)
+    _store_rows(_head(DV, batch, kv_head, stride_dvb, stride_dvh), start_n, offs_r, Nk, stride_dvn, offs_d, D,
+                round_to(dv, DV.dtype.element_ty), EVEN_D=EVEN_D)
 
 
 @triton.jit
@@ -337,20 +374,19 @@ def _attn_bwd_dq_inner(
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """Accumulate dQ (unscaled) of one query block over the key blocks in [lo, hi). Masked scores are
+    -inf and unseen rows have lse2 = +inf, so P is exactly 0 wherever a row sees nothing."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
-        k = _load_rows(K_head, start_n, offs_n, Nk, stride_kn, offs_d, D, MASKED, EVEN_D)
-        v = _load_rows(V_head, start_n, offs_n, Nk, stride_vn, offs_d, D, MASKED, EVEN_D)
-        p = tl.math.exp2(_dot(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION) * qk_scale - lse2[:, None])
-        if MASKED:
-            keys = start_n + offs_n
-            visible = _visible(offs_m, keys, Nq, Nk, CAUSAL)
-            p = tl.where(visible, p, 0.0)
-        dp = _dot(do, tl.trans(v), UPCAST_DOT, DOT_PRECISION)
+        k, v, s = _key_block(
+            q, K_head, V_head, stride_kn, stride_vn, start_n, offs_m, Nq, Nk, D, qk_scale,
+            MASKED=MASKED, CAUSAL=CAUSAL, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
+            UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N,
+        )
+        p = tl.math.exp2(s - lse2[:, None])
+        dp = _dot(do, tl.trans(v), UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, UPCAST_DOT, DOT_PRECISION)
+        dq += _dot(ds.to(k.dtype), k, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
     return dq
 
 
@@ -369,38 +405,34 @@ def _attn_bwd_dq(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dQ for one query block of one query head, looping over key blocks. Grid: (query blocks, Hq, B)."""
-    pid_m = tl.program_id(0)
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    head = tl.program_id(1)
-    batch = tl.program_id(2).to(tl.int64)
-    kv_head = (head // GROUP).to(tl.int64)
-    head64 = head.to(tl.int64)
-    start_m = pid_m * BLOCK_M
+    start_m, head, kv_head, batch = _program_place(GROUP, REVERSE=CAUSAL, BLOCK=BLOCK_M)
     offs_r = tl.arange(0, BLOCK_M)
     offs_m = start_m + offs_r
     offs_d = tl.arange(0, HEAD_DIM)
-    q = _load_rows(Q + batch * stride_qb + head64 * stride_qh, start_m, offs_r, Nq, stride_qn, offs_d, D, True, EVEN_D)
-    do = _load_rows(DO + batch * stride_dob + head64 * stride_doh, start_m, offs_r, Nq, stride_don, offs_d, D, True, EVEN_D)
-    row = (batch * Hq + head64) * Nq
-    lse2 = _load_lse_log2(LSE + row, offs_m, Nq)
-    delta = tl.load(DELTA + row + offs_m, mask=offs_m < Nq, other=0.0)
-    K_head = K + batch * stride_kb + kv_head * stride_kh
-    V_head = V + batch * stride_vb + kv_head * stride_vh
+    q = _load_rows(_head(Q, batch, head, stride_qb, stride_qh), start_m, offs_r, Nq, stride_qn, offs_d, D,
+                   CHECK_ROWS=True, EVEN_D=EVEN_D)
+    do = _load_rows(_head(DO, batch, head, stride_dob, stride_doh), start_m, offs_r, Nq, stride_don, offs_d, D,
+                    CHECK_ROWS=True, EVEN_D=EVEN_D)
+    lse2 = _load_lse_log2(_row_stats(LSE, batch, head, Hq, Nq), offs_m, Nq)
+    delta = tl.load(_row_stats(DELTA, batch, head, Hq, Nq) + offs_m, mask=offs_m < Nq, other=0.0)
+    K_head = _head(K, batch, kv_head, stride_kb, stride_kh)
+    V_head = _head(V, batch, kv_head, stride_vb, stride_vh)
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    full_end, masked_end = _key_ranges(start_m, Nq, Nk, CAUSAL, BLOCK_M, BLOCK_N)
+    full_end, masked_end = _key_ranges(start_m, Nq, Nk, CAUSAL=CAUSAL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     dq = _attn_bwd_dq_inner(
         dq, q, do, lse2, delta, K_head, V_head, stride_kn, stride_vn, start_m, 0, full_end, Nq, Nk, D, qk_scale,
-        False, CAUSAL, HEAD_DIM, EVEN_D, UPCAST_DOT, DOT_PRECISION, BLOCK_M, BLOCK_N,
+        MASKED=False, CAUSAL=CAUSAL, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
+        UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
     dq = _attn_bwd_dq_inner(
         dq, q, do, lse2, delta, K_head, V_head, stride_kn, stride_vn, start_m, full_end, masked_end, Nq, Nk, D,
-        qk_scale, True, CAUSAL, HEAD_DIM, EVEN_D, UPCAST_DOT, DOT_PRECISION, BLOCK_M, BLOCK_N,
+        qk_scale, MASKED=True, CAUSAL=CAUSAL, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
+        UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
     dq = dq * sm_scale
-    _store_rows(DQ + batch * stride_dqb + head64 * stride_dqh, start_m, offs_r, Nq, stride_dqn, offs_d, D,
-                round_to(dq, DQ.dtype.element_ty), EVEN_D)
+    _store_rows(_head(DQ, batch, head, stride_dqb, stride_dqh), start_m, offs_r, Nq, stride_dqn, offs_d, D,
+                round_to(dq, DQ.dtype.element_ty), EVEN_D=EVEN_D)
 
 
 # --------------------------------------------------------------------------------------------
@@ -505,17 +537,46 @@ def _check(q, k, v):
             raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
 
 
-def _common(q, k, causal, scale):
-    batch, q_heads, q_len, head_dim = q.shape
-    k_len = k.shape[2]
-    head_dim_p2 = max(16, next_power_of_2(head_dim))
-    consts = dict(
-        CAUSAL=bool(causal), HEAD_DIM=head_dim_p2, EVEN_D=head_dim == head_dim_p2,
-        UPCAST_DOT=triton_interpreting(), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-    )
-    sizes = (q_heads, q_len, k_len, head_dim, q_heads // k.shape[1])
-    keys = (next_power_of_2(q_len), next_power_of_2(k_len))
-    return batch, sizes, keys, consts, float(scale), float(scale) * LOG2E
+@dataclasses.dataclass(frozen=True)
+class _Problem:
+    """One attention call's sizes and options, as every launch needs them."""
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    q_len: int
+    k_len: int
+    head_dim: int
+    causal: bool
+    sm_scale: float
+    ieee_dots: bool  # fp32 inputs: IEEE-precision dots, not TF32
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> _Problem:
+        batch, q_heads, q_len, head_dim = q.shape
+        return cls(batch, q_heads, k.shape[1], q_len, k.shape[2], head_dim, bool(causal), float(scale),
+                   q.dtype == torch.float32)
+
+    @property
+    def padded_head_dim(self) -> int:
+        return max(16, next_power_of_2(self.head_dim))
+
+    @property
+    def qk_scale(self) -> float:
+        """The softmax scale with log2(e) folded in: the kernels' scores are in log2 units."""
+        return self.sm_scale * LOG2E.value
+
+    def scalars(self, *scales: float) -> tuple:
+        """The kernels' arguments after the strides: Hq, Nq, Nk, D, GROUP, ``scales``, and the
+        autotuner's length buckets (N_CTX_Q_KEY, N_CTX_K_KEY)."""
+        return (self.q_heads, self.q_len, self.k_len, self.head_dim, self.q_heads // self.kv_heads, *scales,
+                next_power_of_2(self.q_len), next_power_of_2(self.k_len))
+
+    def constexprs(self) -> dict:
+        return dict(
+            CAUSAL=self.causal, HEAD_DIM=self.padded_head_dim, EVEN_D=self.head_dim == self.padded_head_dim,
+            UPCAST_DOT=triton_interpreting(), DOT_PRECISION="ieee" if self.ieee_dots else "tf32",
+        )
 
 
 def _strides(t):
@@ -543,18 +604,16 @@ def attention_fwd(q, k, v, causal: bool, scale: float, *, out=None, config: dict
     new contiguous tensor. ``config`` ({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}) pins the
     launch configuration; by default CUDA autotunes and the interpreter uses INTERPRETER_CONFIG."""
     _check(q, k, v)
-    batch, (q_heads, q_len, k_len, head_dim, group), keys, consts, _, qk_scale = _common(q, k, causal, scale)
+    p = _Problem.of(q, k, causal, scale)
     o = _output("out", out, q)
-    lse = torch.empty((batch, q_heads, q_len), device=q.device, dtype=torch.float32)
+    lse = torch.empty((p.batch, p.q_heads, p.q_len), device=q.device, dtype=torch.float32)
     if o.numel() == 0:
         return o, lse
-    args = (
+    kernel, cfg = _pick(_attn_fwd, _attn_fwd_tuned, config)
+    kernel[lambda meta: (triton.cdiv(p.q_len, meta["BLOCK_M"]), p.q_heads, p.batch)](
         q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-        q_heads, q_len, k_len, head_dim, group, qk_scale, *keys,
+        *p.scalars(p.qk_scale), **p.constexprs(), **cfg,
     )
-    kernel, config = _pick(_attn_fwd, _attn_fwd_tuned, q, config)
-    grid = lambda meta: (triton.cdiv(q_len, meta["BLOCK_M"]), q_heads, batch)  # noqa: E731
-    kernel[grid](*args, **consts, **config)
     return o, lse
 
 
@@ -568,38 +627,39 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, dlse=None,
     ``config`` pins the dQ kernel's launch configuration and ``dkdv_config`` the dK/dV kernel's
     (default: ``config``)."""
     _check(q, k, v)
-    batch, (q_heads, q_len, k_len, head_dim, group), keys, consts, sm_scale, qk_scale = _common(q, k, causal, scale)
+    p = _Problem.of(q, k, causal, scale)
     if do.stride(-1) != 1:
         do = do.contiguous()
     dq, dk, dv = (_output(name, given, like) for name, given, like in zip(("dq", "dk", "dv"), out or (None,) * 3, (q, k, v)))
     if dq.numel() == 0:
         return dq, dk.zero_(), dv.zero_()
     lse = lse.contiguous()
-    delta = torch.empty((batch, q_heads, q_len), device=q.device, dtype=torch.float32)
+    delta = torch.empty((p.batch, p.q_heads, p.q_len), device=q.device, dtype=torch.float32)
     if dlse is not None:
         dlse = dlse.contiguous()
-    pre_block = 16 if triton_interpreting() else max(16, min(128, 8192 // consts["HEAD_DIM"]))
-    _attn_bwd_preprocess[(triton.cdiv(q_len, pre_block), q_heads, batch)](
-        o, do, dlse if dlse is not None else delta, delta, *_strides(o), *_strides(do), q_heads, q_len, head_dim,
-        HAS_DLSE=dlse is not None, HEAD_DIM=consts["HEAD_DIM"], BLOCK_M=pre_block,
+    pre_block = 16 if triton_interpreting() else max(16, min(128, 8192 // p.padded_head_dim))
+    _attn_bwd_preprocess[(triton.cdiv(p.q_len, pre_block), p.q_heads, p.batch)](
+        o, do, dlse if dlse is not None else delta, delta, *_strides(o), *_strides(do), p.q_heads, p.q_len, p.head_dim,
+        HAS_DLSE=dlse is not None, HEAD_DIM=p.padded_head_dim, BLOCK_M=pre_block,
     )
 
-    kernel, cfg = _pick(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, q, dkdv_config or config)
-    kernel[lambda meta: (triton.cdiv(k_len, meta["BLOCK_N"]), k.shape[1], batch)](
+    scalars, constexprs = p.scalars(p.sm_scale, p.qk_scale), p.constexprs()
+    kernel, cfg = _pick(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, dkdv_config or config)
+    kernel[lambda meta: (triton.cdiv(p.k_len, meta["BLOCK_N"]), p.kv_heads, p.batch)](
         q, k, v, do, lse, delta, dk, dv,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
-        q_heads, q_len, k_len, head_dim, group, sm_scale, qk_scale, *keys, **consts, **cfg,
+        *scalars, **constexprs, **cfg,
     )
-    kernel, cfg = _pick(_attn_bwd_dq, _attn_bwd_dq_tuned, q, config)
-    kernel[lambda meta: (triton.cdiv(q_len, meta["BLOCK_M"]), q_heads, batch)](
+    kernel, cfg = _pick(_attn_bwd_dq, _attn_bwd_dq_tuned, config)
+    kernel[lambda meta: (triton.cdiv(p.q_len, meta["BLOCK_M"]), p.q_heads, p.batch)](
         q, k, v, do, lse, delta, dq,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
-        q_heads, q_len, k_len, head_dim, group, sm_scale, qk_scale, *keys, **consts, **cfg,
+        *scalars, **constexprs, **cfg,
     )
     return dq, dk, dv
 
 
-def _pick(plain, tuned, q, config):
+def _pick(plain, tuned, config):
     """(kernel, launch kwargs): a pinned config, the interpreter's fixed one, or the autotuner."""
     if config is not None:
         return plain, dict(config)
@@ -608,10 +668,4 @@ def _pick(plain, tuned, q, config):
     return tuned, {}
 
 
-def attention_flops(batch: int, q_heads: int, q_len: int, k_len: int, head_dim: int, causal: bool) -> float:
-    """Forward FLOPs by the usual convention (4 B H Nq Nk D, half when causal); backward is 2.5x."""
-    flops = 4.0 * batch * q_heads * q_len * k_len * head_dim
-    return flops / 2 if causal else flops
-
-
-__all__ = ["attention_fwd", "attention_bwd", "attention_flops", "MAX_HEAD_DIM", "INTERPRETER_CONFIG"]
+__all__ = ["attention_fwd", "attention_bwd", "INTERPRETER_CONFIG"]
