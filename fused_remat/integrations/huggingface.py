@@ -48,8 +48,8 @@ honoured: every layer goes full), and disabling sets them back to the ``remat`` 
 Hugging Face checkpoint wrapper never runs around a fused layer.
 
 Version: the layer's call signature and return value (a tensor, or a 1-tuple on older GPT-2) are read
-from the installed ``transformers`` when patching. Tested with transformers 5.x; 4.57+ is supported
-by the same code paths. ``save_pretrained`` of a patched model writes the packed layout: revert first.
+from the installed ``transformers`` when patching; plain attributes of the layer that the model reads
+(Qwen2's ``attention_type`` in 4.x) are carried over. Tested with transformers 4.57.6 and 5.23.0. ``save_pretrained`` of a patched model writes the packed layout: revert first.
 """
 
 from __future__ import annotations
@@ -238,6 +238,9 @@ class FusedDecoderLayer(TransformerBlock):
         self._returns_tuple = _returns_tuple(self._signature, type(original))
         self._policy, self._checkpointing = remat, False
         self.train(original.training)
+        for name, value in vars(original).items():  # plain attributes the model reads (Qwen2's attention_type)
+            if not name.startswith("_") and isinstance(value, (str, int, float)) and not hasattr(self, name):
+                setattr(self, name, value)
 
     @property
     def gradient_checkpointing(self) -> bool:
@@ -318,9 +321,9 @@ class FusedDecoderLayer(TransformerBlock):
 def _returns_tuple(signature: inspect.Signature, cls: type) -> bool:
     """Whether the installed transformers' layer returns a tuple (GPT-2 before 5.0) or a tensor."""
     annotation = signature.return_annotation
-    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", repr(annotation))
-    if text in ("Tensor", "torch.Tensor", "torch.FloatTensor", "FloatTensor"):
+    if annotation in (torch.Tensor, torch.FloatTensor, "torch.Tensor", "torch.FloatTensor"):
         return False
+    text = annotation if isinstance(annotation, str) else repr(annotation)
     if "tuple" in text.lower():
         return True
     raise _refuse(f"{cls.__name__}.forward returning {text}", "cannot tell whether this transformers version's layers return a tensor or a tuple")
