@@ -140,19 +140,17 @@ def _visible(offs_m, keys, Nq, Nk, CAUSAL: tl.constexpr):
 
 @triton.jit
 def _key_block(
-    q, K_head, V_head, stride_kn, stride_vn, start_n, offs_m, Nq, Nk, D, qk_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+    q, K_head, V_head, stride_kn, stride_vn, start_n, Nk, D, qk_scale,
+    MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """k and v of the key block at start_n, and the scores q k^T * qk_scale (log2 units) of the query
-    rows offs_m; MASKED sets the scores of keys a row does not see to -inf."""
+    """k and v of the key block at start_n (MASKED: rows past Nk read as zero) and the unmasked scores
+    q k^T * qk_scale in log2 units."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     k = _load_rows(K_head, start_n, offs_n, Nk, stride_kn, offs_d, D, CHECK_ROWS=MASKED, EVEN_D=EVEN_D)
     v = _load_rows(V_head, start_n, offs_n, Nk, stride_vn, offs_d, D, CHECK_ROWS=MASKED, EVEN_D=EVEN_D)
     s = _dot(q, tl.trans(k), UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION) * qk_scale
-    if MASKED:
-        s = tl.where(_visible(offs_m, start_n + offs_n, Nq, Nk, CAUSAL=CAUSAL), s, float("-inf"))
     return k, v, s
 
 
@@ -177,12 +175,15 @@ def _attn_fwd_inner(
 ):
     """Online softmax over the key blocks in [lo, hi): running max m_i, sum l_i and output acc."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         k, v, s = _key_block(
-            q, K_head, V_head, stride_kn, stride_vn, start_n, offs_m, Nq, Nk, D, qk_scale,
-            MASKED=MASKED, CAUSAL=CAUSAL, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
+            q, K_head, V_head, stride_kn, stride_vn, start_n, Nk, D, qk_scale,
+            MASKED=MASKED, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
             UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N,
         )
+        if MASKED:
+            s = tl.where(_visible(offs_m, start_n + offs_n, Nq, Nk, CAUSAL=CAUSAL), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         if MASKED:
             # A row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
@@ -374,16 +375,19 @@ def _attn_bwd_dq_inner(
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Accumulate dQ (unscaled) of one query block over the key blocks in [lo, hi). Masked scores are
-    -inf and unseen rows have lse2 = +inf, so P is exactly 0 wherever a row sees nothing."""
+    """Accumulate dQ (unscaled) of one query block over the key blocks in [lo, hi). Rows that see no
+    key have lse2 = +inf, so their P is exactly 0."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         k, v, s = _key_block(
-            q, K_head, V_head, stride_kn, stride_vn, start_n, offs_m, Nq, Nk, D, qk_scale,
-            MASKED=MASKED, CAUSAL=CAUSAL, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
+            q, K_head, V_head, stride_kn, stride_vn, start_n, Nk, D, qk_scale,
+            MASKED=MASKED, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
             UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N,
         )
         p = tl.math.exp2(s - lse2[:, None])
+        if MASKED:
+            p = tl.where(_visible(offs_m, start_n + offs_n, Nq, Nk, CAUSAL=CAUSAL), p, 0.0)
         dp = _dot(do, tl.trans(v), UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
