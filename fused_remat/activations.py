@@ -8,43 +8,42 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
+from . import custom_ops, reference
 from .backend import use_triton
 from .checks import check_same_device, check_same_dtype, check_tensor
 
 
-class GeluFunction(torch.autograd.Function):
+class _Gelu(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, approximate):
-        from .kernels.activations import gelu_fwd
+    def forward(x, approximate: str):
+        return custom_ops.gelu_fwd(x, approximate)
 
-        ctx.save_for_backward(x)
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, approximate = inputs
+        ctx.save_for_backward(x)  # only the input: the kernel recomputes gelu'(x)
         ctx.approximate = approximate
-        return gelu_fwd(x, approximate)
 
     @staticmethod
     def backward(ctx, dy):
-        from .kernels.activations import gelu_bwd
-
         (x,) = ctx.saved_tensors
-        dx, _ = gelu_bwd(dy, x, ctx.approximate)
+        dx, _ = custom_ops.gelu_bwd(dy, x, ctx.approximate, False)
         return dx, None
 
 
-class SwiGLUFunction(torch.autograd.Function):
+class _SwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up):
-        from .kernels.activations import swiglu_fwd
+    def forward(gate, up):
+        return custom_ops.swiglu_fwd(gate, up)
 
-        ctx.save_for_backward(gate, up)
-        return swiglu_fwd(gate, up)
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)  # gate and up: the kernel recomputes the sigmoid
 
     @staticmethod
     def backward(ctx, dy):
-        from .kernels.activations import swiglu_bwd
-
         gate, up = ctx.saved_tensors
-        dgate, dup, _ = swiglu_bwd(dy, gate, up)
+        dgate, dup, _ = custom_ops.swiglu_bwd(dy, gate, up, False)
         return dgate, dup
 
 
@@ -56,7 +55,7 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
         raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
     if not use_triton("gelu", x.device):
         return reference.gelu(x, approximate)
-    return GeluFunction.apply(x, approximate)
+    return _Gelu.apply(x, approximate)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -69,4 +68,4 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"swiglu: up has shape {tuple(up.shape)} but gate has {tuple(gate.shape)}; they must match")
     if not use_triton("swiglu", gate.device):
         return reference.swiglu(gate, up)
-    return SwiGLUFunction.apply(gate, up)
+    return _SwiGLU.apply(gate, up)

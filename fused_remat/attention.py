@@ -11,7 +11,7 @@ import numbers
 
 import torch
 
-from . import reference
+from . import custom_ops, reference
 from .backend import use_triton
 from .checks import check_same_device, check_same_dtype, check_tensor
 from .kernels.limits import MAX_HEAD_DIM
@@ -21,22 +21,21 @@ _OP = "attention"
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float):
-        from .kernels.attention import attention_fwd
+    def forward(q, k, v, causal: bool, scale: float):
+        return custom_ops.attention_fwd(q, k, v, causal, scale)
 
-        o, lse = attention_fwd(q, k, v, causal, scale)
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, causal, scale = inputs
+        o, lse = output
         # Everything kept for backward, in one place: the inputs q, k, v, the output o and the fp32
         # log-sum-exp (B, Hq, Nq). Nothing of size Nq x Nk.
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal = causal
-        ctx.scale = scale
+        ctx.causal, ctx.scale = causal, scale
         ctx.set_materialize_grads(False)  # an unused output (usually lse) brings None, not zeros
-        return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        from .kernels.attention import attention_bwd
-
         q, k, v, o, lse = ctx.saved_tensors
         if do is None and dlse is None:
             return None, None, None, None, None
@@ -44,7 +43,7 @@ class _Attention(torch.autograd.Function):
             do = torch.zeros_like(o)
         # The kernels recompute P = exp(q k^T * scale - lse) per block from q, k and the saved lse.
         # A gradient reaching lse (return_lse=True) enters as dS += P * dlse, folded into delta.
-        dq, dk, dv = attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, dlse=dlse)
+        dq, dk, dv = custom_ops.attention_bwd(do, q, k, v, o, lse, dlse, ctx.causal, ctx.scale)
         return dq, dk, dv, None, None
 
 

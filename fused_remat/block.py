@@ -18,13 +18,12 @@ backward. Nothing of size N x N is ever kept.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from . import reference
+from . import custom_ops, reference
 from .backend import SUPPORTED_DTYPES, use_triton
 
 REMAT_POLICIES = ("none", "cheap", "full")
@@ -53,11 +52,6 @@ class _Geometry:
     @property
     def tokens(self) -> int:
         return self.batch * self.seq
-
-
-@functools.lru_cache(maxsize=None)
-def _rotary_frequencies(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    return reference.rotary_inverse_frequencies(head_dim, theta, device)
 
 
 # Parameter order of the Function's inputs after x.
@@ -158,34 +152,28 @@ def kept_bytes_per_token(policy: str, widths: dict[str, int], residual_bytes: in
     return sum(widths[k.width] * size[k.dtype] for k in KEPT_FOR_BACKWARD if policy in k.policies)
 
 
-def _heads(qkv: torch.Tensor, g: _Geometry):
-    """q (B, Hq, N, D), k and v (B, Hkv, N, D) as views of the packed (T, (Hq + 2 Hkv) D) buffer."""
-    heads = qkv.view(g.batch, g.seq, g.n_heads + 2 * g.n_kv_heads, g.head_dim).transpose(1, 2)
-    return heads[:, :g.n_heads], heads[:, g.n_heads:g.n_heads + g.n_kv_heads], heads[:, g.n_heads + g.n_kv_heads:]
-
-
 def _rotate_qk_(qkv: torch.Tensor, g: _Geometry, inverse: bool) -> None:
     """Rotary embedding of the q and k heads of a packed qkv (or dqkv) buffer, in place."""
-    rotated = qkv.view(g.batch, g.seq, g.n_heads + 2 * g.n_kv_heads, g.head_dim)[:, :, :g.n_heads + g.n_kv_heads]
-    from .kernels.rope import rotary_embedding_
-
-    inv_freq = _rotary_frequencies(g.head_dim, g.rope_theta, qkv.device)
-    rotary_embedding_(rotated, inv_freq, inverse=inverse)
+    # D/2 frequencies, computed per call rather than cached: a cache would be invisible to torch.compile.
+    inv_freq = reference.rotary_inverse_frequencies(g.head_dim, g.rope_theta, qkv.device)
+    custom_ops.rotary_qk_(qkv, inv_freq, g.batch, g.n_heads, g.n_kv_heads, inverse)
 
 
 def _norm_forward(x, weights, g: _Geometry, residual=None):
-    from .kernels.norm import norm_fwd
-
+    """(y in the compute dtype, mean, rstd, h = x + residual or None)."""
     weight, bias = weights
-    return norm_fwd(x, weight, bias, g.eps, rms=g.rms, residual=residual, out_dtype=g.compute_dtype)
+    y, mean, rstd, h = custom_ops.norm_fwd(x, weight, bias, residual, g.eps, g.rms, g.compute_dtype)
+    return y, mean, rstd, custom_ops.present(h)
 
 
 def _activation_forward(u: torch.Tensor, g: _Geometry) -> torch.Tensor:
-    from .kernels.activations import gelu_fwd, swiglu_fwd
-
     if g.activation == "swiglu":
-        return swiglu_fwd(u[:, :g.ffn_dim], u[:, g.ffn_dim:])
-    return gelu_fwd(u, "tanh" if g.activation == "gelu_tanh" else "none")
+        return custom_ops.swiglu_fwd(u[:, :g.ffn_dim], u[:, g.ffn_dim:])
+    return custom_ops.gelu_fwd(u, _approximation(g))
+
+
+def _approximation(g: _Geometry) -> str:
+    return "tanh" if g.activation == "gelu_tanh" else "none"
 
 
 def _forward_pass(x: torch.Tensor, w: _Weights, g: _Geometry, keep_outputs: bool, finish: bool):
@@ -193,17 +181,11 @@ def _forward_pass(x: torch.Tensor, w: _Weights, g: _Geometry, keep_outputs: bool
 
     ``keep_outputs`` holds on to norm and activation outputs (the ``none`` policy); ``finish=False``
     stops after fc1, which is all a backward replay needs."""
-    from .kernels.attention import attention_fwd
-
     y1, mean1, rstd1, _ = _norm_forward(x, w.norm1, g)
     qkv = F.linear(y1, w.qkv, w.qkv_bias)
     if g.rope_theta is not None:
         _rotate_qk_(qkv, g, inverse=False)
-    q, k, v = _heads(qkv, g)
-    o = torch.empty(g.tokens, g.dim, device=x.device, dtype=g.compute_dtype)
-    _, lse = attention_fwd(
-        q, k, v, g.causal, g.head_dim**-0.5, out=o.view(g.batch, g.seq, g.n_heads, g.head_dim).transpose(1, 2)
-    )
+    o, lse = custom_ops.attention_packed_fwd(qkv, g.batch, g.n_heads, g.n_kv_heads, g.causal, g.head_dim**-0.5)
     y2, mean2, rstd2, h = _norm_forward(x, w.norm2, g, residual=F.linear(o, w.out, w.out_bias))
     u = F.linear(y2, w.fc1, w.fc1_bias)
     saved = _Activations(qkv, o, lse, h, u, mean1, rstd1, mean2, rstd2)
@@ -261,54 +243,47 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _Geometry, needs: 
 
     Where a policy did not keep a norm or activation output, the backward kernel that computes that
     op's input gradient also writes it, and it lives only until the weight gradient that needs it."""
-    from .kernels.activations import gelu_bwd, swiglu_bwd
-    from .kernels.attention import attention_bwd
-    from .kernels.norm import norm_bwd
-
     grads = {}
     dz = dy.to(g.compute_dtype)
     grads["fc2.bias"] = _bias_grad(needs["fc2.bias"], dz, named["fc2.bias"])
     da = dz @ w.fc2
     rebuild = acts.a is None
     if g.activation == "swiglu":
-        du = torch.empty_like(acts.u)
-        _, _, rebuilt = swiglu_bwd(
-            da, acts.u[:, :g.ffn_dim], acts.u[:, g.ffn_dim:], return_output=rebuild,
-            dgate=du[:, :g.ffn_dim], dup=du[:, g.ffn_dim:],
-        )
+        du, rebuilt = custom_ops.swiglu_packed_bwd(da, acts.u, rebuild)
     else:
-        du, rebuilt = gelu_bwd(da, acts.u, "tanh" if g.activation == "gelu_tanh" else "none", return_output=rebuild)
+        du, rebuilt = custom_ops.gelu_bwd(da, acts.u, _approximation(g), rebuild)
     del da
     grads["fc2.weight"] = _weight_grad(needs["fc2.weight"], dz, rebuilt if rebuild else acts.a, named["fc2.weight"])
     del rebuilt, dz
 
     grads["fc1.bias"] = _bias_grad(needs["fc1.bias"], du, named["fc1.bias"])
-    dh, grads["norm2.weight"], grads["norm2.bias"], rebuilt = norm_bwd(
-        du @ w.fc1, acts.h, *w.norm2, acts.mean2, acts.rstd2, rms=g.rms, has_bias=w.norm2[1] is not None,
-        residual_grad=dy, return_output=acts.y2 is None, out_dtype=g.compute_dtype,
-    )
+    dh, grads["norm2.weight"], grads["norm2.bias"], rebuilt = _norm_backward(du @ w.fc1, acts.h, w.norm2, acts.mean2,
+                                                                             acts.rstd2, dy, acts.y2 is None, g)
     grads["fc1.weight"] = _weight_grad(needs["fc1.weight"], du, acts.y2 if rebuilt is None else rebuilt, named["fc1.weight"])
     del du, rebuilt
 
     d_attn = dh.to(g.compute_dtype)
     grads["out_proj.bias"] = _bias_grad(needs["out_proj.bias"], d_attn, named["out_proj.bias"])
     grads["out_proj.weight"] = _weight_grad(needs["out_proj.weight"], d_attn, acts.o, named["out_proj.weight"])
-    do = (d_attn @ w.out).view(g.batch, g.seq, g.n_heads, g.head_dim).transpose(1, 2)
+    dqkv = custom_ops.attention_packed_bwd(d_attn @ w.out, acts.qkv, acts.o, acts.lse, g.batch, g.n_heads,
+                                           g.n_kv_heads, g.causal, g.head_dim**-0.5)
     del d_attn
-    dqkv = torch.empty_like(acts.qkv)
-    o = acts.o.view(g.batch, g.seq, g.n_heads, g.head_dim).transpose(1, 2)
-    attention_bwd(do, *_heads(acts.qkv, g), o, acts.lse, g.causal, g.head_dim**-0.5, out=_heads(dqkv, g))
-    del do
     if g.rope_theta is not None:
         _rotate_qk_(dqkv, g, inverse=True)
 
     grads["qkv.bias"] = _bias_grad(needs["qkv.bias"], dqkv, named["qkv.bias"])
-    grads["x"], grads["norm1.weight"], grads["norm1.bias"], rebuilt = norm_bwd(
-        dqkv @ w.qkv, x, *w.norm1, acts.mean1, acts.rstd1, rms=g.rms, has_bias=w.norm1[1] is not None,
-        residual_grad=dh, return_output=acts.y1 is None, out_dtype=g.compute_dtype,
-    )
+    grads["x"], grads["norm1.weight"], grads["norm1.bias"], rebuilt = _norm_backward(dqkv @ w.qkv, x, w.norm1, acts.mean1,
+                                                                                     acts.rstd1, dh, acts.y1 is None, g)
     grads["qkv.weight"] = _weight_grad(needs["qkv.weight"], dqkv, acts.y1 if rebuilt is None else rebuilt, named["qkv.weight"])
     return {name: grad for name, grad in grads.items() if name == "x" or needs[name]}
+
+
+def _norm_backward(dy, x, weights, mean, rstd, residual_grad, rebuild: bool, g: _Geometry):
+    """(dx + residual_grad, dweight, dbias or None, the rebuilt norm output or None)."""
+    weight, bias = weights
+    dx, dw, db, rebuilt = custom_ops.norm_bwd(dy, x, weight, bias, mean, rstd, residual_grad, g.rms, bias is not None,
+                                              rebuild, g.compute_dtype)
+    return dx, dw, custom_ops.present(db), custom_ops.present(rebuilt)
 
 
 class TransformerBlock(reference.TransformerBlock):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
+from . import custom_ops, reference
 from .backend import use_triton
 from .checks import check_same_device, check_tensor
 from .kernels.limits import MAX_NORM_WIDTH
@@ -42,43 +42,34 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-class LayerNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps):
-        from .kernels.norm import layer_norm_fwd
-
-        x_rows = _rows(x)
-        y, mean, rstd = layer_norm_fwd(x_rows, weight.contiguous(), None if bias is None else bias.contiguous(), eps)
-        ctx.save_for_backward(x_rows, weight, mean, rstd)
-        ctx.has_bias = bias is not None
-        return y.view(x.shape)
+class _NormFunction(torch.autograd.Function):
+    """LayerNorm (``rms=False``) or RMSNorm of x's rows: keeps x, the weight and the fp32 statistics."""
 
     @staticmethod
-    def backward(ctx, dy):
-        from .kernels.norm import layer_norm_bwd
+    def forward(x, weight, bias, eps: float, rms: bool):
+        y, mean, rstd, _ = custom_ops.norm_fwd(_rows(x), weight.contiguous(), _contiguous(bias), None, eps, rms, None)
+        return y.view(x.shape), mean, rstd
 
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, _, rms = inputs
+        _, mean, rstd = output
+        # Everything kept for backward: x (as rows), the weight, mean (empty for RMSNorm) and rstd.
+        ctx.save_for_backward(_rows(x), weight, mean, rstd)
+        ctx.rms, ctx.has_bias = rms, bias is not None
+        ctx.mark_non_differentiable(mean, rstd)
+
+    @staticmethod
+    def backward(ctx, dy, _dmean, _drstd):
+        # The kernel rebuilds x_hat = (x - mean) * rstd in registers; it is never stored.
         x_rows, weight, mean, rstd = ctx.saved_tensors
-        dx, dweight, dbias = layer_norm_bwd(_rows(dy), x_rows, weight.contiguous(), mean, rstd, ctx.has_bias)
-        return dx.view(dy.shape), dweight, dbias, None
+        dx, dweight, dbias, _ = custom_ops.norm_bwd(_rows(dy), x_rows, weight.contiguous(), None, mean, rstd, None,
+                                                    ctx.rms, ctx.has_bias, False, None)
+        return dx.view(dy.shape), dweight, custom_ops.present(dbias), None, None
 
 
-class RMSNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        from .kernels.norm import rms_norm_fwd
-
-        x_rows = _rows(x)
-        y, rstd = rms_norm_fwd(x_rows, weight.contiguous(), eps)
-        ctx.save_for_backward(x_rows, weight, rstd)
-        return y.view(x.shape)
-
-    @staticmethod
-    def backward(ctx, dy):
-        from .kernels.norm import rms_norm_bwd
-
-        x_rows, weight, rstd = ctx.saved_tensors
-        dx, dweight = rms_norm_bwd(_rows(dy), x_rows, weight.contiguous(), rstd)
-        return dx.view(dy.shape), dweight, None
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
@@ -90,7 +81,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     _validate("layer_norm", x, weight, bias, eps)
     if not use_triton("layer_norm", x.device):
         return reference.layer_norm(x, weight, bias, eps)
-    return LayerNormFunction.apply(x, weight, bias, float(eps))
+    return _NormFunction.apply(x, weight, bias, float(eps), False)[0]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -101,4 +92,4 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     _validate("rms_norm", x, weight, None, eps)
     if not use_triton("rms_norm", x.device):
         return reference.rms_norm(x, weight, eps)
-    return RMSNormFunction.apply(x, weight, float(eps))
+    return _NormFunction.apply(x, weight, None, float(eps), True)[0]

@@ -1,0 +1,246 @@
+"""The kernels' launchers as PyTorch custom operators: ``torch.ops.fused_remat.*``.
+
+torch.compile treats a custom operator as one opaque node: it never traces into the Triton
+launch (which it cannot do through the interpreter) and learns output shapes from the fake
+implementation registered beside each op. The autograd Functions of the ops and the block call
+only these, so ``torch.compile(..., fullgraph=True)`` traces them without a graph break.
+
+A custom operator returns tensors only, never None and never a view of an input: an output that
+a call does not produce (the mean of an RMSNorm, a bias gradient without bias, an output not asked
+for) comes back as an empty tensor, which ``present`` turns back into None.
+
+Launchers are imported inside each implementation: importing fused_remat must not import triton.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _op(name: str, mutates_args=()):
+    return torch.library.custom_op(f"fused_remat::{name}", mutates_args=mutates_args)
+
+
+def _absent(like: Tensor) -> Tensor:
+    return like.new_empty(0)
+
+
+def present(t: Tensor) -> Tensor | None:
+    """None for the empty stand-in of an output that was not produced."""
+    return None if t.numel() == 0 else t
+
+
+# ------------------------------------------------------------------------------------------------
+# LayerNorm / RMSNorm over the rows of x (M, N), unit column stride
+# ------------------------------------------------------------------------------------------------
+
+
+@_op("norm_fwd")
+def norm_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None, eps: float, rms: bool,
+             out_dtype: torch.dtype | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(y, mean (empty for RMSNorm), rstd, h = x + residual (empty without residual))."""
+    from .kernels.norm import norm_fwd as launch
+
+    y, mean, rstd, h = launch(x, weight, bias, eps, rms=rms, residual=residual, out_dtype=out_dtype)
+    return y, mean, rstd, _absent(x) if h is None else h
+
+
+@norm_fwd.register_fake
+def _(x, weight, bias, residual, eps, rms, out_dtype):
+    rows = x.shape[0]
+    stat = dict(device=x.device, dtype=torch.float32)
+    h = _absent(x) if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    return (x.new_empty(x.shape, dtype=out_dtype or x.dtype), torch.empty(0 if rms else rows, **stat),
+            torch.empty(rows, **stat), h)
+
+
+@_op("norm_bwd")
+def norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, mean: Tensor, rstd: Tensor,
+             residual_grad: Tensor | None, rms: bool, has_bias: bool, return_output: bool,
+             out_dtype: torch.dtype | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dweight, dbias (empty without bias), rebuilt y (empty unless return_output))."""
+    from .kernels.norm import norm_bwd as launch
+
+    dx, dw, db, y = launch(dy, x, weight, bias, mean, rstd, rms=rms, has_bias=has_bias, residual_grad=residual_grad,
+                           return_output=return_output, out_dtype=out_dtype)
+    return dx, dw, _absent(dw) if db is None else db, _absent(x) if y is None else y
+
+
+@norm_bwd.register_fake
+def _(dy, x, weight, bias, mean, rstd, residual_grad, rms, has_bias, return_output, out_dtype):
+    y = x.new_empty(x.shape, dtype=out_dtype or x.dtype) if return_output else _absent(x)
+    db = torch.empty_like(weight) if has_bias else _absent(weight)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight), db, y
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention: q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D); or one packed (T, (Hq + 2 Hkv) D) qkv
+# ------------------------------------------------------------------------------------------------
+
+
+@_op("attention_fwd")
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """(o (B, Hq, Nq, D) contiguous, lse (B, Hq, Nq) fp32)."""
+    from .kernels.attention import attention_fwd as launch
+
+    return launch(q, k, v, causal, scale)
+
+
+@attention_fwd.register_fake
+def _(q, k, v, causal, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@_op("attention_bwd")
+def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Tensor | None,
+                  causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv), contiguous, in the shapes and dtypes of q, k, v."""
+    from .kernels.attention import attention_bwd as launch
+
+    return launch(do, q, k, v, o, lse, causal, scale, dlse=dlse)
+
+
+@attention_bwd.register_fake
+def _(do, q, k, v, o, lse, dlse, causal, scale):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def split_heads(qkv: Tensor, batch: int, n_heads: int, n_kv_heads: int):
+    """q (B, Hq, N, D), k and v (B, Hkv, N, D) as views of a packed (T, (Hq + 2 Hkv) D) buffer."""
+    head_dim = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
+    heads = qkv.view(batch, qkv.shape[0] // batch, n_heads + 2 * n_kv_heads, head_dim).transpose(1, 2)
+    return heads[:, :n_heads], heads[:, n_heads:n_heads + n_kv_heads], heads[:, n_heads + n_kv_heads:]
+
+
+def _token_major_heads(t: Tensor, batch: int, n_heads: int) -> Tensor:
+    """A (T, H D) token-major buffer seen as (B, H, N, D)."""
+    return t.view(batch, t.shape[0] // batch, n_heads, t.shape[1] // n_heads).transpose(1, 2)
+
+
+@_op("attention_packed_fwd")
+def attention_packed_fwd(qkv: Tensor, batch: int, n_heads: int, n_kv_heads: int, causal: bool,
+                         scale: float) -> tuple[Tensor, Tensor]:
+    """Attention of a packed qkv: (o (T, Hq D) token-major, ready for the output projection, lse)."""
+    from .kernels.attention import attention_fwd as launch
+
+    q, k, v = split_heads(qkv, batch, n_heads, n_kv_heads)
+    o = qkv.new_empty(qkv.shape[0], n_heads * q.shape[-1])
+    _, lse = launch(q, k, v, causal, scale, out=_token_major_heads(o, batch, n_heads))
+    return o, lse
+
+
+@attention_packed_fwd.register_fake
+def _(qkv, batch, n_heads, n_kv_heads, causal, scale):
+    head_dim = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
+    lse = qkv.new_empty(batch, n_heads, qkv.shape[0] // batch, dtype=torch.float32)
+    return qkv.new_empty(qkv.shape[0], n_heads * head_dim), lse
+
+
+@_op("attention_packed_bwd")
+def attention_packed_bwd(do: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, batch: int, n_heads: int,
+                         n_kv_heads: int, causal: bool, scale: float) -> Tensor:
+    """dqkv (T, (Hq + 2 Hkv) D), packed like qkv, from do and o (T, Hq D) token-major."""
+    from .kernels.attention import attention_bwd as launch
+
+    dqkv = torch.empty_like(qkv)
+    launch(_token_major_heads(do, batch, n_heads), *split_heads(qkv, batch, n_heads, n_kv_heads),
+           _token_major_heads(o, batch, n_heads), lse, causal, scale,
+           out=split_heads(dqkv, batch, n_heads, n_kv_heads))
+    return dqkv
+
+
+@attention_packed_bwd.register_fake
+def _(do, qkv, o, lse, batch, n_heads, n_kv_heads, causal, scale):
+    return torch.empty_like(qkv)
+
+
+@_op("rotary_qk_", mutates_args=("qkv",))
+def rotary_qk_(qkv: Tensor, inv_freq: Tensor, batch: int, n_heads: int, n_kv_heads: int, inverse: bool) -> None:
+    """Rotary embedding (positions 0..N-1) of the q and k heads of a packed qkv or dqkv, in place."""
+    from .kernels.rope import rotary_embedding_
+
+    head_dim = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
+    heads = qkv.view(batch, qkv.shape[0] // batch, n_heads + 2 * n_kv_heads, head_dim)
+    rotary_embedding_(heads[:, :, :n_heads + n_kv_heads], inv_freq, inverse=inverse)
+
+
+@rotary_qk_.register_fake
+def _(qkv, inv_freq, batch, n_heads, n_kv_heads, inverse):
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# Activations
+# ------------------------------------------------------------------------------------------------
+
+
+@_op("gelu_fwd")
+def gelu_fwd(x: Tensor, approximate: str) -> Tensor:
+    from .kernels.activations import gelu_fwd as launch
+
+    return launch(x, approximate)
+
+
+@gelu_fwd.register_fake
+def _(x, approximate):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@_op("gelu_bwd")
+def gelu_bwd(dy: Tensor, x: Tensor, approximate: str, return_output: bool) -> tuple[Tensor, Tensor]:
+    """(dx, rebuilt y (empty unless return_output))."""
+    from .kernels.activations import gelu_bwd as launch
+
+    dx, y = launch(dy, x, approximate, return_output=return_output)
+    return dx, _absent(x) if y is None else y
+
+
+@gelu_bwd.register_fake
+def _(dy, x, approximate, return_output):
+    like = lambda: torch.empty_like(x, memory_format=torch.contiguous_format)  # noqa: E731
+    return like(), like() if return_output else _absent(x)
+
+
+@_op("swiglu_fwd")
+def swiglu_fwd(gate: Tensor, up: Tensor) -> Tensor:
+    from .kernels.activations import swiglu_fwd as launch
+
+    return launch(gate, up)
+
+
+@swiglu_fwd.register_fake
+def _(gate, up):
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+
+@_op("swiglu_bwd")
+def swiglu_bwd(dy: Tensor, gate: Tensor, up: Tensor, return_output: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dgate, dup, rebuilt y (empty unless return_output))."""
+    from .kernels.activations import swiglu_bwd as launch
+
+    dgate, dup, y = launch(dy, gate, up, return_output=return_output)
+    return dgate, dup, _absent(gate) if y is None else y
+
+
+@swiglu_bwd.register_fake
+def _(dy, gate, up, return_output):
+    like = lambda: torch.empty_like(gate, memory_format=torch.contiguous_format)  # noqa: E731
+    return like(), like(), like() if return_output else _absent(gate)
+
+
+@_op("swiglu_packed_bwd")
+def swiglu_packed_bwd(dy: Tensor, u: Tensor, return_output: bool) -> tuple[Tensor, Tensor]:
+    """For u = [gate | up] (M, 2F): (du = [dgate | dup] (M, 2F), rebuilt y (empty unless asked))."""
+    from .kernels.activations import swiglu_bwd as launch
+
+    half = u.shape[1] // 2
+    du = torch.empty_like(u)
+    _, _, y = launch(dy, u[:, :half], u[:, half:], return_output=return_output, dgate=du[:, :half], dup=du[:, half:])
+    return du, _absent(u) if y is None else y
+
+
+@swiglu_packed_bwd.register_fake
+def _(dy, u, return_output):
+    y = u.new_empty(u.shape[0], u.shape[1] // 2) if return_output else _absent(u)
+    return torch.empty_like(u), y
