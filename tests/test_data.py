@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fused_remat.training.data import TokenData, load_data, stdlib_split, train_batch, val_batches
+from fused_remat.training.data import TokenData, check_token_ids, load_data, stdlib_split, train_batch, val_batches
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ def test_a_split_exactly_one_sequence_long_works(tmp_path):
 
 def test_text_file_holds_out_its_last_tenth(tmp_path):
     text = tmp_path / "notes.txt"
-    content = bytes(range(256)) * 4  # 1024 bytes
+    content = (bytes(range(32, 127)) * 11)[:1024]  # 1024 bytes of printable text
     text.write_bytes(content)
     data = load_data(text)
     assert data.vocab_size == 256 and data.train.dtype == torch.uint8
@@ -199,14 +199,43 @@ def test_bin_uses_uint32_ids_above_65536(tmp_path):
     assert int(inputs.min()) >= 70_000
 
 
-def test_token_id_out_of_vocab_is_reported_with_file_and_id(tmp_path):
-    _write_tokens(tmp_path / "train.bin", [1500] * 200)
+def test_token_id_out_of_vocab_is_found_when_loading_with_file_and_offset(tmp_path):
+    _write_tokens(tmp_path / "train.bin", [7] * 200)
     _write_tokens(tmp_path / "val.bin", [7] * 50 + [2000] * 50)
-    data = load_data(tmp_path / "train.bin", vocab_size=1000)
-    with pytest.raises(ValueError, match=r"train\.bin holds token id 1,500.*--vocab-size is 1,000"):
+    with pytest.raises(ValueError, match=r"val\.bin holds token id 2,000 at token offset 50 \(byte offset 100\)"
+                                         r".*--vocab-size is 1,000"):
+        load_data(tmp_path / "train.bin", vocab_size=1000)
+    (tmp_path / "val.bin").unlink()
+    _write_tokens(tmp_path / "train.bin", [7] * 100_000 + [70_500, 80_000] + [7] * 10, typecode="I")
+    with pytest.raises(ValueError, match=r"train\.bin holds token id 70,500 at token offset 100,000 \(byte offset 400,000\)"):
+        load_data(tmp_path / "train.bin", vocab_size=70_000)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 1 << 20])
+def test_token_ids_are_checked_chunk_by_chunk_to_the_first_bad_one(chunk):
+    ids = torch.full((50,), 9, dtype=torch.int32)
+    ids[[21, 22, 40]] = torch.tensor([10, 11, 12], dtype=torch.int32)
+    tokens = ids.to(torch.uint16)
+    check_token_ids(tokens, 13, "ok.bin", chunk=chunk)
+    with pytest.raises(ValueError, match=r"bad\.bin holds token id 10 at token offset 21 \(byte offset 42\)"):
+        check_token_ids(tokens, 10, "bad.bin", chunk=chunk)
+
+
+def test_token_ids_of_a_corrupt_batch_are_still_refused_when_cut():
+    tokens = torch.tensor([5] * 40, dtype=torch.uint16)
+    data = TokenData(tokens, tokens, 4, "hand-made", "hand-made train", "hand-made val")
+    with pytest.raises(ValueError, match=r"hand-made train holds token id 5.*--vocab-size is 4"):
         train_batch(data, 0, 0, 0, batch_size=2, seq_len=8, seed=0)
-    with pytest.raises(ValueError, match=r"val\.bin holds token id 2,000"):
-        list(val_batches(data, n_batches=4, batch_size=8, seq_len=60, seed=0))
+
+
+@pytest.mark.parametrize("content", [b"PK\x03\x04" + bytes(range(256)) * 8, bytes(range(1, 32)) * 40])
+def test_a_binary_file_is_not_trained_on_as_text(tmp_path, content):
+    path = tmp_path / "corpus.dat"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=r"corpus\.dat does not look like text.*\.bin and --vocab-size"):
+        load_data(path)
+    path.write_text("Plain text with tabs\tand\r\nline ends, \x1b[1mANSI\x1b[0m and unicode: \u00e9\u4e2d.\n" * 20)
+    assert load_data(path).train.numel() > 0
 
 
 # --- errors ------------------------------------------------------------------------------------

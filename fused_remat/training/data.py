@@ -46,6 +46,11 @@ _UINT32_VOCAB_LIMIT = 2**32
 _HELD_OUT_DIVISOR = 10  # a single file keeps its last 1/10 for validation
 _STDLIB_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 _STDLIB_FILE_SEPARATOR = b"\n"
+_VALIDATION_CHUNK = 1 << 24  # token ids checked per piece of a memory-mapped file (32-64 MiB)
+_TEXT_SAMPLE = 1 << 16  # bytes of a text file looked at to tell it from a binary one
+# Bytes that do not occur in text: the C0 controls but tab, newline, vertical tab, form feed,
+# carriage return and escape.
+_BINARY_BYTES = frozenset(range(32)) - {9, 10, 11, 12, 13, 27}
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: comparing tensors with == gives a tensor, not a bool
@@ -173,6 +178,7 @@ def _concatenate_files(root: Path, relative_paths: list[str]) -> torch.Tensor:
 
 
 def _load_text(path: Path, vocab_size: int, seq_len: int | None) -> TokenData:
+    _require_text(path)
     tokens = _map_tokens(path, torch.uint8, vocab_size)
     train, val, train_source, val_source = _hold_out_tail(tokens, path, seq_len)
     description = (
@@ -180,6 +186,25 @@ def _load_text(path: Path, vocab_size: int, seq_len: int | None) -> TokenData:
         "byte-level"
     )
     return TokenData(train, val, vocab_size, description, train_source, val_source)
+
+
+def _require_text(path: Path) -> None:
+    """ValueError unless ``path`` looks like text: no NUL byte and few other control bytes in its
+    first and last 64 KiB (a compressed, pickled or pre-tokenized file has many)."""
+    size = path.stat().st_size
+    with open(path, "rb") as stream:
+        sample = stream.read(_TEXT_SAMPLE)
+        if size > 2 * _TEXT_SAMPLE:
+            stream.seek(size - _TEXT_SAMPLE)
+            sample += stream.read(_TEXT_SAMPLE)
+    control = sum(sample.count(bytes([b])) for b in _BINARY_BYTES)
+    if b"\0" in sample or control > len(sample) // 100:
+        nul = sample.find(b"\0")
+        found = f"a NUL byte at offset {nul:,}" if 0 <= nul < _TEXT_SAMPLE else f"{control:,} control bytes"
+        raise ValueError(
+            f"--data: {path} does not look like text ({found} in its first and last 64 KiB); a text file is "
+            "trained on as bytes. Pre-tokenized ids need a name ending in .bin and --vocab-size"
+        )
 
 
 def _load_token_files(path: Path, vocab_size: int | None, seq_len: int | None) -> TokenData:
@@ -229,7 +254,29 @@ def _map_tokens(file: Path, dtype: torch.dtype, vocab_size: int) -> torch.Tensor
         )
     # shared=False maps the file privately and opens it read-only: a read-only dataset works, and
     # nothing we do can write to it (shared=True opens it for writing and may even grow it).
-    return torch.from_file(str(file), shared=False, size=n_bytes // width, dtype=dtype)
+    tokens = torch.from_file(str(file), shared=False, size=n_bytes // width, dtype=dtype)
+    check_token_ids(tokens, vocab_size, file)
+    return tokens
+
+
+def check_token_ids(tokens: torch.Tensor, vocab_size: int, file: str | os.PathLike,
+                    chunk: int = _VALIDATION_CHUNK) -> None:
+    """Every id in ``tokens`` (a file's memory map) is below ``vocab_size``, or ValueError naming the
+    file, the first bad id and its offset. Reads the map ``chunk`` ids at a time (numpy's max works
+    on uint16/uint32 where torch's does not), so a file larger than RAM is checked at disk speed."""
+    if tokens.numel() == 0 or vocab_size >= 2 ** (8 * tokens.element_size()):
+        return  # every id the dtype can hold is in the vocabulary (bytes with vocab 256)
+    ids = tokens.numpy()
+    for start in range(0, ids.size, chunk):
+        piece = ids[start : start + chunk]
+        if int(piece.max()) < vocab_size:
+            continue
+        index = start + int((piece >= vocab_size).argmax())
+        raise ValueError(
+            f"--data: {file} holds token id {int(ids[index]):,} at token offset {index:,} (byte offset "
+            f"{index * tokens.element_size():,}), but --vocab-size is {vocab_size:,}: every id must be below it. "
+            "Pass the tokenizer's vocabulary size, or regenerate the file"
+        )
 
 
 def _hold_out_tail(
