@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import json
+import time
 from collections.abc import Callable
 
 import torch
@@ -130,6 +131,18 @@ class TrainStepProbe:
         return saved + 16 * self.parameters <= self.budget
 
 
+def _reporting(fits: Callable[[int], bool]) -> Callable[[int], bool]:
+    """``fits`` that prints each probed length, its verdict and how long the probe took, as it goes."""
+    def probe(seq_len: int) -> bool:
+        started = time.perf_counter()
+        verdict = fits(seq_len)
+        print(f"    {seq_len:>9,d} tokens: {'fits' if verdict else 'does not fit'} ({time.perf_counter() - started:.1f} s)",
+              flush=True)
+        return verdict
+
+    return probe
+
+
 def find_max_seq_len(config: TrainConfig, run: Distributed) -> int:
     """Prints the longest trainable sequence of every candidate in CANDIDATES and writes them to
     ``config.out``/max_seq_len.json; 0 when done."""
@@ -137,7 +150,8 @@ def find_max_seq_len(config: TrainConfig, run: Distributed) -> int:
     if run.world_size > 1:
         raise ValueError("--find-max-seq-len runs in one process (one GPU); start it without torchrun")
     if device.type != "cuda" and config.memory_budget is None:
-        raise ValueError("--find-max-seq-len on CPU needs --memory-budget (there is no device memory to exhaust)")
+        raise ValueError("--find-max-seq-len on CPU needs --memory-budget (there is no device memory to exhaust), "
+                         "e.g. --preset tiny --memory-budget 2MiB")
     budget = config.memory_budget
     model_config = config.model_config(config.vocab_size or 256)
     if device.type == "cuda" and budget is not None:
@@ -146,13 +160,14 @@ def find_max_seq_len(config: TrainConfig, run: Distributed) -> int:
     granularity = GRANULARITY[device.type]
     criterion = ("one training step without CUDA out-of-memory" if device.type == "cuda"
                  else "saved activations (meter) + 16 B/parameter within --memory-budget")
-    print(f"longest trainable sequence: {config.preset} ({model_config.describe()}), batch {config.batch_size}, {config.dtype}, "
-          f"criterion: {criterion}, in steps of {granularity}")
+    print(f"longest trainable sequence (a doubling, then a bisection, per candidate): {config.preset} ({model_config.describe()}), batch {config.batch_size}, {config.dtype}, "
+          f"criterion: {criterion}, in steps of {granularity}", flush=True)
     rows = []
     for label, block_impl, remat in CANDIDATES:
         torch.manual_seed(config.seed)
         probe = TrainStepProbe(model_config, block_impl, remat, config.batch_size, config.precision, device, budget)
-        longest = largest_fitting(probe, granularity)
+        print(f"  {label}: probing", flush=True)
+        longest = largest_fitting(_reporting(probe), granularity)
         del probe
         gc.collect()
         if device.type == "cuda":

@@ -1,15 +1,29 @@
-"""Training checkpoints that are either whole or absent.
+"""Training checkpoints that are either whole or absent, rotated so that a bad one has a predecessor.
 
-A checkpoint is written to a temporary file in the run's folder, flushed to disk, then renamed over
-the previous one (``os.replace`` is atomic on one file system): a crash or Ctrl-C in the middle of
-a write leaves the last good checkpoint as it was. Loading checks the format and that the run
-being resumed is the one that wrote it; any problem is a ``CheckpointError`` that says what is
-wrong, raised before anything in the run's folder is touched.
+A checkpoint is written to a temporary file in the run's folder (``.checkpoint.pt.<pid>.partial``),
+flushed to disk, then renamed over the previous one (``os.replace`` is atomic on one file system):
+a crash or Ctrl-C in the middle of a write leaves the last good checkpoint as it was. With
+``keep > 1`` the previous checkpoints stay beside it as ``checkpoint.1.pt`` (the one before),
+``checkpoint.2.pt`` and so on: each is hard-linked (or copied) into place before the new file is
+renamed in, so ``checkpoint.pt`` itself is never missing. A partial file left by a process that was
+killed is removed on the next start (``remove_stale_partials``).
+
+Loading checks the format and that the run being resumed is the one that wrote it; any problem is a
+``CheckpointError`` that says what is wrong, raised before anything in the run's folder is touched.
+An unreadable newest checkpoint falls back to the newest readable predecessor
+(``load_newest_checkpoint``). Errors never pass on torch's suggestion to load with
+``weights_only=False``: a checkpoint holds only tensors and plain containers, and unpickling
+anything else could run arbitrary code. A failed write is a ``CheckpointWriteError`` naming the
+path, the reason (disk full, permission denied) and the bytes the checkpoint needs.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import pickle
+import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -17,28 +31,133 @@ import torch
 CHECKPOINT_NAME = "checkpoint.pt"
 _FORMAT = "fused_remat.train checkpoint"
 _VERSION = 1
+_PARTIAL = re.compile(r"\.(?P<name>.+)\.(?P<pid>[0-9]+)\.partial")
 
 
 class CheckpointError(RuntimeError):
     pass
 
 
+class CheckpointWriteError(CheckpointError):
+    """Writing a checkpoint failed; the previous checkpoints are as they were."""
+
+
 def checkpoint_path(out_dir: str | os.PathLike) -> Path:
     return Path(out_dir) / CHECKPOINT_NAME
 
 
-def save_checkpoint(path: Path, state: dict) -> None:
-    """Writes ``state`` (plus the format tag) to ``path`` atomically."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.partial")
+def predecessor(path: Path, age: int) -> Path:
+    """The checkpoint ``age`` saves before ``path``: checkpoint.pt -> checkpoint.1.pt, ..."""
+    return path if age == 0 else path.with_name(f"{path.stem}.{age}{path.suffix}")
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """``path`` and its predecessors that exist, newest first."""
+    found, age = [], 0
+    while age == 0 or predecessor(path, age).exists() or predecessor(path, age + 1).exists():
+        if predecessor(path, age).is_file():
+            found.append(predecessor(path, age))
+        age += 1
+    return found
+
+
+def _partial_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.partial")
+
+
+def state_bytes(state) -> int:
+    """The bytes of the tensors in ``state`` (nested dicts, lists, tuples): about a checkpoint's size."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(value) for value in state)
+    return 0
+
+
+def save_checkpoint(path: Path, state: dict, keep: int = 1) -> None:
+    """Writes ``state`` (plus the format tag) to ``path`` atomically, keeping the ``keep - 1``
+    checkpoints before it as predecessors. CheckpointWriteError when the write fails."""
+    temporary = _partial_path(path)
     try:
         with open(temporary, "wb") as stream:
             torch.save({"format": _FORMAT, "version": _VERSION, **state}, stream)
             stream.flush()
             os.fsync(stream.fileno())
+        _rotate(path, keep)
         os.replace(temporary, path)
+    except (OSError, RuntimeError) as error:  # torch.save reports a full disk as a RuntimeError
+        raise CheckpointWriteError(_write_failure(path, state, error)) from error
     finally:
         temporary.unlink(missing_ok=True)
     _fsync_directory(path.parent)
+
+
+def _rotate(path: Path, keep: int) -> None:
+    """Shifts checkpoint.k.pt to checkpoint.k+1.pt (the oldest beyond ``keep`` drops out), then
+    links the current checkpoint as checkpoint.1.pt; the current one stays in place throughout."""
+    if keep <= 1 or not path.is_file():
+        return
+    predecessor(path, keep).unlink(missing_ok=True)
+    for age in range(keep - 1, 1, -1):
+        if predecessor(path, age - 1).is_file():
+            os.replace(predecessor(path, age - 1), predecessor(path, age))
+    previous = predecessor(path, 1)
+    link = previous.with_name(f".{previous.name}.{os.getpid()}.partial")
+    link.unlink(missing_ok=True)
+    try:
+        os.link(path, link)
+    except OSError:  # a file system without hard links
+        shutil.copyfile(path, link)
+    os.replace(link, previous)
+
+
+def _write_failure(path: Path, state: dict, error: BaseException) -> str:
+    needed = state_bytes(state)
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        free = None
+    code = getattr(error, "errno", None)
+    if code == errno.ENOSPC or (code is None and free is not None and free < needed):
+        reason = "the disk is full"
+    elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        reason = "permission denied" if code != errno.EROFS else "the file system is read-only"
+    else:
+        reason = f"{type(error).__name__}: {_first_line(error)}"
+    space = f"; {free:,} bytes free there" if free is not None else ""
+    return (f"could not write the checkpoint {path}: {reason} (it needs about {needed:,} bytes{space}); "
+            "the previous checkpoint is untouched")
+
+
+def remove_stale_partials(out_dir: Path) -> list[tuple[Path, int]]:
+    """Deletes partial checkpoint files in ``out_dir`` whose writing process no longer runs (killed
+    during a write); returns (path, bytes) of each one removed."""
+    removed = []
+    if not out_dir.is_dir():
+        return removed
+    for candidate in sorted(out_dir.iterdir()):
+        match = _PARTIAL.fullmatch(candidate.name)
+        if match is None or not match["name"].endswith(".pt") or not candidate.is_file():
+            continue
+        pid = int(match["pid"])
+        if pid != os.getpid() and _process_alive(pid):
+            continue  # another run may be writing into this folder right now
+        size = candidate.stat().st_size
+        candidate.unlink(missing_ok=True)
+        removed.append((candidate, size))
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, under another user
+    return True
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -53,20 +172,36 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+def _first_line(error: BaseException) -> str:
+    """The gist of ``error``: its first line, without torch's advice to load with weights_only=False."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    lines = [line for line in lines if "weights_only" not in line and "arbitrary code" not in line]
+    return (lines[0] if lines else "")[:200]
+
+
+def _read(path: Path) -> dict:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch.load raises many types for damaged files
+        if isinstance(error, pickle.UnpicklingError) and "weights_only" in str(error):
+            why = ("it holds Python objects other than tensors and plain containers, which a training checkpoint "
+                   "never does; it is not unpickled, as that could run arbitrary code")
+        else:
+            why = f"{type(error).__name__}: {_first_line(error)}; it may be truncated or corrupt"
+        raise CheckpointError(f"--resume: {path} is not a readable checkpoint ({why})") from None
+    if not isinstance(state, dict) or state.get("format") != _FORMAT:
+        raise CheckpointError(f"--resume: {path} is not a fused_remat.train checkpoint")
+    if state.get("version") != _VERSION:
+        raise CheckpointError(f"--resume: {path} has checkpoint version {state.get('version')}, expected {_VERSION}")
+    return state
+
+
 def load_checkpoint(path: Path, expected_run: dict) -> dict:
     """The checkpoint at ``path``, after checking it was written by a run whose settings
     (``state["run"]``) equal ``expected_run`` wherever the trajectory depends on them."""
     if not path.is_file():
         raise CheckpointError(f"--resume: no checkpoint at {path}")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # torch.load raises many types for damaged files
-        raise CheckpointError(f"--resume: {path} is not a readable checkpoint ({type(error).__name__}: {error}); "
-                              "it may be truncated or corrupt") from error
-    if not isinstance(state, dict) or state.get("format") != _FORMAT:
-        raise CheckpointError(f"--resume: {path} is not a fused_remat.train checkpoint")
-    if state.get("version") != _VERSION:
-        raise CheckpointError(f"--resume: {path} has checkpoint version {state.get('version')}, expected {_VERSION}")
+    state = _read(path)
     saved_run = state.get("run", {})
     differences = [f"{key}: checkpoint has {saved_run.get(key)!r}, this run has {value!r}"
                    for key, value in expected_run.items() if saved_run.get(key) != value]
@@ -74,3 +209,39 @@ def load_checkpoint(path: Path, expected_run: dict) -> dict:
         raise CheckpointError(f"--resume: {path} was written by a different run; resume with its settings or "
                               "choose another --out:\n  " + "\n  ".join(differences))
     return state
+
+
+def load_newest_checkpoint(path: Path, expected_run: dict) -> tuple[dict, Path, list[str]]:
+    """The newest readable checkpoint among ``path`` and its predecessors (``load_checkpoint``'s
+    checks apply), where it was, and one warning per newer checkpoint that could not be read. A
+    checkpoint of a different run is an error at once; when none is readable, the error is the
+    newest one's."""
+    files = checkpoint_files(path)
+    if not files:
+        raise CheckpointError(f"--resume: no checkpoint at {path}")
+    warnings, first_error = [], None
+    for candidate in files:
+        try:
+            return load_checkpoint(candidate, expected_run), candidate, warnings
+        except CheckpointError as error:
+            if "different run" in str(error):
+                raise
+            first_error = first_error or error
+            warnings.append(str(error).removeprefix("--resume: "))
+    raise first_error
+
+
+def promote(chosen: Path, path: Path) -> list[Path]:
+    """After resuming from the predecessor ``chosen``, moves the unreadable newer checkpoints aside
+    (``<name>.unreadable``) and ``chosen`` to ``path``, so that rotation goes on from the good one.
+    Returns the files set aside."""
+    aside = []
+    for newer in checkpoint_files(path):
+        if newer == chosen:
+            break
+        target = newer.with_name(newer.name + ".unreadable")
+        os.replace(newer, target)
+        aside.append(target)
+    if chosen != path:
+        os.replace(chosen, path)
+    return aside

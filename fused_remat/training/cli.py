@@ -7,14 +7,18 @@
     python -m fused_remat.train --find-max-seq-len               # longest trainable sequence per policy
     torchrun --nproc_per_node 8 -m fused_remat.train --distributed fsdp ...
 
-Without CUDA the kernels run in Triton's interpreter (so only the tiny preset is practical).
-The run's folder (``--out``) receives ``checkpoint.pt`` (atomic, on an interval and on Ctrl-C),
-``metrics.jsonl`` (one record per step, validation loss where evaluated) and ``training.png``.
+Without CUDA the kernels run in Triton's interpreter (so only the tiny preset is practical), or
+with ``--backend reference`` as plain PyTorch, about 12x faster. The run's folder (``--out``)
+receives ``checkpoint.pt`` (atomic, rotated, on an interval, on Ctrl-C and on an error),
+``metrics.jsonl`` (one strict JSON record per step, validation loss where evaluated) and
+``training.png``.
 
 This module is the command line only: flags -> ``TrainConfig`` (``training/config.py``), then the
 training loop (``training/loop.py``) or the capacity search (``training/capacity.py``). Exit
-status 0 when done, 2 for a bad flag or setting (the message names the flag), 130 when stopped
-by Ctrl-C or SIGTERM after checkpointing. ``python -m fused_remat.train`` (the module
+status 0 when done, 1 when the run failed (a NaN or infinite loss, a checkpoint that could not be
+written, or any other error, shown with its traceback after the last finished step is
+checkpointed), 2 for a bad flag, setting or data file (the message names the flag), 130 when
+stopped by Ctrl-C or SIGTERM after checkpointing. ``python -m fused_remat.train`` (the module
 ``fused_remat/train.py``) and ``python -m fused_remat.training`` both run ``main``.
 """
 
@@ -26,12 +30,13 @@ import sys
 
 import torch
 
+from ..backend import BACKEND_ENV, BACKENDS, requested_backend
 from ..model import PRESETS
 from .capacity import find_max_seq_len
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, CheckpointWriteError
 from .config import DEVICE_DEFAULTS, DTYPES, TrainConfig
 from .distributed import STRATEGIES, init_distributed, shutdown
-from .loop import train
+from .loop import TrainingFailed, train
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -50,8 +55,9 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     parser.add_argument("--remat", default="cheap",
                         help="none | cheap (default) | full | auto (plan for --memory-budget) | a comma list, one policy per layer")
-    parser.add_argument("--memory-budget", help="activation budget for --remat auto, e.g. 40GiB (default on a GPU: "
-                        "what is free after weights, gradients and optimizer state)")
+    parser.add_argument("--memory-budget", help="activation budget for --remat auto (and the CPU criterion of "
+                        "--find-max-seq-len), with a binary unit: 40GiB, 800MiB, 1.5G; a bare number is bytes (default on "
+                        "a GPU: what is free after weights, gradients and optimizer state)")
     parser.add_argument("--block", choices=("fused", "reference"), default="fused",
                         help="fused_remat's block (default), or the plain-PyTorch twin (then --remat none is eager and "
                         "full is torch.utils.checkpoint)")
@@ -70,7 +76,16 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--eval-interval", type=int, default=25, help="steps between validation losses (default 25)")
     parser.add_argument("--eval-batches", type=int, default=4, help="batches per validation loss (default 4)")
     parser.add_argument("--checkpoint-interval", type=int, default=100, help="steps between checkpoints; 0: only at the end (default 100)")
-    parser.add_argument("--distributed", choices=STRATEGIES, help="under torchrun: ddp (default) or fsdp (FSDP2)")
+    parser.add_argument("--keep-checkpoints", type=int, default=2,
+                        help="checkpoints kept: the newest (checkpoint.pt) and those before it (checkpoint.1.pt, ...) (default 2)")
+    parser.add_argument("--skip-nonfinite", type=int, default=0,
+                        help="steps with a NaN or infinite loss or gradient norm to skip (no update) before the run "
+                        "stops; 0: stop at the first (default 0)")
+    parser.add_argument("--backend", choices=BACKENDS,
+                        help="fused_remat's kernels: triton (compiled on a GPU, Triton's interpreter on a CPU), "
+                        "reference (plain PyTorch: about 12x faster on a CPU), auto (default: triton where it can run; "
+                        f"on a CPU the interpreter); default: ${BACKEND_ENV} if set, else auto")
+    parser.add_argument("--distributed", choices=STRATEGIES, help="under torchrun only: ddp (default) or fsdp (FSDP2)")
     parser.add_argument("--find-max-seq-len", action="store_true",
                         help="instead of training: the longest sequence that trains one step, per policy")
     flags = parser.parse_args(argv)
@@ -80,18 +95,32 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         parser.error(str(error))
 
 
+def choose_backend(backend: str | None) -> None:
+    """Sets ``FUSED_REMAT_BACKEND`` from ``--backend`` (left as it is without the flag) and, on a
+    machine without CUDA where the kernels are to run, ``TRITON_INTERPRET=1``: Triton's interpreter
+    must be chosen before triton is imported, which fused_remat does only when a kernel first runs."""
+    if backend is not None:
+        os.environ[BACKEND_ENV] = backend
+    if not torch.cuda.is_available() and requested_backend() != "reference":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line ``argv``; returns the exit status (module docstring)."""
-    if not torch.cuda.is_available():
-        # Triton's interpreter runs the kernels on CPU tensors; it must be chosen before triton is
-        # imported, which fused_remat does only when a kernel first runs.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     config = parse_args(argv)
-    run = init_distributed(config.distributed)
+    try:
+        choose_backend(config.backend)
+        run = init_distributed(config.distributed)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     try:
         if config.find_max_seq_len:
             return find_max_seq_len(config, run)
         return train(config, run)
+    except (CheckpointWriteError, TrainingFailed) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     except (ValueError, FileNotFoundError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..backend import BACKENDS
 from ..model import PRESETS, ModelConfig, preset
 from ..planner import Precision
 
@@ -43,6 +44,13 @@ def parse_size(text: str) -> int:
     if not math.isfinite(size) or int(size) < 1:
         raise ValueError(f"expected a positive size, got {text!r}")
     return int(size)
+
+
+def describe_size(flag: str, size: int) -> str:
+    """How ``flag``'s value was read, for its error messages: "--memory-budget was read as 12 bytes
+    (sizes take the units K, M, G, T: 800MiB, 40GiB; a bare number is bytes)"."""
+    return (f"{flag} was read as {size:,} bytes ({size / 2**20:,.1f} MiB); sizes take the binary units K, M, G, T "
+            "(800MiB, 40GiB), and a bare number is bytes")
 
 
 def flag_error(flag: str, error: ValueError, *names: str) -> ValueError:
@@ -86,6 +94,9 @@ class TrainConfig:
     checkpoint_interval: int = 100  # 0: only at the end
     distributed: str | None = None
     find_max_seq_len: bool = False
+    keep_checkpoints: int = 2  # the newest checkpoint and this many - 1 before it
+    skip_nonfinite: int = 0  # steps with a NaN/inf loss or gradient norm skipped before the run stops
+    backend: str | None = None  # --backend auto|triton|reference; None: FUSED_REMAT_BACKEND decides
 
     @classmethod
     def build(cls, device_type: str, **options) -> TrainConfig:
@@ -94,11 +105,14 @@ class TrainConfig:
         and steps / 10 (at most 200) warm-up steps. ValueError naming the flag for a bad value."""
         given = {name: value for name, value in options.items() if value is not None}
         values = {**DEVICE_DEFAULTS[device_type], **given}
-        for name in ("steps", "seq_len", "batch_size", "grad_accum", "eval_batches", "eval_interval"):
+        for name in ("steps", "seq_len", "batch_size", "grad_accum", "eval_batches", "eval_interval", "keep_checkpoints"):
             if values.get(name, 1) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {values[name]}")
-        if values.get("checkpoint_interval", 0) < 0:
-            raise ValueError("--checkpoint-interval must be >= 0")
+        for name in ("checkpoint_interval", "skip_nonfinite"):
+            if values.get(name, 0) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {values[name]}")
+        if values.get("backend", "auto") not in BACKENDS:  # None is dropped with the other defaults
+            raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {values['backend']!r}")
         if values["preset"] not in PRESETS:
             raise ValueError(f"--preset must be one of {', '.join(PRESETS)}, got {values['preset']!r}")
         values.setdefault("lr", PEAK_LR[values["preset"]])

@@ -63,6 +63,10 @@ def init_distributed(strategy: str | None) -> Distributed:
     """Joins the process group that torchrun set up (env:// rendezvous), if any."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
+        if strategy is not None and "WORLD_SIZE" not in os.environ:
+            raise ValueError(f"--distributed {strategy} needs torchrun, which starts one process per GPU: "
+                             f"torchrun --nproc_per_node N -m fused_remat.train --distributed {strategy} ...; "
+                             "leave --distributed out to train in this one process")
         return Distributed()
     strategy = strategy or "ddp"
     if strategy not in STRATEGIES:

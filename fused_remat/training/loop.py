@@ -11,17 +11,21 @@ gradients.
 from __future__ import annotations
 
 import dataclasses
-import os
+import functools
+import math
 import signal
+import sys
 import time
 
 import torch
 
+from ..backend import requested_backend, use_triton
 from ..model import LanguageModel, ModelConfig, resolve_policies
 from ..planner import PLANNED_POLICIES, RematPlan, explain_policies, measure_policy_costs, plan_remat
 from . import data as token_data
-from .checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
-from .config import TrainConfig, flag_error
+from .checkpoint import (CheckpointError, CheckpointWriteError, checkpoint_path, load_newest_checkpoint, promote,
+                         remove_stale_partials, save_checkpoint)
+from .config import TrainConfig, describe_size, flag_error
 from .distributed import Distributed, load_training_state, training_state, unwrap, wrap_model
 from .reporting import Progress, plot_metrics, read_metrics, write_metrics
 from .step import forward_loss, make_optimizer, train_step
@@ -54,7 +58,10 @@ def resolve_remat(config: TrainConfig, model_config: ModelConfig, device: torch.
         plan = plan_remat(model_config, config.batch_size, config.seq_len, precision, budget, costs=costs,
                           cost_source=source, candidates=PLANNED_POLICIES)
     except ValueError as error:
-        raise flag_error("--memory-budget", error, "budget") from None
+        message = f"{flag_error('--memory-budget', error, 'budget')}"
+        if config.memory_budget is not None:
+            message += f" ({describe_size('--memory-budget', config.memory_budget)})"
+        raise ValueError(message) from None
     return plan.policies, plan
 
 
@@ -116,18 +123,41 @@ def validation_loss(model, batches, device, compute_dtype) -> float:
     return total / len(batches)
 
 
+class TrainingFailed(RuntimeError):
+    """The run stopped on a failure it explains itself (a NaN or infinite loss or gradient norm);
+    the last good checkpoint is left as it was."""
+
+
 def train(config: TrainConfig, run: Distributed) -> int:
-    """Trains (or resumes) the run ``config`` describes; 0 when finished, 130 when stopped."""
+    """Trains (or resumes) the run ``config`` describes; 0 when finished, 130 when stopped.
+    TrainingFailed for a non-finite loss; any other exception after a finished step is re-raised
+    once that step is checkpointed (single process)."""
     device = run.device()
+    log = functools.partial(print, flush=True) if run.is_main else (lambda *a, **k: None)
+    backend = describe_backend(device)
     data = token_data.load_data(config.data, config.vocab_size, config.seq_len)
     model_config = config.model_config(data.vocab_size)
     settings = run_settings(config, model_config, data, run)
     ckpt = checkpoint_path(config.out)
     state = None
     if config.resume:
-        state = load_checkpoint(ckpt, settings)
+        state, resumed_from, unreadable = load_newest_checkpoint(ckpt, settings)
     elif ckpt.exists():
         raise CheckpointError(f"--out {config.out} already holds a checkpoint; pass --resume to continue it or choose another --out")
+    if run.is_main:
+        for partial, size in remove_stale_partials(config.out):
+            log(f"removed {partial}: a partial checkpoint ({size:,} bytes) left by a process killed while writing it")
+        if state is not None and resumed_from != ckpt:
+            for reason in unreadable:
+                print(f"warning: {reason}", file=sys.stderr)
+            aside = promote(resumed_from, ckpt)
+            log(f"resuming from the previous checkpoint {resumed_from.name} (step {state['step']}), now {ckpt.name}; "
+                f"set aside: {', '.join(p.name for p in aside)}")
+    run.barrier()
+    if state is not None and state["step"] >= config.steps:
+        log(f"nothing to do: the run in {config.out} is already finished (done: {config.steps} steps, checkpoint {ckpt}); "
+            f"its metrics are in {config.out / 'metrics.jsonl'}. To train further, start a new run with another --out")
+        return 0
 
     policies, plan = resolve_remat(config, model_config, device, run)
     torch.manual_seed(config.seed)
@@ -141,77 +171,137 @@ def train(config: TrainConfig, run: Distributed) -> int:
         start_step = state["step"]
     val_batches = list(token_data.val_batches(data, config.eval_batches, config.batch_size, config.seq_len, config.seed))
 
-    log = print if run.is_main else (lambda *a, **k: None)
     parameters = sum(p.numel() for p in unwrap(model).parameters())
-    log(f"fused_remat.train on {_device_name(device)} x {run.world_size}{'' if run.strategy is None else ' ' + run.strategy}: "
+    log(f"fused_remat.train on {backend} x {run.world_size}{'' if run.strategy is None else ' ' + run.strategy}: "
         f"{config.preset} ({model_config.describe()}, {parameters / 1e6:.2f}M parameters), {config.block} blocks, "
         f"remat {_summarize(unwrap(model).remat)}, {config.dtype}")
     log(f"data: {data.description}")
     if plan is not None:
         log(plan.table())
+    metrics_path = config.out / "metrics.jsonl"
     if run.is_main:
         config.out.mkdir(parents=True, exist_ok=True)
-        metrics_path = config.out / "metrics.jsonl"
         kept = [r for r in read_metrics(metrics_path) if r["step"] < start_step] if config.resume else []
         write_metrics(metrics_path, kept)
     run.barrier()
 
+    saved = start_step  # the step of the newest checkpoint
+
     def save(step: int) -> None:
+        nonlocal saved
         model_state, optimizer_state = training_state(model, optimizer)
         if run.is_main:
             save_checkpoint(ckpt, dict(step=step, model=model_state, optimizer=optimizer_state, run=settings,
-                                       rng=dict(cpu=torch.get_rng_state())))
+                                       rng=dict(cpu=torch.get_rng_state())), keep=config.keep_checkpoints)
         run.barrier()
+        saved = step
 
     tokens_per_step = config.batch_size * config.seq_len * config.grad_accum * run.world_size
     progress = Progress(config.steps, start_step, enabled=run.is_main)
-    step = start_step
-    with StopRequest() as stop:
-        while step < config.steps:
-            started = time.perf_counter()
-            lr = config.learning_rate(step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            micro_batches = [token_data.train_batch(data, step, micro, run.rank, config.batch_size, config.seq_len, config.seed)
-                             for micro in range(config.grad_accum)]
-            loss, grad_norm = train_step(model, optimizer, [(x.to(device), y.to(device)) for x, y in micro_batches],
-                                         compute_dtype=config.compute_dtype, grad_clip=config.grad_clip)
-            step += 1
-            record = dict(step=step - 1, loss=run.mean(float(loss)), lr=lr,
-                          grad_norm=float(_full(grad_norm)), peak_memory=peak_memory(device))
-            elapsed = time.perf_counter() - started
-            record["tokens_per_s"] = tokens_per_step / elapsed
-            record["step_time"] = elapsed
-            if step % config.eval_interval == 0 or step == config.steps:
-                record["val_loss"] = validation_loss(model, val_batches, device, config.compute_dtype)
-            if run.is_main:
-                write_metrics(metrics_path, [record], append=True)
-            progress.update(record)
-            stopping = run.any(stop.requested)
-            if stopping or step == config.steps or (config.checkpoint_interval and step % config.checkpoint_interval == 0):
-                save(step)
-            if stopping:
-                progress.close()
-                log(f"stopped at step {step}; checkpoint saved in {ckpt}; continue with --resume")
-                return 130
+    step, skipped, unwritten = start_step, 0, None
+    try:
+        with StopRequest() as stop:
+            while step < config.steps:
+                started = time.perf_counter()
+                lr = config.learning_rate(step)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                micro_batches = [token_data.train_batch(data, step, micro, run.rank, config.batch_size, config.seq_len,
+                                                        config.seed) for micro in range(config.grad_accum)]
+                loss, grad_norm = train_step(model, optimizer, [(x.to(device), y.to(device)) for x, y in micro_batches],
+                                             compute_dtype=config.compute_dtype, grad_clip=config.grad_clip,
+                                             finite_only=True)
+                step += 1
+                record = unwritten = dict(step=step - 1, loss=run.mean(float(loss)), lr=lr,
+                                          grad_norm=float(_full(grad_norm)), peak_memory=peak_memory(device))
+                elapsed = time.perf_counter() - started
+                record["tokens_per_s"] = tokens_per_step / elapsed
+                record["step_time"] = elapsed
+                diverged = not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"]))
+                if diverged:
+                    skipped += 1
+                    record["skipped"] = True  # train_step made no update
+                if not diverged and (step % config.eval_interval == 0 or step == config.steps):
+                    record["val_loss"] = validation_loss(model, val_batches, device, config.compute_dtype)
+                if run.is_main:
+                    write_metrics(metrics_path, [record], append=True)
+                unwritten = None
+                progress.update(record)
+                if diverged:
+                    _handle_nonfinite(config, record, skipped, saved, ckpt, progress)
+                stopping = run.any(stop.requested)
+                if stopping or step == config.steps or (config.checkpoint_interval and step % config.checkpoint_interval == 0):
+                    save(step)
+                if stopping:
+                    progress.close()
+                    log(f"stopped at step {step}; checkpoint saved in {ckpt}; continue with --resume")
+                    return 130
+    except Exception as error:
+        progress.close()
+        if step > saved and run.world_size == 1 and not isinstance(error, (CheckpointWriteError, TrainingFailed)):
+            _checkpoint_after_error(error, step, save, ckpt,
+                                    lambda: unwritten is not None and write_metrics(metrics_path, [unwritten], append=True))
+        raise
     progress.close()
     if run.is_main:
-        log(f"done: {config.steps} steps; metrics in {metrics_path}; checkpoint {ckpt}")
+        suffix = f" ({skipped} non-finite steps skipped)" if skipped else ""
+        log(f"done: {config.steps} steps{suffix}; metrics in {metrics_path}; checkpoint {ckpt}")
         plot = plot_metrics(metrics_path, config.out / "training.png")
         if plot is not None:
             log(f"plot: {plot}")
     return 0
 
 
+def _handle_nonfinite(config: TrainConfig, record: dict, skipped: int, saved: int, ckpt, progress: Progress) -> None:
+    """A step with a NaN or infinite loss or gradient norm (train_step made no update): skipped
+    while ``--skip-nonfinite`` allows, else TrainingFailed, before anything is checkpointed."""
+    what = f"step {record['step']}: loss {record['loss']}, gradient norm {record['grad_norm']}"
+    if skipped <= config.skip_nonfinite:
+        print(f"\nwarning: {what}: skipped without an update ({skipped} of --skip-nonfinite {config.skip_nonfinite})",
+              file=sys.stderr)
+        return
+    progress.close()
+    kept = (f"the last good checkpoint, {ckpt} at step {saved}, is kept as it was" if saved
+            else "no checkpoint was written")
+    allowance = (f"more than --skip-nonfinite {config.skip_nonfinite} such steps" if config.skip_nonfinite
+                 else "--skip-nonfinite N skips up to N such steps")
+    raise TrainingFailed(f"{what}: training diverged, stopping; {kept}. Try a lower --lr (now {config.lr:g}), "
+                         f"gradient clipping (--grad-clip, now {config.grad_clip:g}) or a longer --warmup "
+                         f"(now {config.warmup}); {allowance}")
+
+
+def _checkpoint_after_error(error: Exception, step: int, save, ckpt, flush_metrics) -> None:
+    """Saves the ``step`` finished steps after ``error`` stopped the loop (the weights and AdamW
+    state are those of the last finished step: an error inside a step stops before its update)."""
+    try:
+        flush_metrics()
+        save(step)
+    except Exception as save_error:
+        print(f"error: {type(error).__name__} after step {step}, and the checkpoint could not be written either: "
+              f"{save_error}", file=sys.stderr)
+        return
+    print(f"error: {type(error).__name__} after step {step}: the {step} finished steps are checkpointed in {ckpt}; "
+          "fix the cause and continue with --resume", file=sys.stderr)
+
+
+def describe_backend(device: torch.device) -> str:
+    """The device and what really runs fused_remat's kernels on it, for the run's header: "CPU
+    (Triton interpreter)", "CPU (PyTorch reference)", "NVIDIA H100 80GB HBM3 (Triton)"."""
+    try:
+        triton = use_triton("fused_remat.train", device)
+    except RuntimeError as error:
+        raise ValueError(f"--backend triton: {error}") from None
+    if device.type == "cuda":
+        name, kernels = torch.cuda.get_device_name(device), "Triton" if triton else "PyTorch reference"
+    else:
+        name, kernels = "CPU", "Triton interpreter" if triton else "PyTorch reference"
+    forced = requested_backend()
+    return f"{name} ({kernels}{'' if forced == 'auto' else ', backend ' + forced})"
+
+
 def _full(value):
     """A DTensor (FSDP2's gradient norm) as a plain tensor."""
     return value.full_tensor() if hasattr(value, "full_tensor") else value
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return "CPU (Triton interpreter)" if os.environ.get("TRITON_INTERPRET") == "1" else "CPU (PyTorch reference)"
 
 
 def _summarize(policies: list[str]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -15,11 +16,22 @@ def read_metrics(path: Path) -> list[dict]:
         return [json.loads(line) for line in stream if line.strip()]
 
 
+def strict_record(record: dict) -> dict:
+    """``record`` as strict JSON can hold it: a NaN or infinite number becomes null, and the record's
+    ``nonfinite`` list names those fields (with their value as text: "nan", "inf", "-inf")."""
+    bad = {key: value for key, value in record.items() if isinstance(value, float) and not math.isfinite(value)}
+    if not bad:
+        return record
+    flagged = dict(record.get("nonfinite", {}), **{key: str(value) for key, value in bad.items()})
+    return {**record, **{key: None for key in bad}, "nonfinite": flagged}
+
+
 def write_metrics(path: Path, records: list[dict], append: bool = False) -> None:
-    """One JSON record per line; each line is flushed as it is written, so a crash loses at most one."""
+    """One strict JSON record per line (``strict_record``); each line is flushed as it is written,
+    so a crash loses at most one."""
     with open(path, "a" if append else "w") as stream:
         for record in records:
-            stream.write(json.dumps(record) + "\n")
+            stream.write(json.dumps(strict_record(record), allow_nan=False) + "\n")
         stream.flush()
 
 
@@ -81,8 +93,9 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> Path | None:
         return None
     figure, (loss_axis, memory_axis) = plt.subplots(1, 2, figsize=(11, 4))
     steps = [r["step"] for r in records]
-    loss_axis.plot(steps, [r["loss"] for r in records], label="train", linewidth=1)
-    evaluated = [r for r in records if "val_loss" in r]
+    trained = [r for r in records if r.get("loss") is not None]  # a non-finite loss is null
+    loss_axis.plot([r["step"] for r in trained], [r["loss"] for r in trained], label="train", linewidth=1)
+    evaluated = [r for r in records if r.get("val_loss") is not None]
     loss_axis.plot([r["step"] for r in evaluated], [r["val_loss"] for r in evaluated], "o-", label="validation")
     loss_axis.set(xlabel="step", ylabel="loss (nats per token)", title="loss")
     loss_axis.legend()

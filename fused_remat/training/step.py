@@ -32,12 +32,16 @@ def forward_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
-               compute_dtype: torch.dtype | None = None, grad_clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+               compute_dtype: torch.dtype | None = None, grad_clip: float = 0.0,
+               finite_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over ``micro_batches`` ((inputs, targets) pairs on the model's device):
     forward and loss (``forward_loss``) and backward of loss / len(micro_batches) for each, with
     data-parallel gradient communication only on the last; then the gradient norm clipped to
     ``grad_clip`` (0: measured, not clipped), the optimizer's step and ``zero_grad(set_to_none=True)``.
-    Returns the mean loss (detached) and the gradient norm before clipping (a DTensor under FSDP2)."""
+    With ``finite_only`` a step whose loss or gradient norm is NaN or infinite changes nothing (its
+    gradients are dropped, the weights and AdamW moments stay as they were), at the cost of one
+    host sync. Returns the mean loss (detached) and the gradient norm before clipping (a DTensor
+    under FSDP2)."""
     count = len(micro_batches)
     loss_sum = None
     for index, (inputs, targets) in enumerate(micro_batches):
@@ -46,7 +50,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
             (loss / count).backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
-    optimizer.step()
+    if not finite_only or is_finite(loss_sum, grad_norm):
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss_sum / count, grad_norm
 
@@ -61,3 +66,8 @@ def make_optimizer(model: nn.Module, *, lr: float, weight_decay: float) -> torch
     implementation = dict(fused=True) if on_cuda else dict(foreach=True)
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, **implementation)
 
+
+def is_finite(*values: torch.Tensor) -> bool:
+    """Whether every value (a tensor, or a DTensor such as FSDP2's gradient norm) is finite."""
+    full = [value.full_tensor() if hasattr(value, "full_tensor") else value for value in values]
+    return all(bool(torch.isfinite(value).all()) for value in full)

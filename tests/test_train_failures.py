@@ -1,0 +1,240 @@
+"""The trainer never loses work and never hides a failure: bad data is found before the first step,
+an error after a finished step checkpoints it, a NaN stops the run without overwriting the last good
+checkpoint (or is skipped on request), checkpoints rotate and a bad newest one falls back to its
+predecessor, stale partial files are cleaned up, write failures say why, and misused flags are
+refused. The kernels are not the point here: everything runs on the reference backend."""
+
+import errno
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path, PurePosixPath
+
+import pytest
+import torch
+
+from fused_remat.training import checkpoint as checkpoints
+from fused_remat.training import cli, loop
+from fused_remat.training import step as step_module
+from fused_remat.training.checkpoint import (CheckpointError, CheckpointWriteError, load_checkpoint,
+                                             load_newest_checkpoint, remove_stale_partials, save_checkpoint)
+
+SHORT = ["--backend", "reference", "--preset", "tiny", "--seq-len", "16", "--batch-size", "2", "--eval-batches", "1"]
+
+
+@pytest.fixture(autouse=True)
+def _reference_backend(monkeypatch):
+    """--backend sets FUSED_REMAT_BACKEND for the process; monkeypatch restores it after each test."""
+    monkeypatch.setenv("FUSED_REMAT_BACKEND", "reference")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+def _strict_metrics(out: Path) -> list[dict]:
+    def refuse(constant):
+        raise AssertionError(f"metrics.jsonl holds {constant}, which is not JSON")
+
+    return [json.loads(line, parse_constant=refuse) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _finite_weights(path: Path) -> bool:
+    return all(torch.isfinite(t).all() for t in load_checkpoint(path, {})["model"].values())
+
+
+def _run(out: Path, *extra: str) -> int:
+    return cli.main([*SHORT, "--out", str(out), *extra])
+
+
+def test_a_bad_token_id_deep_in_train_bin_is_found_before_the_first_step(tmp_path, capsys):
+    tokens = torch.randint(0, 500, (40_000,), dtype=torch.int32)
+    tokens[31_234] = 777
+    (tmp_path / "train.bin").write_bytes(tokens.to(torch.uint16).numpy().tobytes())
+    assert _run(tmp_path / "run", "--data", str(tmp_path / "train.bin"), "--vocab-size", "500") == 2
+    error = capsys.readouterr().err
+    assert "train.bin holds token id 777 at token offset 31,234 (byte offset 62,468)" in error
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_error_after_finished_steps_checkpoints_them_then_resume_finishes(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    original = loop.token_data.train_batch
+
+    def fails_at_step_3(data, step, *rest):
+        if step == 3:
+            raise RuntimeError("the data disk went away")
+        return original(data, step, *rest)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(loop.token_data, "train_batch", fails_at_step_3)
+        with pytest.raises(RuntimeError, match="the data disk went away"):
+            _run(out, "--steps", "5")
+    assert "the 3 finished steps are checkpointed" in capsys.readouterr().err
+    assert load_checkpoint(out / "checkpoint.pt", {})["step"] == 3
+    assert [r["step"] for r in _strict_metrics(out)] == [0, 1, 2]
+    assert _run(out, "--steps", "5", "--resume") == 0
+    assert [r["step"] for r in _strict_metrics(out)] == [0, 1, 2, 3, 4]
+
+
+def test_a_failing_checkpoint_write_is_not_retried_and_says_the_disk_is_full(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    calls = []
+
+    def disk_full(obj, stream):
+        calls.append(1)
+        stream.write(b"some of it")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoints.torch, "save", disk_full)
+    assert _run(out, "--steps", "2") == 1
+    error = capsys.readouterr().err
+    assert f"could not write the checkpoint {out / 'checkpoint.pt'}: the disk is full (it needs about " in error
+    assert "Traceback" not in error and len(calls) == 1
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]  # no partial file left
+
+
+@pytest.mark.parametrize("failure,reason", [
+    (OSError(errno.ENOSPC, "No space left on device"), "the disk is full"),
+    (OSError(errno.EACCES, "Permission denied"), "permission denied"),
+    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0"), "the disk is full"),
+])
+def test_write_failures_name_the_path_the_reason_and_the_bytes(tmp_path, monkeypatch, failure, reason):
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint(path, dict(step=1, run={}, weights=torch.arange(5.0)))
+
+    def fails(obj, stream):
+        raise failure
+
+    monkeypatch.setattr(checkpoints.torch, "save", fails)
+    # torch.save reports a full disk only as a RuntimeError: the free space tells it apart.
+    monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda p: type("Usage", (), {"free": 100})())
+    with pytest.raises(CheckpointWriteError) as raised:
+        save_checkpoint(path, dict(step=2, run={}, weights=torch.zeros(1000)))
+    assert f"could not write the checkpoint {path}: {reason} (it needs about 4,000 bytes; 100 bytes free" in str(raised.value)
+    monkeypatch.undo()
+    assert load_checkpoint(path, {})["step"] == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+
+
+def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _run(out, "--steps", "6", "--lr", "1e4", "--grad-clip", "0", "--warmup", "0", "--checkpoint-interval", "1") == 1
+    error = capsys.readouterr().err
+    assert "training diverged" in error and "--skip-nonfinite" in error
+    records = _strict_metrics(out)
+    assert len(records) < 6 and records[-1]["nonfinite"] and records[-1]["skipped"]
+    saved = load_checkpoint(out / "checkpoint.pt", {})["step"]
+    assert saved == len(records) - 1 and f"checkpoint.pt at step {saved}, is kept" in error
+    assert _finite_weights(out / "checkpoint.pt")
+
+
+def _nan_at_calls(monkeypatch, bad_calls: set[int]) -> None:
+    """train_step's forward gives a NaN loss on the given calls (one call per step here)."""
+    original, calls = step_module.forward_loss, []
+
+    def forward_loss(model, inputs, targets, compute_dtype=None):
+        calls.append(1)
+        loss = original(model, inputs, targets, compute_dtype)
+        return loss * math.nan if len(calls) in bad_calls else loss
+
+    monkeypatch.setattr(step_module, "forward_loss", forward_loss)
+
+
+def test_skip_nonfinite_skips_up_to_n_steps_without_updating(tmp_path, monkeypatch, capsys):
+    _nan_at_calls(monkeypatch, {2})
+    out = tmp_path / "run"
+    assert _run(out, "--steps", "3", "--skip-nonfinite", "1") == 0
+    records = _strict_metrics(out)
+    assert records[1]["loss"] is None and records[1]["nonfinite"] == {"loss": "nan", "grad_norm": "nan"}
+    assert records[1]["skipped"] and not any("skipped" in r for r in (records[0], records[2]))
+    assert "skipped without an update (1 of --skip-nonfinite 1)" in capsys.readouterr().err
+    assert _finite_weights(out / "checkpoint.pt")
+
+    _nan_at_calls(monkeypatch, {1, 2})
+    assert _run(tmp_path / "again", "--steps", "3", "--skip-nonfinite", "1") == 1
+    assert "more than --skip-nonfinite 1" in capsys.readouterr().err
+    assert not (tmp_path / "again" / "checkpoint.pt").exists()
+
+
+def test_checkpoints_rotate_and_resume_falls_back_past_a_corrupt_one_bit_for_bit(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["--steps", "3", "--checkpoint-interval", "1", "--keep-checkpoints", "2"]
+    assert _run(out, *args) == 0
+    assert sorted(p.name for p in out.glob("checkpoint*")) == ["checkpoint.1.pt", "checkpoint.pt"]
+    assert load_checkpoint(out / "checkpoint.1.pt", {})["step"] == 2
+    finished = load_checkpoint(out / "checkpoint.pt", {})["model"]
+
+    (out / "checkpoint.pt").write_bytes(b"\0" * 100)  # a bad newest checkpoint
+    state, chosen, unreadable = load_newest_checkpoint(out / "checkpoint.pt", {})
+    assert (state["step"], chosen.name, len(unreadable)) == (2, "checkpoint.1.pt", 1)
+    capsys.readouterr()
+    assert _run(out, *args, "--resume") == 0
+    captured = capsys.readouterr()
+    assert "checkpoint.pt is not a readable checkpoint" in captured.err
+    assert "resuming from the previous checkpoint checkpoint.1.pt (step 2)" in captured.out
+    assert (out / "checkpoint.pt.unreadable").is_file()
+    resumed = load_checkpoint(out / "checkpoint.pt", {})["model"]
+    assert all(torch.equal(resumed[name], finished[name]) for name in finished)
+
+
+def test_a_finished_run_says_so_when_run_again(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _run(out, "--steps", "1") == 0
+    metrics = (out / "metrics.jsonl").read_bytes()
+    assert _run(out, "--steps", "1", "--resume") == 0
+    assert "already finished (done: 1 steps" in capsys.readouterr().out
+    assert (out / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_stale_partial_files_of_killed_processes_are_removed_on_start(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _run(out, "--steps", "1") == 0
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = out / f".checkpoint.pt.{dead.pid}.partial"
+    stale.write_bytes(b"x" * 1000)
+    (out / f".checkpoint.1.pt.{dead.pid}.partial").write_bytes(b"y")
+    unrelated = out / ".notes.123.partial"
+    unrelated.write_bytes(b"z")
+    assert _run(out, "--steps", "2", "--resume") == 2  # a different run: refused before anything is touched
+    assert stale.exists()
+    assert _run(out, "--steps", "1", "--resume") == 0
+    assert f"removed {stale}: a partial checkpoint (1,000 bytes)" in capsys.readouterr().out
+    assert not stale.exists() and unrelated.exists()
+    assert remove_stale_partials(out) == []
+
+
+def test_checkpoint_errors_never_suggest_weights_only_false(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"format": "fused_remat.train checkpoint", "version": 1, "where": PurePosixPath("/tmp")}, path)
+    with pytest.raises(CheckpointError) as raised:
+        load_checkpoint(path, {})
+    message = str(raised.value)
+    assert "not a readable checkpoint" in message and "not unpickled" in message
+    assert "weights_only" not in message and "False" not in message
+
+
+@pytest.mark.parametrize("arguments,message", [
+    (["--distributed", "fsdp"], "--distributed fsdp needs torchrun"),
+    (["--remat", "auto", "--memory-budget", "12"], "--memory-budget was read as 12 bytes"),
+    (["--backend", "triton"], "--backend triton"),
+])
+def test_misused_flags_are_errors(arguments, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # so --backend triton cannot run on this CPU
+    if "--backend" in arguments and torch.cuda.is_available():
+        pytest.skip("triton runs on the GPU here")
+    assert cli.main([*SHORT, "--steps", "1", *arguments, "--out", str(tmp_path / "run")]) == 2
+    error = capsys.readouterr().err
+    assert message in error
+    if "12" in arguments:
+        assert "a bare number is bytes" in error
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_header_says_which_backend_runs(tmp_path, capsys, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("CPU backends")
+    assert cli.main([*SHORT, "--steps", "1", "--out", str(tmp_path / "run")]) == 0
+    assert "fused_remat.train on CPU (PyTorch reference, backend reference) x 1" in capsys.readouterr().out
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for backend, shown in (("triton", "CPU (Triton interpreter, backend triton)"), ("auto", "CPU (Triton interpreter)")):
+        monkeypatch.setenv("FUSED_REMAT_BACKEND", backend)
+        assert loop.describe_backend(torch.device("cpu")) == shown
