@@ -53,6 +53,22 @@ class _Geometry:
     def tokens(self) -> int:
         return self.batch * self.seq
 
+    @property
+    def norm(self) -> str:
+        return "rmsnorm" if self.rms else "layernorm"
+
+    def op_args(self) -> tuple:
+        """The geometry as the block custom ops take it (``from_op_args`` reverses it)."""
+        sizes = [self.batch, self.seq, self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim,
+                 int(self.rms), int(self.causal)]
+        return sizes, self.eps, self.rope_theta, self.activation, self.remat, self.compute_dtype
+
+    @classmethod
+    def from_op_args(cls, sizes, eps, rope_theta, activation, remat, compute_dtype) -> _Geometry:
+        batch, seq, dim, n_heads, n_kv_heads, head_dim, ffn_dim, rms, causal = sizes
+        return cls(batch, seq, dim, n_heads, n_kv_heads, head_dim, ffn_dim, bool(rms), activation, bool(causal), eps,
+                   rope_theta, remat, compute_dtype)
+
 
 # Parameter order of the Function's inputs after x.
 _PARAMETERS = (
@@ -127,9 +143,6 @@ KEPT_FOR_BACKWARD = (
     Kept("y2", "dim", COMPUTE, ("none",)),
     Kept("a", "ffn", COMPUTE, ("none",)),
 )
-# What each policy keeps besides x, in the order the Function saves it.
-_KEPT = {policy: tuple(k.name for k in KEPT_FOR_BACKWARD if policy in k.policies and k.name != "x")
-         for policy in REMAT_POLICIES}
 
 
 def block_widths(dim: int, n_heads: int, n_kv_heads: int | None, ffn_dim: int | None, norm: str,
@@ -207,35 +220,99 @@ def _bias_grad(needed: bool, grad_out: torch.Tensor, param: torch.Tensor | None)
     return grad_out.sum(dim=0, dtype=torch.float32).to(param.dtype) if needed else None
 
 
-class _BlockFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, g: _Geometry, *params):
-        with torch.autocast(x.device.type, enabled=False):
-            x2 = x.reshape(g.tokens, g.dim)
-            acts, y = _forward_pass(x2, _Weights(params, g.compute_dtype), g, keep_outputs=g.remat == "none", finish=True)
-        # Everything kept for backward, in one place: x, the policy's activations (_KEPT), and the
-        # parameters as themselves (no copies; under autocast backward casts them again).
-        ctx.save_for_backward(x2, *(getattr(acts, name) for name in _KEPT[g.remat]), *params)
-        ctx.geometry = g
-        return y.view(x.shape)
+# The block as two custom operators, so that torch.compile sees each as one opaque node: traced
+# through, its partitioner would be free to save what it likes between forward and backward (it
+# merges the ``full`` replay with the forward and keeps cheap's tensors), and the policy would be lost.
+# Outputs a policy does not keep come back as empty tensors, so both ops have fixed signatures.
+_SLOTS = tuple(k for k in KEPT_FOR_BACKWARD if k.name != "x")
 
-    @staticmethod
-    def backward(ctx, dy):
-        g: _Geometry = ctx.geometry
-        x2, *kept = ctx.saved_tensors
-        kept, params = kept[:len(_KEPT[g.remat])], kept[len(_KEPT[g.remat]):]
-        needs = dict(zip(_PARAMETERS, ctx.needs_input_grad[2:]))
-        named = dict(zip(_PARAMETERS, params))
-        with torch.autocast(dy.device.type, enabled=False):
-            w = _Weights(params, g.compute_dtype)
-            if g.remat == "full":
-                # The replay: the same kernels on the same x give bitwise the same activations.
-                acts, _ = _forward_pass(x2, w, g, keep_outputs=False, finish=False)
-            else:
-                acts = _Activations(**dict(zip(_KEPT[g.remat], kept)))
-            grads = _backward_pass(dy.reshape(g.tokens, g.dim).contiguous(), x2, acts, w, g, needs, named)
-        dx = grads.pop("x").view(dy.shape) if ctx.needs_input_grad[0] else None
-        return (dx, None, *(grads.get(name) for name in _PARAMETERS))
+
+@torch.library.custom_op("fused_remat::block_fwd", mutates_args=())
+def _block_fwd(x: torch.Tensor, params: list[torch.Tensor], present: list[bool], sizes: list[int], eps: float,
+               rope_theta: float | None, activation: str, remat: str, compute_dtype: torch.dtype) -> list[torch.Tensor]:
+    """[y (T, dim), then each of _SLOTS: the activation if ``remat`` keeps it, else empty] for x (T, dim).
+
+    ``params`` holds the block's parameters that exist (``present`` says which of _PARAMETERS)."""
+    g = _Geometry.from_op_args(sizes, eps, rope_theta, activation, remat, compute_dtype)
+    with torch.autocast(x.device.type, enabled=False):
+        weights = _Weights(_with_absent(params, present), compute_dtype)
+        acts, y = _forward_pass(x, weights, g, keep_outputs=remat == "none", finish=True)
+    return [y, *(getattr(acts, k.name) if remat in k.policies else x.new_empty(0) for k in _SLOTS)]
+
+
+@_block_fwd.register_fake
+def _(x, params, present, sizes, eps, rope_theta, activation, remat, compute_dtype):
+    g = _Geometry.from_op_args(sizes, eps, rope_theta, activation, remat, compute_dtype)
+    return [torch.empty_like(x), *(_kept_like(k, g, x) if remat in k.policies else x.new_empty(0) for k in _SLOTS)]
+
+
+def _kept_like(kept: Kept, g: _Geometry, x: torch.Tensor) -> torch.Tensor:
+    """An uninitialized tensor of the shape and dtype the forward gives the kept activation."""
+    width = block_widths(g.dim, g.n_heads, g.n_kv_heads, g.ffn_dim, g.norm, g.activation)[kept.width]
+    dtype = {RESIDUAL: x.dtype, COMPUTE: g.compute_dtype, FP32: torch.float32}[kept.dtype]
+    if kept.width == "heads":
+        shape = (g.batch, g.n_heads, g.seq)
+    elif kept.width in ("mean", "rstd"):
+        shape = (g.tokens * width,)
+    else:
+        shape = (g.tokens, width)
+    return x.new_empty(shape, dtype=dtype)
+
+
+@torch.library.custom_op("fused_remat::block_bwd", mutates_args=())
+def _block_bwd(dy: torch.Tensor, x: torch.Tensor, kept: list[torch.Tensor], params: list[torch.Tensor],
+               present: list[bool], needs: list[bool], sizes: list[int], eps: float, rope_theta: float | None,
+               activation: str, remat: str, compute_dtype: torch.dtype) -> list[torch.Tensor]:
+    """[dx, then the gradient of each of ``params`` (empty where ``needs`` is False)] from dy (T, dim),
+    x and the ``_SLOTS`` the forward returned."""
+    g = _Geometry.from_op_args(sizes, eps, rope_theta, activation, remat, compute_dtype)
+    named = dict(zip(_PARAMETERS, _with_absent(params, present)))
+    needed = dict(zip((name for name, has in zip(_PARAMETERS, present) if has), needs))
+    with torch.autocast(dy.device.type, enabled=False):
+        w = _Weights(list(named.values()), compute_dtype)
+        if remat == "full":
+            # The replay: the same kernels on the same x give bitwise the same activations.
+            acts, _ = _forward_pass(x, w, g, keep_outputs=False, finish=False)
+        else:
+            acts = _Activations(**{k.name: t for k, t in zip(_SLOTS, kept) if remat in k.policies})
+        needs = {name: needed.get(name, False) for name in _PARAMETERS}
+        grads = _backward_pass(dy.contiguous(), x, acts, w, g, needs, named)
+    return [grads["x"], *(grads.get(name, x.new_empty(0)) for name in needed)]
+
+
+@_block_bwd.register_fake
+def _(dy, x, kept, params, present, needs, sizes, eps, rope_theta, activation, remat, compute_dtype):
+    return [torch.empty_like(x), *(torch.empty_like(p) if need else x.new_empty(0) for p, need in zip(params, needs))]
+
+
+def _with_absent(params, present) -> list[torch.Tensor | None]:
+    """All of _PARAMETERS in order, None for those the block does not have (no bias)."""
+    given = iter(params)
+    return [next(given) if has else None for has in present]
+
+
+def _setup_block_context(ctx, inputs, output):
+    x, params, present, *geometry = inputs
+    g = _Geometry.from_op_args(*geometry)
+    # Everything kept for backward, in one place: x, the policy's activations (KEPT_FOR_BACKWARD),
+    # and the parameters as themselves (no copies; under autocast backward casts them again).
+    ctx.save_for_backward(x, *(t for k, t in zip(_SLOTS, output[1:]) if g.remat in k.policies), *params)
+    ctx.geometry, ctx.present = g, present
+
+
+def _block_backward(ctx, grads):
+    g: _Geometry = ctx.geometry
+    x, *saved = ctx.saved_tensors
+    n_kept = sum(g.remat in k.policies for k in _SLOTS)
+    kept_tensors, params = iter(saved[:n_kept]), saved[n_kept:]
+    kept = [next(kept_tensors) if g.remat in k.policies else x.new_empty(0) for k in _SLOTS]
+    needs = list(ctx.needs_input_grad[1])
+    dx, *dparams = _block_bwd(grads[0], x, kept, params, ctx.present, needs, *g.op_args())
+    # One entry per input: x, a list for the parameters, then None for each non-tensor argument.
+    return dx, [d if need else None for d, need in zip(dparams, needs)], *[None] * 7
+
+
+_block_fwd.register_autograd(_block_backward, setup_context=_setup_block_context)
 
 
 def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _Geometry, needs: dict, named: dict) -> dict:
@@ -328,18 +405,22 @@ class TransformerBlock(reference.TransformerBlock):
         self._check_input(x)
         if not use_triton(_OP, x.device):
             return super().forward(x)  # the reference math; ``full`` through torch.utils.checkpoint
-        params = [self.get_parameter(name) if self._has(name) else None for name in _PARAMETERS]
+        params = [self._parameter(name) for name in _PARAMETERS]
         geometry = _Geometry(
             batch=x.shape[0], seq=x.shape[1], dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
             head_dim=self.head_dim, ffn_dim=self.ffn_dim, rms=self.norm_kind == "rmsnorm",
             activation=self.activation, causal=self.causal, eps=self.eps, rope_theta=self.rope_theta,
             remat=self.remat, compute_dtype=self._compute_dtype(x, params),
         )
-        return _BlockFunction.apply(x.contiguous(), geometry, *params)
+        present = [p is not None for p in params]
+        y = _block_fwd(x.reshape(geometry.tokens, self.dim).contiguous(), [p for p in params if p is not None],
+                       present, *geometry.op_args())[0]
+        return y.view(x.shape)
 
-    def _has(self, name: str) -> bool:
+    def _parameter(self, name: str) -> torch.nn.Parameter | None:
+        """By attribute, not ``get_parameter``: torch.func.functional_call swaps attributes."""
         module, attr = name.split(".")
-        return getattr(getattr(self, module), attr, None) is not None
+        return getattr(getattr(self, module), attr, None)
 
     def _check_input(self, x) -> None:
         if not isinstance(x, torch.Tensor):

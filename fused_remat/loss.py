@@ -132,36 +132,65 @@ def _chunk_loss_and_dlogits(hidden_c: torch.Tensor, weight_c: torch.Tensor, targ
     return row_losses, dlogits
 
 
-class _LinearCrossEntropyFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, counted, n_valid: int, chunk_tokens: int, compute_dtype: torch.dtype):
-        want_dhidden, want_dweight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        forward_scale, ctx.backward_scale = _split_mean_scale(n_valid)
-        # Dtypes are chosen by the caller (compute_dtype); autocast must not re-cast our matmuls.
-        with torch.autocast(hidden.device.type, enabled=False):
-            row_losses, dhidden, dweight = _chunked_loss_and_grads(
-                hidden.reshape(-1, hidden.shape[-1]), weight, targets, counted, chunk_tokens, compute_dtype,
-                want_dhidden, want_dweight, forward_scale)
-        # Everything kept for backward, in one place: the two gradients, short of the factor
-        # backward_scale (module docstring).
-        ctx.save_for_backward(dhidden, dweight)
-        ctx.hidden_shape = hidden.shape
-        ctx.weight_dtype = weight.dtype
-        return row_losses.sum() / max(n_valid, 1)
+@torch.library.custom_op("fused_remat::linear_cross_entropy_fwd", mutates_args=())
+def _loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                    chunk_tokens: int, compute_dtype: torch.dtype, want_dhidden: bool,
+                    want_dweight: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean loss, dhidden and dweight short of the factor backward_scale (empty unless wanted),
+    backward_scale) for hidden (T, dim) and targets (T,) int64.
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable  # the kept gradients are constants: no double backward
-    def backward(ctx, grad_loss):
-        dhidden_kept, dweight_kept = ctx.saved_tensors
-        scale = grad_loss * ctx.backward_scale  # exact (a power of two), and a 0-dim device tensor: no host sync
-        dhidden = dweight = None
-        if dhidden_kept is not None:
-            dhidden = (dhidden_kept * scale).view(ctx.hidden_shape)  # computed in fp32, rounded to hidden's dtype
-        if dweight_kept is not None:
-            # Written straight into weight's dtype: one rounding, no second (V, dim) fp32 buffer.
-            dweight = torch.empty(dweight_kept.shape, dtype=ctx.weight_dtype, device=dweight_kept.device)
-            torch.mul(dweight_kept, scale, out=dweight)
-        return dhidden, dweight, None, None, None, None, None
+    A custom operator, so that torch.compile treats the loss as one node: the target check's host
+    sync and the chunk loop stay inside it instead of breaking the graph."""
+    vocab = weight.shape[0]
+    counted, n_valid = _count_targets(targets, vocab, ignore_index)
+    # gather/scatter need an id in range on every row; rows that do not count are masked anyway.
+    safe_targets = torch.where(counted, targets, 0)
+    forward_scale, backward_scale = _split_mean_scale(n_valid)
+    with torch.autocast(hidden.device.type, enabled=False):  # dtypes are chosen by compute_dtype
+        row_losses, dhidden, dweight = _chunked_loss_and_grads(hidden, weight, safe_targets, counted, chunk_tokens,
+                                                               compute_dtype, want_dhidden, want_dweight, forward_scale)
+    loss = row_losses.sum() / max(n_valid, 1)
+    return (loss, hidden.new_empty(0) if dhidden is None else dhidden,
+            hidden.new_empty(0, dtype=torch.float32) if dweight is None else dweight,
+            torch.tensor(backward_scale, dtype=torch.float32, device=hidden.device))
+
+
+@_loss_and_grads.register_fake
+def _(hidden, weight, targets, ignore_index, chunk_tokens, compute_dtype, want_dhidden, want_dweight):
+    scalar = hidden.new_empty((), dtype=torch.float32)
+    dhidden = torch.empty_like(hidden) if want_dhidden else hidden.new_empty(0)
+    dweight = weight.new_empty(weight.shape, dtype=torch.float32) if want_dweight else hidden.new_empty(0, dtype=torch.float32)
+    return scalar, dhidden, dweight, torch.empty_like(scalar)
+
+
+def _setup_loss_context(ctx, inputs, output):
+    hidden, weight, *_, want_dhidden, want_dweight = inputs
+    _, dhidden, dweight, backward_scale = output
+    # Everything kept for backward, in one place: the wanted gradients, short of the factor
+    # backward_scale (module docstring), and that factor.
+    ctx.save_for_backward(backward_scale, *(t for t, want in ((dhidden, want_dhidden), (dweight, want_dweight)) if want))
+    ctx.wants, ctx.weight_dtype = (want_dhidden, want_dweight), weight.dtype
+    ctx.mark_non_differentiable(dhidden, dweight, backward_scale)
+
+
+def _loss_backward(ctx, grad_loss, *_):
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{_OP}: double backward (create_graph=True) is not supported: the gradients it keeps "
+                           "are constants, so a second derivative would be silently wrong")
+    backward_scale, *kept = ctx.saved_tensors
+    scale = grad_loss * backward_scale  # exact (a power of two), and a 0-dim device tensor: no host sync
+    dhidden_kept, dweight_kept = (kept.pop(0) if want else None for want in ctx.wants)
+    dhidden = dweight = None
+    if dhidden_kept is not None:
+        dhidden = dhidden_kept * scale  # computed in fp32, rounded to hidden's dtype
+    if dweight_kept is not None:
+        # Written straight into weight's dtype: one rounding, no second (V, dim) fp32 buffer.
+        dweight = torch.empty(dweight_kept.shape, dtype=ctx.weight_dtype, device=dweight_kept.device)
+        torch.mul(dweight_kept, scale, out=dweight)
+    return dhidden, dweight, None, None, None, None, None, None
+
+
+_loss_and_grads.register_autograd(_loss_backward, setup_context=_setup_loss_context)
 
 
 def _validate(hidden, weight, targets, ignore_index, chunk_tokens) -> None:
@@ -235,19 +264,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     """
     _validate(hidden, weight, targets, ignore_index, chunk_tokens)
     vocab, dim = weight.shape
-    flat_targets = targets.reshape(-1).long()
-    counted, n_valid = _count_targets(flat_targets, vocab, ignore_index)
-    # gather/scatter need an id in range on every row; rows that do not count are masked anyway.
-    safe_targets = torch.where(counted, flat_targets, 0)
-    tokens = flat_targets.numel()
+    hidden_rows = hidden.reshape(-1, dim)
     if chunk_tokens is None:
-        chunk_tokens = default_chunk_tokens(tokens, vocab, dim)
+        chunk_tokens = default_chunk_tokens(hidden_rows.shape[0], vocab, dim)
     device_type = hidden.device.type
     compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
-
-    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropyFunction.apply(hidden, weight, safe_targets, counted, n_valid, chunk_tokens, compute_dtype)
-    with torch.autocast(device_type, enabled=False):
-        row_losses, _, _ = _chunked_loss_and_grads(hidden.reshape(-1, dim), weight, safe_targets, counted, chunk_tokens,
-                                                   compute_dtype, want_dhidden=False, want_dweight=False)
-    return row_losses.sum() / max(n_valid, 1)
+    grad = torch.is_grad_enabled()
+    loss, *_ = _loss_and_grads(hidden_rows, weight, targets.reshape(-1).long(), ignore_index, chunk_tokens,
+                               compute_dtype, grad and hidden.requires_grad, grad and weight.requires_grad)
+    return loss
