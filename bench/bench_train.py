@@ -73,7 +73,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import os
 import time
 from dataclasses import dataclass
 
@@ -88,9 +87,6 @@ from fused_remat.planner import Precision, RematPlan, explain_policies, plan_rem
 from fused_remat.training import capacity
 from fused_remat.training.config import TrainConfig
 from fused_remat.training.step import forward_loss, make_optimizer, train_step
-
-GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-needs_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA device with compiled Triton")
 
 PRESET, SMOKE_PRESET, VOCAB = "gpt2-small", "tiny", 256
 LENGTHS, QUICK_LENGTHS, SMOKE_LENGTHS = (8192, 16384, 32768), (16384,), (32,)
@@ -214,18 +210,12 @@ class TrainStep:
         return meter.bytes
 
 
-def _wall_ms(fn) -> float:
-    started = time.perf_counter()
-    fn()
-    return (time.perf_counter() - started) * 1e3
-
-
 def _gpu_step_times(step, quick: bool) -> list[float]:
     """ms of each timed step after one more warm-up step; as many as fill the window (module docstring)."""
     window, least, most = SAMPLES[quick]
     step()
     torch.cuda.synchronize()
-    estimate = _wall_ms(lambda: (step(), torch.cuda.synchronize()))
+    estimate = harness._wall_ms(lambda: (step(), torch.cuda.synchronize()))
     count = min(most, max(least, round(window / max(estimate, 1e-3))))
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(count)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(count)]
@@ -271,14 +261,14 @@ def _measure(case: Case, factory, quick: bool, result: Result) -> None:
     step = factory()
     result.extra.update(step.info)
     first = []
-    first_ms = _wall_ms(lambda: first.append(step()))
+    first_ms = harness._wall_ms(lambda: first.append(step()))
     loss, grad_norm = first[0]
     result.extra.update(first_loss=float(loss), first_grad_norm=float(grad_norm),
                         first_step_s=time.perf_counter() - started)
     if on_gpu:
         times = _gpu_step_times(step, quick)
     else:
-        times = [first_ms] + [_wall_ms(step) for _ in range(CPU_STEPS - 1)]
+        times = [first_ms] + [harness._wall_ms(step) for _ in range(CPU_STEPS - 1)]
     quantiles = torch.tensor([0.5, 0.2, 0.8], dtype=torch.float64)  # as triton.testing.do_bench reports them
     median, p20, p80 = torch.quantile(torch.tensor(times, dtype=torch.float64), quantiles).tolist()
     result.ms, result.ms_p20, result.ms_p80 = median, p20, p80
@@ -406,43 +396,45 @@ def cases(quick: bool, device: str = "cuda") -> list[Case]:
 
 
 def plots(folder, results, ceilings):
-    """Step time, peak memory and saved bytes against N; the longest sequence per provider as bars."""
+    """Step time, peak memory and saved bytes against N; the longest sequence per provider as bars.
+    Titles say what the results record (their shared params: preset, dtype, batch, device)."""
     from bench.report import plot
 
     timed = [r for r in results if r.params.get("part") != "capacity"]
-    dtype = timed[0].params["dtype"] if timed else ""
     for name, title, value, ylabel in (
-        ("train", "step time (ms, log scale; lower is better)", lambda r: r.ms, "ms"),
+        ("train", "training step time (ms, log scale; lower is better)", lambda r: r.ms, "ms"),
         ("train-peak", "peak memory above weights and AdamW state (MiB, log scale)", lambda r: r.peak_mib, "peak MiB"),
         ("train-saved", "bytes autograd keeps for backward (MiB, log scale, saved-memory meter)", lambda r: r.saved_mib, "saved MiB"),
     ):
-        plot(folder, name, f"training step, {dtype}, B={BATCH}: {title}", timed, x_key="n", group_keys=("config",),
-             value=value, ylabel=ylabel, log_y=True)
+        plot(folder, name, title, timed, x_key="n", group_keys=("config",), value=value, ylabel=ylabel, log_y=True)
     _capacity_plot(folder, [r for r in results if r.params.get("part") == "capacity" and not r.error])
 
 
 def _capacity_plot(folder, results):
-    if not results:
-        return None
-    try:
-        import matplotlib
+    """One bar per provider; a search that reached its limit is hatched and labelled ">=" (the
+    true longest sequence is longer)."""
+    from bench.report import pyplot, save_figure, shared_params
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if not results or plt is None:
         return None
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(results) + 1.6), layout="constrained")
     names = [r.provider for r in results]
-    ax.barh(names, [r.extra["max_seq_len"] for r in results], color=["C0" if n.startswith("fused_remat") else "C7" for n in names])
+    lengths = [r.extra["max_seq_len"] for r in results]
+    bars = ax.barh(names, lengths, color=["C0" if n.startswith("fused_remat") else "C7" for n in names])
+    for bar, result, length in zip(bars, results, lengths):
+        capped = result.extra.get("at_limit")
+        if capped:
+            bar.set_hatch("//")
+        ax.annotate(f"{'>= ' if capped else ''}{length:,}{' (search limit)' if capped else ''}",
+                    (bar.get_width(), bar.get_y() + bar.get_height() / 2), xytext=(3, 0), textcoords="offset points",
+                    va="center", fontsize=8)
     ax.invert_yaxis()
+    ax.set_xlim(0, max(lengths + [1]) * 1.35)  # room for the labels
     ax.set_xlabel("longest trainable sequence (tokens)")
-    ax.set_title(results[0].case, fontsize=9)
+    ax.set_title(f"{results[0].case}\n{shared_params(results, skip=('budget_bytes',))}", fontsize=9, wrap=True)
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    path = folder / "train-capacity.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, folder / "train-capacity.png")
 
 
 SUITE = harness.Suite("train", cases, plots, run_case=run_case, measure_memory=True)
@@ -451,7 +443,7 @@ SUITE = harness.Suite("train", cases, plots, run_case=run_case, measure_memory=T
 def test_smoke_on_cpu(triton_backend):
     """Every provider trains one step through the interpreter from the same weights and tokens, and
     gets eager's loss and gradient norm."""
-    if GPU:
+    if harness.compiled_triton():
         pytest.skip("the GPU cases cover this")
     (case,) = cases(quick=True, device="cpu")
     assert set(case.providers) == set(PROVIDERS) - {"compile"}
@@ -486,7 +478,7 @@ def test_runner_records_oom_and_goes_on():
 
 def test_capacity_search_on_cpu(triton_backend):
     """The longest-sequence case runs capacity's CPU criterion: remat lets longer sequences fit."""
-    if GPU:
+    if harness.compiled_triton():
         pytest.skip("the GPU run covers this")
     case = cases(quick=False, device="cpu")[-1]
     assert case.params["part"] == "capacity"
@@ -498,8 +490,32 @@ def test_capacity_search_on_cpu(triton_backend):
 
 
 @pytest.mark.gpu
-@needs_gpu
 @pytest.mark.parametrize("provider", list(PROVIDERS))
-@pytest.mark.parametrize("case", cases(quick=True), ids=lambda case: f"N{case.params['n']}")
-def test_gpu(case, provider, benchmark):
+@pytest.mark.parametrize("n", QUICK_LENGTHS, ids=lambda n: f"N{n}")
+def test_gpu(n, provider, benchmark):
+    """The quick case's providers through pytest-benchmark; the case is built here, when the test
+    runs, not when pytest collects it."""
+    (case,) = [case for case in cases(quick=True) if case.params["n"] == n]
     pytest_benchmark_case(benchmark, case, provider)
+
+
+def test_plots_title_from_the_data_and_mark_capped_searches(tmp_path):
+    """The figures are drawn from results alone: titles carry their shared params, a capped search is
+    labelled as such (from ``at_limit``), and every provider gets a figure entry."""
+    report = pytest.importorskip("bench.report")
+    pytest.importorskip("matplotlib")
+    params = {"config": "tiny", "batch": 1, "dtype": "fp32", "device": "cpu", "baseline": "eager"}
+    timed = []
+    for n in SMOKE_LENGTHS + (64,):
+        for name in ("fused_remat", "fused_remat-none", "eager"):
+            result = Result("train", f"N{n}", {**params, "n": n}, name, unit="tokens/s")
+            result.ms, result.peak_mib, result.saved_mib = 1.0 * n, None, 0.5 * n  # ours and none overlap
+            timed.append(result)
+    capped = []
+    for name, longest in (("eager", 64), ("fused_remat-full", 256)):
+        result = Result("train", "longest", {**params, "part": "capacity", "limit": 256}, name, unit="tokens")
+        result.extra.update(max_seq_len=longest, at_limit=longest >= 256)
+        capped.append(result)
+    plots(tmp_path, timed + capped, {})
+    assert {p.name for p in tmp_path.iterdir()} == {"train.png", "train-saved.png", "train-capacity.png"}
+    assert report.shared_params(timed, skip=("n", "config")) == "batch=1, dtype=fp32, device=cpu, baseline=eager"

@@ -113,9 +113,8 @@ def _series(results: list[Result], x_key: str, group_keys: tuple[str, ...], valu
     return series
 
 
-def plot(folder: Path, name: str, title: str, results: list[Result], x_key: str, group_keys: tuple[str, ...],
-         value, ylabel: str, ceiling: float | None = None, log_y: bool = False) -> Path | None:
-    """One subplot per group, one line per provider; returns the PNG's path (None without matplotlib)."""
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only), or None when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -123,15 +122,52 @@ def plot(folder: Path, name: str, title: str, results: list[Result], x_key: str,
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    return plt
+
+
+def shared_params(results: list[Result], skip: tuple[str, ...] = ()) -> str:
+    """The params every result has with the same value ("dtype=bfloat16, tokens=16384"), for a
+    figure's title: what the data says was measured, not what a caller typed."""
+    if not results:
+        return ""
+    common = {k: v for k, v in results[0].params.items() if k not in skip and isinstance(v, (str, int, float))}
+    for result in results[1:]:
+        common = {k: v for k, v in common.items() if result.params.get(k) == v}
+    return ", ".join(f"{k}={v:,}" if isinstance(v, int) and not isinstance(v, bool) else f"{k}={v}"
+                     for k, v in common.items())
+
+
+# Providers drawn on one axis get a marker and a line style each, so that lines lying on top of each
+# other (equal timings, equal bytes) stay distinguishable.
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+_LINESTYLES = ("-", "--", "-.", ":")
+
+
+def plot(folder: Path, name: str, title: str, results: list[Result], x_key: str, group_keys: tuple[str, ...],
+         value, ylabel: str, ceiling: float | None = None, log_y: bool = False) -> Path | None:
+    """One subplot per group, one line per provider; returns the PNG's path (None without matplotlib).
+    The title gets a second line with the params all results share; points of a search that
+    stopped at its limit (``extra["at_limit"]``) are ringed and labelled ">=". Nothing is clipped."""
+    plt = pyplot()
+    if plt is None:
+        return None
     series = _series(results, x_key, group_keys, value)
     if not series:
         return None
+    capped = {(r.provider, r.params.get(x_key)) for r in results if r.extra.get("at_limit")}
     columns = min(3, len(series))
     rows = -(-len(series) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.6 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, columns, figsize=(5.5 * columns, 4 * rows), squeeze=False, layout="constrained")
+    providers = sorted({p for lines in series.values() for p in lines}, key=lambda p: (p != OURS, p))
     for ax, (group, lines) in zip(axes.flat, sorted(series.items(), key=lambda item: str(item[0]))):
         for provider, (xs, ys) in sorted(lines.items(), key=lambda item: item[0] != OURS):
-            ax.plot(xs, ys, marker="o", linewidth=2.5 if provider == OURS else 1.2, label=provider)
+            index = providers.index(provider)
+            ax.plot(xs, ys, marker=_MARKERS[index % len(_MARKERS)], linestyle=_LINESTYLES[index % len(_LINESTYLES)],
+                    markersize=7 - index % 3, alpha=0.85, linewidth=2.5 if provider == OURS else 1.2, label=provider)
+            for x, y in zip(xs, ys):
+                if (provider, x) in capped:
+                    ax.plot([x], [y], marker="o", markersize=13, markerfacecolor="none", color="black")
+                    ax.annotate(">= (search limit)", (x, y), textcoords="offset points", xytext=(4, 6), fontsize=7)
         if ceiling:
             ax.axhline(ceiling, color="gray", linestyle="--", label="measured ceiling")
         ax.set_title(", ".join(f"{k}={v}" for k, v in zip(group_keys, group)), fontsize=9)
@@ -144,11 +180,15 @@ def plot(folder: Path, name: str, title: str, results: list[Result], x_key: str,
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(series):]:
         ax.set_visible(False)
-    fig.suptitle(title)
-    fig.tight_layout()
-    path = folder / f"{name}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    measured = shared_params(results, skip=(x_key, *group_keys))
+    fig.suptitle(title + (f"\n{measured}" if measured else ""), fontsize=10, wrap=True)
+    return save_figure(fig, folder / f"{name}.png")
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Writes ``fig`` to ``path`` with everything in it (titles, labels, legends) inside the image."""
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    pyplot().close(fig)
     return path
 
 

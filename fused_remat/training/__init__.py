@@ -7,10 +7,13 @@ library never imports it). Modules:
     step.py         train_step (forward under autocast, backward, clipping, AdamW step, zero_grad),
                     make_optimizer, forward_loss: the one step of training, capacity and bench
     loop.py         train(): data, model and remat policies, resume, the step loop, evaluation,
-                    metrics, checkpoints, Ctrl-C
-    data.py         the token sources (stdlib corpus, text, nanoGPT .bin) and deterministic batches
+                    metrics, checkpoints, Ctrl-C, and the failures: a checkpoint after an error,
+                    a stop (or a skip) on a NaN, the header naming the backend that runs
+    data.py         the token sources (stdlib corpus, text, nanoGPT .bin), checked when loaded, and
+                    deterministic batches
     distributed.py  torchrun: process group, DDP/FSDP2 wrapping, gradient sync, state dicts
-    checkpoint.py   atomic checkpoints and the checks made before resuming
+    checkpoint.py   atomic, rotated checkpoints; the checks made before resuming and the fallback
+                    to a predecessor; stale partial files; write errors that say why
     reporting.py    the progress line, metrics.jsonl, the training plot
     capacity.py     --find-max-seq-len: the longest trainable sequence per remat policy
 """

@@ -144,6 +144,7 @@ def train(config: TrainConfig, run: Distributed) -> int:
         state, resumed_from, unreadable = load_newest_checkpoint(ckpt, settings)
     elif ckpt.exists():
         raise CheckpointError(f"--out {config.out} already holds a checkpoint; pass --resume to continue it or choose another --out")
+    run.barrier()  # every rank has read its checkpoint before rank 0 renames any
     if run.is_main:
         for partial, size in remove_stale_partials(config.out):
             log(f"removed {partial}: a partial checkpoint ({size:,} bytes) left by a process killed while writing it")
