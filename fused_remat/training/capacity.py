@@ -28,6 +28,7 @@ from ..model import LanguageModel, ModelConfig
 from ..planner import Precision, plan_remat
 from .config import TrainConfig
 from .distributed import Distributed
+from .loop import describe_backend
 from .step import forward_loss, make_optimizer, train_step
 
 GRANULARITY = {"cuda": 256, "cpu": 32}
@@ -160,7 +161,7 @@ def find_max_seq_len(config: TrainConfig, run: Distributed) -> int:
     granularity = GRANULARITY[device.type]
     criterion = ("one training step without CUDA out-of-memory" if device.type == "cuda"
                  else "saved activations (meter) + 16 B/parameter within --memory-budget")
-    print(f"longest trainable sequence (a doubling, then a bisection, per candidate): {config.preset} ({model_config.describe()}), batch {config.batch_size}, {config.dtype}, "
+    print(f"longest trainable sequence on {describe_backend(device)} (a doubling, then a bisection, per candidate): {config.preset} ({model_config.describe()}), batch {config.batch_size}, {config.dtype}, "
           f"criterion: {criterion}, in steps of {granularity}", flush=True)
     rows = []
     for label, block_impl, remat in CANDIDATES:
