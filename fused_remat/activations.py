@@ -28,7 +28,7 @@ class _Gelu(torch.autograd.Function):
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
         dx, _ = custom_ops.gelu_bwd(dy, x, ctx.approximate, False)
-        return dx, None
+        return custom_ops.first_order_only("gelu", dx, None)
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -44,7 +44,7 @@ class _SwiGLU(torch.autograd.Function):
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
         dgate, dup, _ = custom_ops.swiglu_bwd(dy, gate, up, False)
-        return dgate, dup
+        return custom_ops.first_order_only("swiglu", dgate, dup)
 
 
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:

@@ -44,7 +44,7 @@ class _Attention(torch.autograd.Function):
         # The kernels recompute P = exp(q k^T * scale - lse) per block from q, k and the saved lse.
         # A gradient reaching lse (return_lse=True) enters as dS += P * dlse, folded into delta.
         dq, dk, dv = custom_ops.attention_bwd(do, q, k, v, o, lse, dlse, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None
+        return custom_ops.first_order_only(_OP, dq, dk, dv, None, None)
 
 
 def _check_attention_args(q, k, v, scale) -> float:

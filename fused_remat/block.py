@@ -291,28 +291,35 @@ def _with_absent(params, present) -> list[torch.Tensor | None]:
     return [next(given) if has else None for has in present]
 
 
-def _setup_block_context(ctx, inputs, output):
-    x, params, present, *geometry = inputs
-    g = _Geometry.from_op_args(*geometry)
-    # Everything kept for backward, in one place: x, the policy's activations (KEPT_FOR_BACKWARD),
-    # and the parameters as themselves (no copies; under autocast backward casts them again).
-    ctx.save_for_backward(x, *(t for k, t in zip(_SLOTS, output[1:]) if g.remat in k.policies), *params)
-    ctx.geometry, ctx.present = g, present
+class _BlockFunction(torch.autograd.Function):
+    """The block's autograd: the two custom operators above, and what is kept between them."""
 
+    @staticmethod
+    def forward(x, g: _Geometry, *params):
+        present = [p is not None for p in params]
+        return tuple(_block_fwd(x, [p for p in params if p is not None], present, *g.op_args()))
 
-def _block_backward(ctx, grads):
-    g: _Geometry = ctx.geometry
-    x, *saved = ctx.saved_tensors
-    n_kept = sum(g.remat in k.policies for k in _SLOTS)
-    kept_tensors, params = iter(saved[:n_kept]), saved[n_kept:]
-    kept = [next(kept_tensors) if g.remat in k.policies else x.new_empty(0) for k in _SLOTS]
-    needs = list(ctx.needs_input_grad[1])
-    dx, *dparams = _block_bwd(grads[0], x, kept, params, ctx.present, needs, *g.op_args())
-    # One entry per input: x, a list for the parameters, then None for each non-tensor argument.
-    return dx, [d if need else None for d, need in zip(dparams, needs)], *[None] * 7
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, g, *params = inputs
+        # Everything kept for backward, in one place: x, the policy's activations (KEPT_FOR_BACKWARD),
+        # and the parameters as themselves (no copies; under autocast backward casts them again).
+        ctx.save_for_backward(x, *(t for k, t in zip(_SLOTS, output[1:]) if g.remat in k.policies),
+                              *(p for p in params if p is not None))
+        ctx.geometry, ctx.present = g, [p is not None for p in params]
+        ctx.mark_non_differentiable(*output[1:])
 
-
-_block_fwd.register_autograd(_block_backward, setup_context=_setup_block_context)
+    @staticmethod
+    def backward(ctx, dy, *_):
+        g: _Geometry = ctx.geometry
+        x, *saved = ctx.saved_tensors
+        n_kept = sum(g.remat in k.policies for k in _SLOTS)
+        kept_tensors, params = iter(saved[:n_kept]), saved[n_kept:]
+        kept = [next(kept_tensors) if g.remat in k.policies else x.new_empty(0) for k in _SLOTS]
+        needs = [need for need, has in zip(ctx.needs_input_grad[2:], ctx.present) if has]
+        dx, *dparams = _block_bwd(dy, x, kept, params, ctx.present, needs, *g.op_args())
+        dparams = iter(d if need else None for d, need in zip(dparams, needs))
+        return custom_ops.first_order_only(_OP, dx, None, *(next(dparams) if has else None for has in ctx.present))
 
 
 def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _Geometry, needs: dict, named: dict) -> dict:
@@ -412,9 +419,7 @@ class TransformerBlock(reference.TransformerBlock):
             activation=self.activation, causal=self.causal, eps=self.eps, rope_theta=self.rope_theta,
             remat=self.remat, compute_dtype=self._compute_dtype(x, params),
         )
-        present = [p is not None for p in params]
-        y = _block_fwd(x.reshape(geometry.tokens, self.dim).contiguous(), [p for p in params if p is not None],
-                       present, *geometry.op_args())[0]
+        y, *_ = _BlockFunction.apply(x.reshape(geometry.tokens, self.dim).contiguous(), geometry, *params)
         return y.view(x.shape)
 
     def _parameter(self, name: str) -> torch.nn.Parameter | None:

@@ -31,6 +31,33 @@ def present(t: Tensor) -> Tensor | None:
     return None if t.numel() == 0 else t
 
 
+class _FirstOrderOnly(torch.autograd.Function):
+    """Identity on gradients, whose own backward refuses: a second derivative (create_graph=True
+    and a gradient penalty, torch.func.hessian) would treat what the backward kernels kept as
+    constants and be silently wrong. First-order torch.func.grad and torch.compile are unaffected."""
+
+    @staticmethod
+    def forward(op: str, *grads):
+        return tuple(None if g is None else g.view_as(g) for g in grads)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.op = inputs[0]
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(f"{ctx.op}: second derivatives (double backward through create_graph=True, e.g. a "
+                           "gradient penalty) are not supported: its backward runs fused kernels that have no "
+                           "derivative of their own")
+
+
+def first_order_only(op: str, *grads):
+    """``grads`` as a backward returns them, marked so that differentiating them again raises."""
+    if not torch.is_grad_enabled():  # a plain backward: nothing records, nothing to mark
+        return grads
+    return _FirstOrderOnly.apply(op, *grads)
+
+
 # ------------------------------------------------------------------------------------------------
 # LayerNorm / RMSNorm over the rows of x (M, N), unit column stride
 # ------------------------------------------------------------------------------------------------
@@ -244,3 +271,4 @@ def swiglu_packed_bwd(dy: Tensor, u: Tensor, return_output: bool) -> tuple[Tenso
 def _(dy, u, return_output):
     y = u.new_empty(u.shape[0], u.shape[1] // 2) if return_output else _absent(u)
     return torch.empty_like(u), y
+

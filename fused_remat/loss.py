@@ -42,6 +42,7 @@ import math
 import torch
 
 from .checks import check_same_device, check_tensor
+from .custom_ops import first_order_only
 
 _OP = "linear_cross_entropy"
 
@@ -174,9 +175,6 @@ def _setup_loss_context(ctx, inputs, output):
 
 
 def _loss_backward(ctx, grad_loss, *_):
-    if torch.is_grad_enabled():
-        raise RuntimeError(f"{_OP}: double backward (create_graph=True) is not supported: the gradients it keeps "
-                           "are constants, so a second derivative would be silently wrong")
     backward_scale, *kept = ctx.saved_tensors
     scale = grad_loss * backward_scale  # exact (a power of two), and a 0-dim device tensor: no host sync
     dhidden_kept, dweight_kept = (kept.pop(0) if want else None for want in ctx.wants)
@@ -184,10 +182,13 @@ def _loss_backward(ctx, grad_loss, *_):
     if dhidden_kept is not None:
         dhidden = dhidden_kept * scale  # computed in fp32, rounded to hidden's dtype
     if dweight_kept is not None:
-        # Written straight into weight's dtype: one rounding, no second (V, dim) fp32 buffer.
-        dweight = torch.empty(dweight_kept.shape, dtype=ctx.weight_dtype, device=dweight_kept.device)
-        torch.mul(dweight_kept, scale, out=dweight)
-    return dhidden, dweight, None, None, None, None, None, None
+        if torch.is_grad_enabled():  # create_graph=True: out= cannot record, and first_order_only refuses anyway
+            dweight = (dweight_kept * scale).to(ctx.weight_dtype)
+        else:  # straight into weight's dtype: one rounding, no second (V, dim) fp32 buffer
+            dweight = torch.empty(dweight_kept.shape, dtype=ctx.weight_dtype, device=dweight_kept.device)
+            torch.mul(dweight_kept, scale, out=dweight)
+    # The kept gradients are constants: a second derivative through them would be wrong.
+    return first_order_only(_OP, dhidden, dweight, None, None, None, None, None, None)
 
 
 _loss_and_grads.register_autograd(_loss_backward, setup_context=_setup_loss_context)

@@ -65,7 +65,8 @@ class _NormFunction(torch.autograd.Function):
         x_rows, weight, mean, rstd = ctx.saved_tensors
         dx, dweight, dbias, _ = custom_ops.norm_bwd(_rows(dy), x_rows, weight.contiguous(), None, mean, rstd, None,
                                                     ctx.rms, ctx.has_bias, False, None)
-        return dx.view(dy.shape), dweight, custom_ops.present(dbias), None, None
+        return custom_ops.first_order_only("rms_norm" if ctx.rms else "layer_norm", dx.view(dy.shape), dweight,
+                                           custom_ops.present(dbias), None, None)
 
 
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
