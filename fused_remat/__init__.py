@@ -11,8 +11,14 @@ TRITON_INTERPRET=1, otherwise the plain-PyTorch reference in ``fused_remat.refer
 
 and the block they make, ``TransformerBlock(dim, n_heads, ..., remat="cheap")``, a drop-in for the
 plain-PyTorch ``fused_remat.reference.TransformerBlock`` with the same parameters; the language
-model built from it, ``LanguageModel(ModelConfig(...), remat=...)`` (``fused_remat.model``), its
-remat planner (``fused_remat.planner``) and trainer (``python -m fused_remat.train``).
+model built from it, ``LanguageModel(ModelConfig(...), remat=...)`` (``fused_remat.model``) and
+its remat planner (``fused_remat.planner``).
+
+Where things are: the kernels in ``fused_remat.kernels`` (torch tensors in and out, no autograd),
+reached only through the custom operators of ``fused_remat.custom_ops``; this package, the op
+library, on top; the training application (``fused_remat.training``, run as
+``python -m fused_remat.train``) and the integrations (``fused_remat.integrations``) above it,
+never imported from here.
 """
 
 from . import memory, reference
