@@ -4,7 +4,9 @@
     y = h + fc2(act(fc1(norm2(h))))
 
 One autograd Function runs the whole block on Triton kernels (norms, RoPE, attention, activations)
-and cuBLAS matrix products, and decides in one place what it keeps for backward (``remat``):
+and cuBLAS matrix products; its forward and backward are each one custom operator, so that
+torch.compile cannot change what is kept. What each policy (``remat``) keeps for backward is
+written once, in ``KEPT_FOR_BACKWARD``, which the planner also prices:
 
     none   x, norm1 out, qkv, attention out, lse, h, norm2 out, fc1 out, activation out, statistics
     cheap  x, qkv, attention out, lse, h, fc1 out, statistics (default)
