@@ -26,6 +26,15 @@ def _absent(like: Tensor) -> Tensor:
     return like.new_empty(0)
 
 
+def _or_absent(t: Tensor | None, like: Tensor) -> Tensor:
+    return _absent(like) if t is None else t
+
+
+def _like(t: Tensor) -> Tensor:
+    """A new contiguous tensor of t's shape and dtype, as the launchers allocate their outputs."""
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
 def present(t: Tensor) -> Tensor | None:
     """None for the empty stand-in of an output that was not produced."""
     return None if t.numel() == 0 else t
@@ -70,14 +79,14 @@ def norm_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | 
     from .kernels.norm import norm_fwd as launch
 
     y, mean, rstd, h = launch(x, weight, bias, eps, rms=rms, residual=residual, out_dtype=out_dtype)
-    return y, mean, rstd, _absent(x) if h is None else h
+    return y, mean, rstd, _or_absent(h, x)
 
 
 @norm_fwd.register_fake
 def _(x, weight, bias, residual, eps, rms, out_dtype):
     rows = x.shape[0]
     stat = dict(device=x.device, dtype=torch.float32)
-    h = _absent(x) if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    h = _absent(x) if residual is None else _like(x)
     return (x.new_empty(x.shape, dtype=out_dtype or x.dtype), torch.empty(0 if rms else rows, **stat),
             torch.empty(rows, **stat), h)
 
@@ -91,14 +100,14 @@ def norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, mean: T
 
     dx, dw, db, y = launch(dy, x, weight, bias, mean, rstd, rms=rms, has_bias=has_bias, residual_grad=residual_grad,
                            return_output=return_output, out_dtype=out_dtype)
-    return dx, dw, _absent(dw) if db is None else db, _absent(x) if y is None else y
+    return dx, dw, _or_absent(db, dw), _or_absent(y, x)
 
 
 @norm_bwd.register_fake
 def _(dy, x, weight, bias, mean, rstd, residual_grad, rms, has_bias, return_output, out_dtype):
     y = x.new_empty(x.shape, dtype=out_dtype or x.dtype) if return_output else _absent(x)
     db = torch.empty_like(weight) if has_bias else _absent(weight)
-    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight), db, y
+    return _like(x), torch.empty_like(weight), db, y
 
 
 # ------------------------------------------------------------------------------------------------
@@ -116,7 +125,7 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -
 
 @attention_fwd.register_fake
 def _(q, k, v, causal, scale):
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return _like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @_op("attention_bwd")
@@ -130,7 +139,7 @@ def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
 
 @attention_bwd.register_fake
 def _(do, q, k, v, o, lse, dlse, causal, scale):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    return (_like(q), _like(k), _like(v))
 
 
 def split_heads(qkv: Tensor, batch: int, n_heads: int, n_kv_heads: int):
@@ -211,7 +220,7 @@ def gelu_fwd(x: Tensor, approximate: str) -> Tensor:
 
 @gelu_fwd.register_fake
 def _(x, approximate):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+    return _like(x)
 
 
 @_op("gelu_bwd")
@@ -220,13 +229,12 @@ def gelu_bwd(dy: Tensor, x: Tensor, approximate: str, return_output: bool) -> tu
     from .kernels.activations import gelu_bwd as launch
 
     dx, y = launch(dy, x, approximate, return_output=return_output)
-    return dx, _absent(x) if y is None else y
+    return dx, _or_absent(y, x)
 
 
 @gelu_bwd.register_fake
 def _(dy, x, approximate, return_output):
-    like = lambda: torch.empty_like(x, memory_format=torch.contiguous_format)  # noqa: E731
-    return like(), like() if return_output else _absent(x)
+    return _like(x), _like(x) if return_output else _absent(x)
 
 
 @_op("swiglu_fwd")
@@ -238,7 +246,7 @@ def swiglu_fwd(gate: Tensor, up: Tensor) -> Tensor:
 
 @swiglu_fwd.register_fake
 def _(gate, up):
-    return torch.empty_like(gate, memory_format=torch.contiguous_format)
+    return _like(gate)
 
 
 @_op("swiglu_bwd")
@@ -247,13 +255,12 @@ def swiglu_bwd(dy: Tensor, gate: Tensor, up: Tensor, return_output: bool) -> tup
     from .kernels.activations import swiglu_bwd as launch
 
     dgate, dup, y = launch(dy, gate, up, return_output=return_output)
-    return dgate, dup, _absent(gate) if y is None else y
+    return dgate, dup, _or_absent(y, gate)
 
 
 @swiglu_bwd.register_fake
 def _(dy, gate, up, return_output):
-    like = lambda: torch.empty_like(gate, memory_format=torch.contiguous_format)  # noqa: E731
-    return like(), like(), like() if return_output else _absent(gate)
+    return _like(gate), _like(gate), _like(gate) if return_output else _absent(gate)
 
 
 @_op("swiglu_packed_bwd")
@@ -264,7 +271,7 @@ def swiglu_packed_bwd(dy: Tensor, u: Tensor, return_output: bool) -> tuple[Tenso
     half = u.shape[1] // 2
     du = torch.empty_like(u)
     _, _, y = launch(dy, u[:, :half], u[:, half:], return_output=return_output, dgate=du[:, :half], dup=du[:, half:])
-    return du, _absent(u) if y is None else y
+    return du, _or_absent(y, u)
 
 
 @swiglu_packed_bwd.register_fake
