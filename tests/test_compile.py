@@ -18,21 +18,21 @@ from fused_remat.model import LanguageModel, ModelConfig
 DIM, HEADS, KV_HEADS, FFN = 32, 4, 2, 48
 
 
-def _block(remat="cheap", **kwargs):
-    config = dict(n_kv_heads=KV_HEADS, ffn_dim=FFN, norm="rmsnorm", activation="swiglu", rope_theta=10000.0)
-    return fused_remat.TransformerBlock(DIM, HEADS, **{**config, **kwargs}, remat=remat)
+def _block(device, remat="cheap"):
+    return fused_remat.TransformerBlock(DIM, HEADS, n_kv_heads=KV_HEADS, ffn_dim=FFN, norm="rmsnorm",
+                                        activation="swiglu", rope_theta=10000.0, remat=remat, device=device)
 
 
-def _leaves(*shapes, dtype=torch.float32):
-    return [torch.randn(*shape, dtype=dtype, requires_grad=True) for shape in shapes]
+def _leaves(device, *shapes):
+    return [torch.randn(*shape, device=device, requires_grad=True) for shape in shapes]
 
 
-def _op_cases():
+def _op_cases(device):
     """(name, function, differentiable inputs); built inside the tests, not at collection."""
-    x, w, b = _leaves((3, 5, DIM), (DIM,), (DIM,))
-    q, k, v = _leaves((2, HEADS, 7, 16), (2, KV_HEADS, 7, 16), (2, KV_HEADS, 7, 16))
-    hidden, head = _leaves((2, 6, DIM), (50, DIM))
-    targets = torch.randint(0, 50, (2, 6))
+    x, w, b = _leaves(device, (3, 5, DIM), (DIM,), (DIM,))
+    q, k, v = _leaves(device, (2, HEADS, 7, 16), (2, KV_HEADS, 7, 16), (2, KV_HEADS, 7, 16))
+    hidden, head = _leaves(device, (2, 6, DIM), (50, DIM))
+    targets = torch.randint(0, 50, (2, 6), device=device)
     return {
         "layer_norm": (lambda x, w, b: fused_remat.layer_norm(x, w, b), (x, w, b)),
         "rms_norm": (lambda x, w: fused_remat.rms_norm(x, w), (x, w)),
@@ -52,7 +52,7 @@ def _run(fn, inputs):
     outputs = fn(*inputs)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
     generator = torch.Generator().manual_seed(1)
-    total = sum((o.float() * torch.randn(o.shape, generator=generator)).sum() for o in outputs)
+    total = sum((o.float() * torch.randn(o.shape, generator=generator).to(o.device)).sum() for o in outputs)
     grads = torch.autograd.grad(total, inputs)
     return [o.detach() for o in outputs], grads
 
@@ -63,18 +63,18 @@ def _assert_same(eager, compiled):
 
 
 @pytest.mark.parametrize("name", OPS)
-def test_ops_compile_without_graph_breaks_and_match_eager(name, triton_backend):
-    fn, inputs = _op_cases()[name]
+def test_ops_compile_without_graph_breaks_and_match_eager(name, device, triton_backend):
+    fn, inputs = _op_cases(device)[name]
     assert torch._dynamo.explain(fn)(*inputs).graph_break_count == 0
     torch._dynamo.reset()
     _assert_same(_run(fn, inputs), _run(torch.compile(fn, fullgraph=True), inputs))
 
 
 @pytest.mark.parametrize("remat", fused_remat.REMAT_POLICIES)
-def test_block_compiles_whole_and_keeps_its_policy(remat, triton_backend):
-    block = _block(remat)
+def test_block_compiles_whole_and_keeps_its_policy(remat, device, triton_backend):
+    block = _block(device, remat)
     compiled = torch.compile(block, fullgraph=True)
-    x = torch.randn(2, 9, DIM, requires_grad=True)
+    x = torch.randn(2, 9, DIM, device=device, requires_grad=True)
     assert torch._dynamo.explain(block)(x).graph_break_count == 0
     _assert_same(_run(block, [x]), _run(compiled, [x]))
     widths = block_widths(DIM, HEADS, KV_HEADS, FFN, "rmsnorm", "swiglu")
@@ -83,16 +83,16 @@ def test_block_compiles_whole_and_keeps_its_policy(remat, triton_backend):
         per_length = []
         for seq in (8, 20):
             with saved_memory(exclude=block.parameters()) as meter:
-                fn(torch.randn(2, seq, DIM, requires_grad=True))
+                fn(torch.randn(2, seq, DIM, device=device, requires_grad=True))
             per_length.append(meter.bytes)
         assert (per_length[1] - per_length[0]) / (2 * 12) == expected, (fn, per_length)
 
 
-def test_language_model_compiles_without_graph_breaks(triton_backend):
+def test_language_model_compiles_without_graph_breaks(device, triton_backend):
     config = ModelConfig(vocab_size=64, dim=DIM, n_layers=2, n_heads=HEADS, n_kv_heads=KV_HEADS, ffn_dim=FFN,
                          norm="rmsnorm", activation="swiglu")
-    model = LanguageModel(config, ["full", "cheap"])
-    tokens = torch.randint(0, 64, (2, 11))
+    model = LanguageModel(config, ["full", "cheap"], device=device)
+    tokens = torch.randint(0, 64, (2, 11), device=device)
     assert torch._dynamo.explain(model)(tokens[:, :-1], tokens[:, 1:]).graph_break_count == 0
     eager_loss = model(tokens[:, :-1], tokens[:, 1:])
     eager_grads = torch.autograd.grad(eager_loss, list(model.parameters()))
@@ -104,12 +104,11 @@ def test_language_model_compiles_without_graph_breaks(triton_backend):
 
 
 @pytest.mark.parametrize("name", (*OPS, "block"))
-def test_second_derivatives_are_refused_clearly(name, triton_backend):
+def test_second_derivatives_are_refused_clearly(name, device, triton_backend):
     if name == "block":
-        x = torch.randn(1, 5, DIM, requires_grad=True)
-        fn, inputs = _block(), (x,)
+        fn, inputs = _block(device), (torch.randn(1, 5, DIM, device=device, requires_grad=True),)
     else:
-        fn, inputs = _op_cases()[name]
+        fn, inputs = _op_cases(device)[name]
     outputs = fn(*inputs)
     first = outputs[0] if isinstance(outputs, tuple) else outputs
     grads = torch.autograd.grad(first.square().sum(), inputs, create_graph=True)
@@ -118,9 +117,9 @@ def test_second_derivatives_are_refused_clearly(name, triton_backend):
         penalty.backward()
 
 
-def test_functional_call_reads_the_parameters_it_is_given(triton_backend):
-    block = _block()
-    x = torch.randn(2, 6, DIM)
+def test_functional_call_reads_the_parameters_it_is_given(device, triton_backend):
+    block = _block(device)
+    x = torch.randn(2, 6, DIM, device=device)
     params = {name: p.detach().clone().requires_grad_() for name, p in block.named_parameters()}
     functional_call(block, params, (x,)).square().sum().backward()
     block(x).square().sum().backward()
@@ -128,11 +127,11 @@ def test_functional_call_reads_the_parameters_it_is_given(triton_backend):
         torch.testing.assert_close(params[name].grad, p.grad, rtol=0, atol=0)
 
 
-def test_custom_ops_fake_implementations_agree_with_the_kernels(triton_backend):
+def test_custom_ops_fake_implementations_agree_with_the_kernels(device, triton_backend):
     """torch.library.opcheck: schema, fake tensors (shapes, dtypes, strides) and autograd registration."""
-    q, k, v = (torch.randn(2, h, 7, 16) for h in (HEADS, KV_HEADS, KV_HEADS))
-    qkv = torch.randn(14, (HEADS + 2 * KV_HEADS) * 16)
-    rows, weight, u = torch.randn(6, DIM), torch.randn(DIM), torch.randn(6, 2 * FFN)
+    q, k, v = (torch.randn(2, h, 7, 16, device=device) for h in (HEADS, KV_HEADS, KV_HEADS))
+    qkv = torch.randn(14, (HEADS + 2 * KV_HEADS) * 16, device=device)
+    rows, weight, u = (torch.randn(*shape, device=device) for shape in ((6, DIM), (DIM,), (6, 2 * FFN)))
     _, mean, rstd, _ = custom_ops.norm_fwd(rows, weight, weight, None, 1e-5, False, None)
     o, lse = custom_ops.attention_fwd(q, k, v, True, 0.25)
     o_packed, lse_packed = custom_ops.attention_packed_fwd(qkv, 2, HEADS, KV_HEADS, True, 0.25)
@@ -144,7 +143,7 @@ def test_custom_ops_fake_implementations_agree_with_the_kernels(triton_backend):
         (custom_ops.attention_packed_fwd, (qkv, 2, HEADS, KV_HEADS, True, 0.25)),
         (custom_ops.attention_packed_bwd, (torch.randn_like(o_packed), qkv, o_packed, lse_packed, 2, HEADS, KV_HEADS,
                                            True, 0.25)),
-        (custom_ops.rotary_qk_, (qkv.clone(), torch.rand(8), 2, HEADS, KV_HEADS, False)),
+        (custom_ops.rotary_qk_, (qkv.clone(), torch.rand(8, device=device), 2, HEADS, KV_HEADS, False)),
         (custom_ops.gelu_bwd, (u.clone(), u, "none", True)),
         (custom_ops.swiglu_packed_bwd, (rows.new_ones(6, FFN), u, True)),
     ]
