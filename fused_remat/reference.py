@@ -47,15 +47,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate.to(compute)) * up.to(compute)).to(gate.dtype)
 
 
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = False,
-    scale: float | None = None,
-    return_lse: bool = False,
-):
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+              scale: float | None = None, return_lse: bool = False):
     """Materialized softmax(q k^T * scale) v with fused_remat's conventions.
 
     q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D) with Hq a multiple of Hkv. The causal mask is aligned to
