@@ -6,8 +6,11 @@ the kernels, so views into a packed qkv projection need no copy.
 
 Forward (``_attn_fwd``): one program per (query block, query head, batch) streams key blocks with an
 online softmax in the log2 domain (log2(e) is folded into the scale), and writes o (input dtype) and
-the per-row log-sum-exp (fp32, natural log). Backward recomputes P = exp(S - lse) block by block:
-``_attn_bwd_preprocess`` computes delta = rowsum(dO * O) (minus dLSE when the lse output has a
+the per-row log-sum-exp (fp32, natural log). Backward recomputes P = exp(S - lse) block by block.
+fp32 inputs keep the softmax offsets (running max, lse) in natural units and form every exponent
+S * scale - offset with one fma (``_probs``): with large logits the log2-domain form loses digits
+in the difference and P near 1 would be 1e-5 off; 16-bit inputs keep the cheaper log2 form.
+Backward kernels: ``_attn_bwd_preprocess`` computes delta = rowsum(dO * O) (minus dLSE when the lse output has a
 gradient), ``_attn_bwd_dkdv`` gives each program one key block of one kv head and loops over the
 query heads of its GQA group and over query blocks, ``_attn_bwd_dq`` gives each program one query
 block and loops over key blocks. Every output element is written by exactly one program: no
@@ -140,26 +143,45 @@ def _visible(offs_m, keys, Nq, Nk, CAUSAL: tl.constexpr):
 
 @triton.jit
 def _key_block(
-    q, K_head, V_head, stride_kn, stride_vn, start_n, Nk, D, qk_scale,
+    q, K_head, V_head, stride_kn, stride_vn, start_n, Nk, D,
     MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """k and v of the key block at start_n (MASKED: rows past Nk read as zero) and the unmasked scores
-    q k^T * qk_scale in log2 units."""
+    """k and v of the key block at start_n (MASKED: rows past Nk read as zero) and the raw, unmasked
+    scores q k^T (not yet scaled)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     k = _load_rows(K_head, start_n, offs_n, Nk, stride_kn, offs_d, D, CHECK_ROWS=MASKED, EVEN_D=EVEN_D)
     v = _load_rows(V_head, start_n, offs_n, Nk, stride_vn, offs_d, D, CHECK_ROWS=MASKED, EVEN_D=EVEN_D)
-    s = _dot(q, tl.trans(k), UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION) * qk_scale
-    return k, v, s
+    return k, v, _dot(q, tl.trans(k), UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
 
 
 @triton.jit
-def _load_lse_log2(LSE_row, offs_m, Nq):
-    """lse in log2 units, with rows that see no key (lse = -inf) and padding rows set to +inf, so that
-    P = exp2(S2 - lse2) is exactly 0 for them instead of NaN."""
+def _load_lse(LSE_row, offs_m, Nq, DOT_PRECISION: tl.constexpr):
+    """The saved lse as the backward's exponent offset: natural log for fp32 inputs (see _probs),
+    log2 units otherwise. Rows that see no key (lse = -inf) and padding rows read +inf, so that
+    P = exp(S * scale - lse) is exactly 0 for them instead of NaN."""
     lse = tl.load(LSE_row + offs_m, mask=offs_m < Nq, other=float("-inf"))
-    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    if DOT_PRECISION != "ieee":
+        lse = lse * LOG2E
+    return tl.where(lse == float("-inf"), float("inf"), lse)
+
+
+@triton.jit
+def _probs(s, sm_scale, qk_scale, offset, DOT_PRECISION: tl.constexpr):
+    """exp(s * sm_scale - offset) for raw scores s, elementwise (offset broadcast by the caller).
+
+    16-bit inputs: offset is in log2 units and the exponent is one multiply-add in the log2 domain,
+    exp2(s * qk_scale - offset); P is rounded to 16 bits before its dots anyway.
+    fp32 inputs (IEEE dots): offset is in natural units and the exponent s * sm_scale - offset is
+    one fma, rounded once, before the conversion to log2 units. With large logits (|s * scale| ~
+    100) the log2-domain form rounds s * qk_scale and the offset separately at magnitude ~144 and
+    their difference keeps only a few correct bits beyond fp32's relative 1e-7: P near 1 (the
+    dominant keys) comes out 1e-5 off, which dominates dV and dK. The fma keeps P to fp32 accuracy."""
+    if DOT_PRECISION == "ieee":
+        return tl.math.exp2(tl.fma(s, sm_scale, -offset) * LOG2E)
+    else:
+        return tl.math.exp2(s * qk_scale - offset)
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,29 +191,42 @@ def _load_lse_log2(LSE_row, offs_m, Nq):
 
 @triton.jit
 def _attn_fwd_inner(
-    acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_vn, start_m, lo, hi, Nq, Nk, D, qk_scale,
+    acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_vn, start_m, lo, hi, Nq, Nk, D, sm_scale, qk_scale,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Online softmax over the key blocks in [lo, hi): running max m_i, sum l_i and output acc."""
+    """Online softmax over the key blocks in [lo, hi): running max m_i, sum l_i and output acc.
+    16-bit inputs run in log2 units (m_i too); fp32 inputs keep m_i in natural units and form each
+    exponent with one fma (see _probs), so that lse = m_i + ln(l_i) matches the backward's P."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        k, v, s = _key_block(
-            q, K_head, V_head, stride_kn, stride_vn, start_n, Nk, D, qk_scale,
+        k, v, qk = _key_block(
+            q, K_head, V_head, stride_kn, stride_vn, start_n, Nk, D,
             MASKED=MASKED, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
             UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N,
         )
+        if DOT_PRECISION == "ieee":
+            s = qk * sm_scale  # natural units; only for the running max
+        else:
+            s = qk * qk_scale  # log2 units
         if MASKED:
-            s = tl.where(_visible(offs_m, start_n + offs_n, Nq, Nk, CAUSAL=CAUSAL), s, float("-inf"))
+            visible = _visible(offs_m, start_n + offs_n, Nq, Nk, CAUSAL=CAUSAL)
+            s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         if MASKED:
             # A row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
             m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_shift = m_new
-        p = tl.math.exp2(s - m_shift[:, None])
-        alpha = tl.math.exp2(m_i - m_shift)
+        if DOT_PRECISION == "ieee":
+            p = _probs(qk, sm_scale, qk_scale, m_shift[:, None], DOT_PRECISION=DOT_PRECISION)
+            if MASKED:
+                p = tl.where(visible, p, 0.0)
+            alpha = tl.math.exp2((m_i - m_shift) * LOG2E)
+        else:
+            p = tl.math.exp2(s - m_shift[:, None])
+            alpha = tl.math.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
         m_i = m_new
@@ -205,7 +240,7 @@ def _attn_fwd(
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on,
-    Hq, Nq, Nk, D, GROUP, qk_scale,
+    Hq, Nq, Nk, D, GROUP, sm_scale, qk_scale,
     N_CTX_Q_KEY, N_CTX_K_KEY,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -229,19 +264,22 @@ def _attn_fwd(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     full_end, masked_end = _key_ranges(start_m, Nq, Nk, CAUSAL=CAUSAL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_vn, start_m, 0, full_end, Nq, Nk, D, qk_scale,
-        MASKED=False, CAUSAL=CAUSAL, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
+        acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_vn, start_m, 0, full_end, Nq, Nk, D, sm_scale,
+        qk_scale, MASKED=False, CAUSAL=CAUSAL, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
         UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_vn, start_m, full_end, masked_end, Nq, Nk, D, qk_scale,
-        MASKED=True, CAUSAL=CAUSAL, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
+        acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_vn, start_m, full_end, masked_end, Nq, Nk, D,
+        sm_scale, qk_scale, MASKED=True, CAUSAL=CAUSAL, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
         UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
 
     empty = l_i == 0.0  # rows that saw no key
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    if DOT_PRECISION == "ieee":  # m_i in natural units: one rounding
+        lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    else:
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
     _store_rows(_head(O, batch, head, stride_ob, stride_oh), start_m, offs_r, Nq, stride_on, offs_d, D,
                 round_to(o, O.dtype.element_ty), EVEN_D=EVEN_D)
     tl.store(_row_stats(LSE, batch, head, Hq, Nq) + offs_m, lse, mask=offs_m < Nq)
@@ -278,8 +316,8 @@ def _attn_bwd_preprocess(
 
 @triton.jit
 def _attn_bwd_dkdv_inner(
-    dk, dv, k, v, Q_head, DO_head, LSE_row, DELTA_row, stride_qn, stride_don, start_n, lo, hi, Nq, Nk, D, qk_scale,
-    MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+    dk, dv, k, v, Q_head, DO_head, LSE_row, DELTA_row, stride_qn, stride_don, start_n, lo, hi, Nq, Nk, D,
+    sm_scale, qk_scale, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query blocks [lo, hi), working on transposed tiles
@@ -291,11 +329,19 @@ def _attn_bwd_dkdv_inner(
         offs_m = start_m + offs_r
         q = _load_rows(Q_head, start_m, offs_r, Nq, stride_qn, offs_d, D, CHECK_ROWS=True, EVEN_D=EVEN_D)
         do = _load_rows(DO_head, start_m, offs_r, Nq, stride_don, offs_d, D, CHECK_ROWS=True, EVEN_D=EVEN_D)
-        lse2 = _load_lse_log2(LSE_row, offs_m, Nq)
+        lse = _load_lse(LSE_row, offs_m, Nq, DOT_PRECISION=DOT_PRECISION)
         delta = tl.load(DELTA_row + offs_m, mask=offs_m < Nq, other=0.0)
-        # P^T recomputed from the saved lse: exp2(S^T * scale * log2 e - lse * log2 e).
-        p_t = tl.math.exp2(_dot(k, tl.trans(q), UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION) * qk_scale
-                           - lse2[None, :])
+        # P^T recomputed from the saved lse: exp(S^T * scale - lse). The lse is only as good as the
+        # match between these scores and the forward's, bit for bit: with logits ~100 a one-ulp
+        # difference in S moves P by 1e-5. The GPU's fp32 (IEEE) dot is a sequential fma chain over
+        # D per element, the same bits for k q^T as for (q k^T)^T; the interpreter's BLAS sums
+        # k q^T in another order than q k^T (a few ulps apart), so there S^T is taken as the
+        # transpose of the forward's own product.
+        if UPCAST_DOT:
+            qk_t = tl.trans(_dot(q, tl.trans(k), UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION))
+        else:
+            qk_t = _dot(k, tl.trans(q), UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
+        p_t = _probs(qk_t, sm_scale, qk_scale, lse[None, :], DOT_PRECISION=DOT_PRECISION)
         if MASKED:  # the causal diagonal: query i sees key j iff j <= i + Nk - Nq
             p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + (Nk - Nq), p_t, 0.0)
         dv += _dot(p_t.to(do.dtype), do, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
@@ -353,12 +399,12 @@ def _attn_bwd_dkdv(
         if CAUSAL:
             dk, dv = _attn_bwd_dkdv_inner(
                 dk, dv, k, v, Q_head, DO_head, LSE_row, DELTA_row, stride_qn, stride_don, start_n, masked_lo, masked_hi,
-                Nq, Nk, D, qk_scale, MASKED=True, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
+                Nq, Nk, D, sm_scale, qk_scale, MASKED=True, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
                 UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
             )
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, Q_head, DO_head, LSE_row, DELTA_row, stride_qn, stride_don, start_n, full_lo, Nq,
-            Nq, Nk, D, qk_scale, MASKED=False, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
+            Nq, Nk, D, sm_scale, qk_scale, MASKED=False, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
             UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         )
 
@@ -371,21 +417,21 @@ def _attn_bwd_dkdv(
 
 @triton.jit
 def _attn_bwd_dq_inner(
-    dq, q, do, lse2, delta, K_head, V_head, stride_kn, stride_vn, start_m, lo, hi, Nq, Nk, D, qk_scale,
+    dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_vn, start_m, lo, hi, Nq, Nk, D, sm_scale, qk_scale,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Accumulate dQ (unscaled) of one query block over the key blocks in [lo, hi). Rows that see no
-    key have lse2 = +inf, so their P is exactly 0."""
+    key have lse = +inf (see _load_lse), so their P is exactly 0."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        k, v, s = _key_block(
-            q, K_head, V_head, stride_kn, stride_vn, start_n, Nk, D, qk_scale,
+        k, v, qk = _key_block(
+            q, K_head, V_head, stride_kn, stride_vn, start_n, Nk, D,
             MASKED=MASKED, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
             UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N,
         )
-        p = tl.math.exp2(s - lse2[:, None])
+        p = _probs(qk, sm_scale, qk_scale, lse[:, None], DOT_PRECISION=DOT_PRECISION)
         if MASKED:
             p = tl.where(_visible(offs_m, start_n + offs_n, Nq, Nk, CAUSAL=CAUSAL), p, 0.0)
         dp = _dot(do, tl.trans(v), UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
@@ -417,7 +463,7 @@ def _attn_bwd_dq(
                    CHECK_ROWS=True, EVEN_D=EVEN_D)
     do = _load_rows(_head(DO, batch, head, stride_dob, stride_doh), start_m, offs_r, Nq, stride_don, offs_d, D,
                     CHECK_ROWS=True, EVEN_D=EVEN_D)
-    lse2 = _load_lse_log2(_row_stats(LSE, batch, head, Hq, Nq), offs_m, Nq)
+    lse = _load_lse(_row_stats(LSE, batch, head, Hq, Nq), offs_m, Nq, DOT_PRECISION=DOT_PRECISION)
     delta = tl.load(_row_stats(DELTA, batch, head, Hq, Nq) + offs_m, mask=offs_m < Nq, other=0.0)
     K_head = _head(K, batch, kv_head, stride_kb, stride_kh)
     V_head = _head(V, batch, kv_head, stride_vb, stride_vh)
@@ -425,13 +471,13 @@ def _attn_bwd_dq(
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     full_end, masked_end = _key_ranges(start_m, Nq, Nk, CAUSAL=CAUSAL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     dq = _attn_bwd_dq_inner(
-        dq, q, do, lse2, delta, K_head, V_head, stride_kn, stride_vn, start_m, 0, full_end, Nq, Nk, D, qk_scale,
-        MASKED=False, CAUSAL=CAUSAL, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
+        dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_vn, start_m, 0, full_end, Nq, Nk, D, sm_scale,
+        qk_scale, MASKED=False, CAUSAL=CAUSAL, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
         UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
     dq = _attn_bwd_dq_inner(
-        dq, q, do, lse2, delta, K_head, V_head, stride_kn, stride_vn, start_m, full_end, masked_end, Nq, Nk, D,
-        qk_scale, MASKED=True, CAUSAL=CAUSAL, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
+        dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_vn, start_m, full_end, masked_end, Nq, Nk, D,
+        sm_scale, qk_scale, MASKED=True, CAUSAL=CAUSAL, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
         UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
     dq = dq * sm_scale
@@ -616,7 +662,7 @@ def attention_fwd(q, k, v, causal: bool, scale: float, *, out=None, config: dict
     kernel, cfg = _pick(_attn_fwd, _attn_fwd_tuned, config)
     kernel[lambda meta: (triton.cdiv(p.q_len, meta["BLOCK_M"]), p.q_heads, p.batch)](
         q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-        *p.scalars(p.qk_scale), **p.constexprs(), **cfg,
+        *p.scalars(p.sm_scale, p.qk_scale), **p.constexprs(), **cfg,
     )
     return o, lse
 

@@ -36,6 +36,21 @@ SWEEP = [
 ]
 
 
+# fp32 with large logits (FlashAttention's edge cases): scale 0.5 and 3.0 put |q k^T * scale| near
+# 10 and 100, where P near 1 must come back from the saved lse to fp32 accuracy for dV and dK to
+# meet the rule. (B, Hq, Hkv, Nq, Nk, D, causal, scale); every pair of lengths, head dim (64 and an
+# odd one), scale, causal value and MHA/GQA appears.
+LARGE_LOGITS = [
+    (1, 2, 2, 40, 70, 64, False, 0.5),
+    (1, 2, 2, 40, 70, 64, True, 3.0),
+    (1, 4, 2, 70, 40, 64, True, 0.5),
+    (1, 4, 2, 70, 40, 64, False, 3.0),
+    (1, 2, 1, 40, 70, 37, True, 3.0),
+    (1, 2, 2, 70, 40, 37, False, 0.5),
+    (1, 4, 2, 70, 40, 37, True, 3.0),
+]
+
+
 def _case_id(case):
     b, hq, hkv, nq, nk, d, causal, dtype = case
     return f"b{b}-h{hq}:{hkv}-{nq}x{nk}-d{d}-{'causal' if causal else 'full'}-{str(dtype).removeprefix('torch.')}"
@@ -116,6 +131,13 @@ def _check(q, k, v, causal, scale=None):
 def test_attention_matches_references(case, device, triton_backend):
     b, hq, hkv, nq, nk, d, causal, dtype = case
     _check(*_inputs(b, hq, hkv, nq, nk, d, dtype, device), causal)
+
+
+@pytest.mark.parametrize("case", LARGE_LOGITS, ids=lambda c: f"b{c[0]}-h{c[1]}:{c[2]}-{c[3]}x{c[4]}-d{c[5]}-"
+                         f"{'causal' if c[6] else 'full'}-scale{c[7]}")
+def test_fp32_large_logits(case, device, triton_backend):
+    b, hq, hkv, nq, nk, d, causal, scale = case
+    _check(*_inputs(b, hq, hkv, nq, nk, d, F32, device), causal, scale=scale)
 
 
 def test_custom_scale(device, triton_backend):
