@@ -6,6 +6,7 @@
                                          # whose one quick case takes an estimated ~2)
     python -m bench readme               # rebuild the README's results section from bench/results/
     python -m bench summary --out DIR    # one line per suite of the run in DIR
+    python -m bench static               # no GPU: every kernel compiled for sm_90a and sm_80 (bench/static.py)
 
 Results go to bench/results/<gpu-name>/ (or --out): <suite>.json with the device, versions, date
 and commit; <suite>.md; <suite>*.png.
@@ -28,6 +29,8 @@ from bench import harness, report
 # imported only when it runs, after --smoke has set TRITON_INTERPRET.
 SUITES = {"norms": "bench.bench_norms", "attention": "bench.bench_attention", "memory": "bench.bench_memory",
           "block": "bench.bench_block", "train": "bench.bench_train"}
+# Commands that are not timing suites and need no GPU: name -> module with main(argv).
+COMMANDS = {"static": "bench.static"}
 
 
 def load_suite(name: str) -> harness.Suite:
@@ -53,6 +56,9 @@ def _parse(argv):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in COMMANDS:
+        return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
     args = _parse(argv)
     if args.suites == ["summary"]:
         print(report.summary(args.out or report.device_folder(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")))

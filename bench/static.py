@@ -1,0 +1,778 @@
+"""`python -m bench static`: every Triton kernel of the project compiled for H100 and A100, no GPU.
+
+Triton compiles for a target it is told about; the GPU is needed only to launch. Here a stand-in
+driver tells Triton's runtime that the current device is an sm_90a (or sm_80, sm_100a) part, the
+project's own launchers run on ``device="meta"`` tensors (so every constexpr, specialization and
+autotuner pruning is exactly what a real call would produce), and the stand-in's launcher records
+each compiled kernel instead of launching it. The autotuner's benchmark is a stand-in too: it
+"times" every configuration that survives the launcher's pruning, which compiles each one.
+
+From each compiled kernel this reads compile-time facts, never speed:
+
+- registers and spills (ptxas -v run again on Triton's PTX with the same ptxas), stack, shared
+  memory (what the kernel requests at launch) against the target's per-block limit;
+- blocks per SM from registers, shared memory and warps against the SM's limits;
+- the MMA instruction (HGMMA = Hopper warpgroup MMA, wgmma; HMMA = mma.sync) and ptxas's advisory
+  C7515 (wgmma serialized); the copy engine (TMA ``UTMALDG``, ``cp.async`` ``LDGSTS``, plain ``LDG``);
+- the hot loop (the innermost SASS loop with the most MMA instructions; ties: the shortest, the
+  unmasked one): its instruction mix, warp instructions per million useful multiply-adds, and the
+  multiply-adds its MMA instructions execute over those the algorithm needs (1.0 = no repetition
+  across warpgroups).
+
+Run ``python -m bench static`` (bf16, D 64/128, every configuration, sm_90a and sm_80) or
+``--all`` (every dtype, head dim 64/128/256, sm_100a too where the installed Triton compiles it).
+Results: ``bench/results/static/static.json`` and ``static.md`` (or ``--out``), and the README
+section between ``<!-- static:start -->`` and ``<!-- static:end -->``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "bench" / "results" / "static"
+
+
+# --------------------------------------------------------------------------------------------
+# Targets
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    """What the occupancy arithmetic and the shared-memory check need of one GPU generation."""
+
+    name: str  # ptxas's --gpu-name
+    gpu: str
+    capability: int
+    smem_per_block: int  # opt-in maximum for one block (bytes)
+    smem_per_sm: int
+    regs_per_sm: int = 65536
+    max_warps_per_sm: int = 64
+    max_blocks_per_sm: int = 32
+
+
+ARCHS = {
+    "sm_90a": Arch("sm_90a", "H100", 90, smem_per_block=227 * 1024, smem_per_sm=228 * 1024),
+    "sm_80": Arch("sm_80", "A100", 80, smem_per_block=163 * 1024, smem_per_sm=164 * 1024),
+    "sm_100a": Arch("sm_100a", "B200", 100, smem_per_block=227 * 1024, smem_per_sm=228 * 1024),
+}
+
+
+def blocks_per_sm(arch: Arch, registers: int, shared: int, num_warps: int) -> int:
+    """Resident blocks per SM: registers are allocated per warp in 256-register units."""
+    per_warp = -(-registers * 32 // 256) * 256
+    by_regs = (arch.regs_per_sm // per_warp) // num_warps if per_warp else arch.max_blocks_per_sm
+    by_smem = arch.smem_per_sm // (shared + 1024) if shared else arch.max_blocks_per_sm  # 1 KiB reserved per block
+    by_warps = arch.max_warps_per_sm // num_warps
+    return max(0, min(by_regs, by_smem, by_warps, arch.max_blocks_per_sm))
+
+
+# --------------------------------------------------------------------------------------------
+# A stand-in for Triton's CUDA driver: compile for a named target, record instead of launching
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Compiled:
+    """One kernel Triton compiled for a launch (or an autotuner trial)."""
+
+    kernel: str
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+    binary: object  # triton's CompiledKernel
+
+
+class StandInDriver:
+    """Enough of ``triton.runtime.driver.active`` for JIT compilation and the autotuner.
+
+    Each target gets its own device index: Triton keeps its per-kernel binders and caches per
+    device, so switching targets never reuses a binary compiled for another one."""
+
+    def __init__(self, arch: Arch):
+        import types
+
+        self.arch = arch
+        self.launched: list[Compiled] = []
+        self.utils = types.SimpleNamespace(
+            get_device_properties=self._properties,
+            load_binary=lambda name, binary, shared, device: (None, binary, 0, 0, 1024),
+            unload_module=lambda module: None,
+        )
+
+    # -- what the JIT and the compiler ask
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", self.arch.capability, 32)
+
+    def get_current_device(self) -> int:
+        return list(ARCHS).index(self.arch.name)
+
+    def set_current_device(self, device) -> None:
+        pass
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_device_capability(self, device=None):
+        return divmod(self.arch.capability, 10)
+
+    def get_active_torch_device(self):
+        import torch
+
+        return torch.device("meta")
+
+    def map_python_to_cpp_type(self, ty: str) -> str:
+        return ty
+
+    def _properties(self, device) -> dict:
+        return {"max_shared_mem": self.arch.smem_per_block, "multiprocessor_count": 132, "max_num_regs": 65536,
+                "warpSize": 32, "sm_clock_rate": 0, "mem_clock_rate": 0, "mem_bus_width": 0}
+
+    # -- the autotuner: every configuration "runs" (and so compiles) once, all tie
+    def get_benchmarker(self):
+        def bench(kernel_call, quantiles=None, **_):
+            kernel_call()
+            return [1.0] * len(quantiles) if quantiles else 1.0
+
+        return bench
+
+    # -- launching: record the compiled kernel, run nothing
+    def launcher_cls(self, src, metadata):
+        fn = src.fn
+        binary = next(k for k in fn.device_caches[self.get_current_device()][0].values()
+                      if getattr(k, "hash", None) == metadata.hash)
+        constants = getattr(src, "constants", None) or getattr(src, "constexprs", {})  # name differs across versions
+        constexprs = {fn.arg_names[key[0]]: value for key, value in constants.items() if len(key) == 1}
+        self.launched.append(Compiled(fn.__name__, constexprs, metadata.num_warps, metadata.num_stages, binary))
+        return lambda *args, **kwargs: None
+
+
+@contextlib.contextmanager
+def compiling_for(arch: Arch):
+    """Within: Triton compiles for ``arch`` and launches nothing; yields the driver's record."""
+    from triton.runtime import driver
+
+    stand_in = StandInDriver(arch)
+    driver.set_active(stand_in)
+    _forget_autotuning()
+    try:
+        yield stand_in.launched
+    finally:
+        driver.set_active(_previous_driver())
+
+
+def _forget_autotuning() -> None:
+    """Clear the launchers' autotuner choices: a choice made for another target, or for another
+    case sharing its key (the attention key leaves GQA out), would skip compiling the others."""
+    from triton.runtime.autotuner import Autotuner
+
+    from fused_remat.kernels import activations, attention, norm, rope
+
+    for module in (attention, norm, activations, rope):
+        for value in vars(module).values():
+            if isinstance(value, Autotuner):
+                value.cache.clear()
+
+
+def _previous_driver():
+    """Triton's own driver where one is active (never on a machine without a GPU): None otherwise,
+    so that a later ``driver.active`` builds it afresh."""
+    from triton.runtime import driver
+
+    try:
+        return driver.default
+    except RuntimeError:
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# Cases: the project's launchers on meta tensors
+# --------------------------------------------------------------------------------------------
+
+ATTENTION_KERNELS = ("_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv")
+# Multiply-adds the algorithm needs per hot-loop iteration, in units of BLOCK_M * BLOCK_N * HEAD_DIM:
+# forward S = QK^T and PV; dQ: S, dP = dO V^T, dS K; dK/dV: S^T, dV, dP^T, dK.
+MATRIX_PRODUCTS = {"_attn_fwd": 2, "_attn_bwd_dq": 3, "_attn_bwd_dkdv": 4, "_tutorial_attn_fwd": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One launcher call. ``config`` pins the attention configuration; None lets the autotuner
+    offer every configuration its pruning keeps (each is compiled and recorded)."""
+
+    op: str  # attention_fwd, attention_bwd, layer_norm_fwd/_bwd, rms_norm_fwd/_bwd, gelu_fwd/_bwd, swiglu_fwd/_bwd, rope, tutorial_fwd
+    dtype: str = "bfloat16"
+    head_dim: int = 128
+    causal: bool = False
+    gqa: bool = False
+    width: int = 4096  # norms and activations: columns
+    config: tuple | None = None  # (BLOCK_M, BLOCK_N, num_warps, num_stages); backward: the dQ kernel's
+    dkdv_config: tuple | None = None  # backward: the dK/dV kernel's (default: config)
+
+    @property
+    def id(self) -> str:
+        if self.op.startswith(("attention", "tutorial")):
+            parts = [self.op, self.dtype, f"D{self.head_dim}", "causal" if self.causal else "full", "gqa" if self.gqa else "mha"]
+            if self.config:
+                parts.append("M{}N{}w{}s{}".format(*self.config))
+            if self.dkdv_config:
+                parts.append("dkdv_M{}N{}w{}s{}".format(*self.dkdv_config))
+        elif self.op == "rope":
+            parts = [self.op, self.dtype, f"D{self.head_dim}"]
+        else:
+            parts = [self.op, self.dtype, f"N{self.width}"]
+        return "-".join(parts)
+
+
+def _run_case(case: Case) -> None:
+    """Call the project's launcher for ``case`` on meta tensors (under a stand-in driver)."""
+    import torch
+
+    from fused_remat.kernels import activations, attention, norm, rope
+
+    dtype = getattr(torch, case.dtype)
+    meta = dict(device="meta", dtype=dtype)
+    if case.op.startswith(("attention", "tutorial")):
+        batch, q_heads, length = 2, 16, 4096
+        kv_heads = 4 if case.gqa else q_heads
+        q = torch.empty(batch, q_heads, length, case.head_dim, **meta)
+        k = torch.empty(batch, kv_heads, length, case.head_dim, **meta)
+        v = torch.empty_like(k)
+        scale = case.head_dim ** -0.5
+        config, dkdv_config = (None if c is None else dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), c))
+                               for c in (case.config, case.dkdv_config))
+        if case.op == "attention_fwd":
+            attention.attention_fwd(q, k, v, case.causal, scale, config=config)
+        elif case.op == "attention_bwd":
+            o, lse = torch.empty_like(q), torch.empty(batch, q_heads, length, device="meta", dtype=torch.float32)
+            attention.attention_bwd(torch.empty_like(q), q, k, v, o, lse, case.causal, scale, config=config,
+                                    dkdv_config=dkdv_config)
+        else:
+            _tutorial_launch(q, k, v, case.causal, scale, config)
+        return
+    rows = 8192
+    x = torch.empty(rows, case.width, **meta)
+    w = torch.empty(case.width, device="meta", dtype=torch.float32)
+    stats = torch.empty(rows, device="meta", dtype=torch.float32)
+    if case.op == "layer_norm_fwd":
+        norm.norm_fwd(x, w, w, 1e-5, rms=False, residual=torch.empty_like(x))
+    elif case.op == "rms_norm_fwd":
+        norm.norm_fwd(x, w, None, 1e-6, rms=True, residual=torch.empty_like(x))
+    elif case.op == "layer_norm_bwd":
+        norm.norm_bwd(torch.empty_like(x), x, w, w, stats, stats, rms=False, has_bias=True,
+                      residual_grad=torch.empty_like(x), return_output=True)
+    elif case.op == "rms_norm_bwd":
+        norm.norm_bwd(torch.empty_like(x), x, w, None, None, stats, rms=True, has_bias=False,
+                      residual_grad=torch.empty_like(x), return_output=True)
+    elif case.op == "gelu_fwd":
+        activations.gelu_fwd(x, "tanh")
+    elif case.op == "gelu_bwd":
+        activations.gelu_bwd(torch.empty_like(x), x, "none", return_output=True)
+    elif case.op == "swiglu_fwd":
+        activations.swiglu_fwd(x, torch.empty_like(x))
+    elif case.op == "swiglu_bwd":
+        activations.swiglu_bwd(torch.empty_like(x), x, torch.empty_like(x), return_output=True)
+    elif case.op == "rope":
+        heads = 24  # q and k heads of a packed qkv buffer (16 + 8), rotated in place
+        qkv = torch.empty(4, 2048, heads + 8, case.head_dim, **meta)
+        freqs = torch.empty(case.head_dim // 2, device="meta", dtype=torch.float32)
+        rope.rotary_embedding_(qkv[:, :, :heads], freqs)
+    else:
+        raise ValueError(f"unknown op {case.op!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# The Triton tutorial's fused-attention forward, as a yardstick (written here from its idea:
+# a resident query tile, K and V streamed, online softmax in base 2; causal as two stages)
+# --------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _tutorial_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _tutorial_attn_fwd(Q, K, V, O, M, sm_scale, Z, H, N_CTX, GROUP,
+                           HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        start = tl.program_id(0) * BLOCK_M
+        bh = tl.program_id(1)
+        head_off = bh.to(tl.int64) * N_CTX * HEAD_DIM
+        kv_off = (bh // GROUP).to(tl.int64) * N_CTX * HEAD_DIM
+        rows = start + tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, HEAD_DIM)
+        keys = tl.arange(0, BLOCK_N)
+        q = tl.load(Q + head_off + rows[:, None] * HEAD_DIM + cols[None, :])
+        scale2 = sm_scale * 1.4426950408889634
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        denom = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        end = start if CAUSAL else N_CTX
+        k_ptrs = K + kv_off + keys[None, :] * HEAD_DIM + cols[:, None]
+        v_ptrs = V + kv_off + keys[:, None] * HEAD_DIM + cols[None, :]
+        for n in range(0, end, BLOCK_N):  # blocks no row of the tile needs to mask
+            kt = tl.load(k_ptrs + n * HEAD_DIM)
+            s = tl.dot(q, kt)
+            m_new = tl.maximum(m, tl.max(s, 1) * scale2)
+            p = tl.math.exp2(s * scale2 - m_new[:, None])
+            correction = tl.math.exp2(m - m_new)
+            denom = denom * correction + tl.sum(p, 1)
+            acc = acc * correction[:, None]
+            acc = tl.dot(p.to(tl.bfloat16), tl.load(v_ptrs + n * HEAD_DIM), acc)
+            m = m_new
+        if CAUSAL:  # the diagonal tile(s)
+            for n in range(start, start + BLOCK_M, BLOCK_N):
+                kt = tl.load(k_ptrs + n * HEAD_DIM)
+                s = tl.where(rows[:, None] >= (n + keys)[None, :], tl.dot(q, kt) * scale2, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, 1))
+                p = tl.math.exp2(s - m_new[:, None])
+                correction = tl.math.exp2(m - m_new)
+                denom = denom * correction + tl.sum(p, 1)
+                acc = tl.dot(p.to(tl.bfloat16), tl.load(v_ptrs + n * HEAD_DIM), acc * correction[:, None])
+                m = m_new
+        tl.store(M + bh * N_CTX + rows, m + tl.math.log2(denom))
+        tl.store(O + head_off + rows[:, None] * HEAD_DIM + cols[None, :], (acc / denom[:, None]).to(O.dtype.element_ty))
+
+    return _tutorial_attn_fwd
+
+
+TUTORIAL_CONFIGS = ((128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3))  # its Hopper favourites at D 64/128
+
+
+def _tutorial_launch(q, k, v, causal, scale, config):
+    import torch
+
+    batch, heads, length, head_dim = q.shape
+    o = torch.empty_like(q)
+    m = torch.empty(batch, heads, length, device=q.device, dtype=torch.float32)
+    for block_m, block_n, warps, stages in [tuple(config.values())] if config else TUTORIAL_CONFIGS:
+        _tutorial_kernel()[(length // block_m, batch * heads)](
+            q, k, v, o, m, scale, batch, heads, length, heads // k.shape[1], HEAD_DIM=head_dim, CAUSAL=causal,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Reading the binary
+# --------------------------------------------------------------------------------------------
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+@functools.lru_cache(maxsize=None)
+def _ptxas(capability: int) -> str:
+    """The ptxas Triton itself uses for this target (3.9: the legacy one below sm_90, else
+    ptxas-blackwell; older Triton: one ptxas)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        try:
+            return get_ptxas(capability).path
+        except TypeError:  # Triton versions whose get_ptxas takes no architecture
+            return get_ptxas().path
+    except ImportError:
+        return _tool("ptxas")
+
+
+@functools.lru_cache(maxsize=None)
+def _ptxas_flags(path: str) -> tuple[str, ...]:
+    """The flags of Triton's own ptxas call that change code generation: -lineinfo always, and
+    --regAllocOptLevel=2 where Triton passes it (its workaround for ptxas 13)."""
+    import inspect
+
+    from triton.backends.nvidia import compiler
+
+    flags = ["-lineinfo"]
+    if "regAllocOptLevel=2" in inspect.getsource(compiler):
+        flags.append("--regAllocOptLevel=2")
+    return tuple(flags)
+
+
+def _run(cmd: list[str]) -> str:
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd[:2])} failed ({done.returncode}): {done.stderr[-2000:]}")
+    return done.stdout + done.stderr
+
+
+_MMA = re.compile(r"\b(HGMMA|HMMA|UTCHMMA|UTCQMMA|UTCOMMA)\.(\S+)")
+_COPY = {"TMA": re.compile(r"\bUTMALDG\b"), "cp.async": re.compile(r"\bLDGSTS\b"), "ld.global": re.compile(r"\bLDG\b")}
+
+
+def _sass(cubin: bytes) -> list[tuple[int, str]]:
+    """(address, instruction) of the cubin's code, and labels as (address, '.L_x_n:')."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        text = _run([_tool("nvdisasm"), "-c", str(path)])
+    lines, pending = [], []
+    for line in text.splitlines():
+        label = re.match(r"^(\.L_x_\d+):", line.strip())
+        if label:
+            pending.append(label.group(1))
+            continue
+        m = re.match(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            address = int(m.group(1), 16)
+            lines.extend((address, name + ":") for name in pending)
+            pending = []
+            lines.append((address, m.group(2).strip()))
+    return lines
+
+
+def _opcode(instruction: str) -> str:
+    """The opcode without predicate and modifiers: '@!P0 BRA `(.L_x_3)' -> 'BRA'."""
+    words = instruction.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return words[0].split(".")[0] if words else ""
+
+
+def _mma_macs(instruction: str) -> int:
+    """Multiply-adds one warp's (HMMA) or one warpgroup's (HGMMA) instruction performs."""
+    kind, shape = _MMA.search(instruction).groups()
+    if kind == "HGMMA":
+        m, n, k = (int(x) for x in shape.split(".")[0].split("x"))
+        return m * n * k
+    if kind == "HMMA":
+        digits = shape.split(".")[0]  # 16816 = m16 n8 k16; 1688 = m16 n8 k8
+        return 16 * 8 * int(digits[3:])
+    return 0
+
+
+def _loops(sass: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """(first, last) index ranges of the code's loops: every backward branch closes one."""
+    labels = {text[:-1]: i for i, (_, text) in enumerate(sass) if text.endswith(":")}
+    loops = []
+    for i, (_, text) in enumerate(sass):
+        if _opcode(text) == "BRA":
+            target = re.search(r"\(?(\.L_x_\d+)\)?", text)
+            if target and labels.get(target.group(1), i) < i:
+                loops.append((labels[target.group(1)], i))
+    return loops
+
+
+def _hot_loop(sass):
+    """The innermost loop with the most MMA instructions (ties: the shortest), or None."""
+    def mmas(lo, hi):
+        return sum(1 for _, t in sass[lo:hi + 1] if _MMA.search(t))
+
+    loops = [(lo, hi) for lo, hi in _loops(sass) if mmas(lo, hi)]
+    innermost = [(lo, hi) for lo, hi in loops
+                 if not any((a, b) != (lo, hi) and lo <= a and b <= hi for a, b in loops)]
+    if not innermost:
+        return None
+    return min(innermost, key=lambda r: (-mmas(*r), r[1] - r[0]))
+
+
+def _instruction_mix(instructions: list[str]) -> dict:
+    groups = {"mma": 0, "exp2/mufu": 0, "fp32 math": 0, "async copy": 0, "shared ld/st": 0, "global ld/st": 0,
+              "sync/wait": 0, "other": 0}
+    for text in instructions:
+        op = _opcode(text)
+        if _MMA.search(text):
+            groups["mma"] += 1
+        elif op == "MUFU":
+            groups["exp2/mufu"] += 1
+        elif op in ("FADD", "FMUL", "FFMA", "FMNMX", "FSETP", "FSEL", "FCHK", "F2FP", "FMUL2", "FADD2", "FFMA2"):
+            groups["fp32 math"] += 1
+        elif op in ("LDGSTS", "UTMALDG"):
+            groups["async copy"] += 1
+        elif op in ("LDS", "STS", "LDSM", "STSM"):
+            groups["shared ld/st"] += 1
+        elif op in ("LDG", "STG", "UTMASTG"):
+            groups["global ld/st"] += 1
+        elif op in ("WARPGROUP", "BAR", "SYNCS", "DEPBAR", "WARPSYNC", "ARRIVES", "UTMACCTL"):
+            groups["sync/wait"] += 1
+        else:
+            groups["other"] += 1
+    return groups
+
+
+def analyze(compiled: Compiled, arch: Arch) -> dict:
+    """The compile-time facts of one kernel, as a flat dict (a row of the table)."""
+    binary = compiled.binary
+    c = compiled.constexprs
+    row = {
+        "kernel": compiled.kernel, "target": arch.name,
+        "config": {k: c[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_T", "BLOCK_H", "BLOCK_HALF") if k in c}
+        | {"num_warps": compiled.num_warps, "num_stages": compiled.num_stages},
+        "constexprs": {k: (v if isinstance(v, (bool, int, float, str)) or v is None else str(v)) for k, v in c.items()},
+        "shared": int(binary.metadata.shared),
+        "smem_limit": arch.smem_per_block,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(binary.asm["ptx"])
+        path = _ptxas(arch.capability)
+        log = _run([path, *_ptxas_flags(path), "-v", f"--gpu-name={arch.name}", str(ptx), "-o", str(Path(tmp) / "k.o")])
+    used = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    stack = re.search(r"(\d+) bytes stack frame", log)
+    row.update(
+        registers=int(used.group(1)) if used else None,
+        spill_stores=int(spills.group(1)) if spills else 0,
+        spill_loads=int(spills.group(2)) if spills else 0,
+        stack=int(stack.group(1)) if stack else 0,
+        wgmma_serialized="C7515" in log,
+        advisories=sorted(set(re.findall(r"\b(C\d{4})\b", log))),
+    )
+    row["blocks_per_sm"] = blocks_per_sm(arch, row["registers"] or 0, row["shared"], compiled.num_warps)
+    sass = _sass(binary.asm["cubin"])
+    code = [t for _, t in sass if not t.endswith(":")]
+    kinds = sorted({m.group(1) for t in code if (m := _MMA.search(t))})
+    row["mma"] = "+".join(kinds) if kinds else "none"
+    row["mma_shapes"] = sorted({m.group(0).split(" ")[0] for t in code if (m := _MMA.search(t))})
+    row["copy"] = "+".join(name for name, rx in _COPY.items() if any(rx.search(t) for t in code)) or "none"
+    row["sass_instructions"] = len(code)
+    hot = _hot_loop(sass)
+    if hot:
+        body = [t for _, t in sass[hot[0]:hot[1] + 1] if not t.endswith(":")]
+        row["hot_loop"] = {"instructions": len(body), "mix": _instruction_mix(body)}
+        products = MATRIX_PRODUCTS.get(compiled.kernel)
+        if products and {"BLOCK_M", "BLOCK_N", "HEAD_DIM"} <= c.keys():
+            needed = products * c["BLOCK_M"] * c["BLOCK_N"] * c["HEAD_DIM"]
+            warps = compiled.num_warps
+            executed = sum(_mma_macs(t) * (warps // 4 if t.startswith("HGMMA") or " HGMMA" in t else warps)
+                           for t in body if _MMA.search(t))
+            row["hot_loop"].update(
+                useful_macs=needed,
+                warp_instructions_per_million_macs=round(len(body) * warps * 1e6 / needed),
+                mma_work_ratio=round(executed / needed, 3),
+            )
+    return row
+
+
+# --------------------------------------------------------------------------------------------
+# Running cases
+# --------------------------------------------------------------------------------------------
+
+
+def compile_case(case: Case, target: str) -> list[dict]:
+    """Rows for every kernel the launcher compiled for ``case`` on ``target``; a launcher or
+    compiler failure is one row with ``error``."""
+    arch = ARCHS[target]
+    started = time.perf_counter()
+    with compiling_for(arch) as launched:
+        try:
+            _run_case(case)
+            error = None
+        except Exception as exc:  # a compile failure is a fact to report, not a crash
+            error = f"{type(exc).__name__}: {str(exc).strip()[:500]}"
+    seconds = time.perf_counter() - started
+    rows, seen = [], set()
+    for compiled in launched:
+        if compiled.binary.hash in seen:
+            continue
+        seen.add(compiled.binary.hash)
+        row = analyze(compiled, arch)
+        row.update(case=case.id, dtype=case.dtype)
+        rows.append(row)
+    if error or not rows:
+        rows.append({"case": case.id, "target": target, "kernel": case.op, "error": error or "nothing was compiled"})
+    for row in rows:
+        row["case_seconds"] = round(seconds, 1)
+    return rows
+
+
+def sweep(full: bool) -> list[tuple[Case, str]]:
+    """(case, target) pairs. Default: bf16, D 64/128, causal and not, every configuration the
+    launchers can choose; GQA (which changes dK/dV's loop over the group) on sm_90a only. ``full``:
+    every dtype, D 64/128/256, MHA and GQA everywhere, sm_100a too."""
+    dtypes = ("bfloat16", "float16", "float32") if full else ("bfloat16",)
+    dims = (64, 128, 256) if full else (64, 128)
+    targets = ("sm_90a", "sm_80", "sm_100a") if full else ("sm_90a", "sm_80")
+    pairs = []
+    for target in targets:
+        for dtype, dim, causal in itertools.product(dtypes, dims, (False, True)):
+            pairs.append((Case("attention_fwd", dtype, dim, causal), target))
+            for gqa in (False, True) if full or target == "sm_90a" else (False,):
+                pairs.append((Case("attention_bwd", dtype, dim, causal, gqa), target))
+        for dim, causal in itertools.product((64, 128), (False, True)):
+            pairs.append((Case("tutorial_fwd", "bfloat16", dim, causal), target))
+        for dtype in dtypes:
+            for op in ("layer_norm_fwd", "rms_norm_fwd", "layer_norm_bwd", "rms_norm_bwd"):
+                for width in (1024, 4096, 16384, 32768) if full else (1024, 4096, 32768):
+                    pairs.append((Case(op, dtype, width=width), target))
+            for op in ("gelu_fwd", "gelu_bwd", "swiglu_fwd", "swiglu_bwd"):
+                pairs.append((Case(op, dtype, width=4096), target))
+            for dim in dims:
+                pairs.append((Case("rope", dtype, dim), target))
+    return pairs
+
+
+def launcher_configs(kernel: str, dtype: str, head_dim: int) -> list[tuple]:
+    """The attention configurations the launcher's autotuner offers (after its pruning) for one
+    kernel ("fwd", "dq", "dkdv"), dtype and head dim, as (BLOCK_M, BLOCK_N, num_warps, num_stages).
+    Read from kernels/attention.py's lists and prune functions, so it follows them."""
+    import torch
+
+    from fused_remat.kernels import attention
+
+    configs = getattr(attention, f"_{kernel.upper()}_CONFIGS")
+    prune = getattr(attention, f"_{kernel.upper()}_PRUNE")
+    q = torch.empty(1, 1, 1, head_dim, device="meta", dtype=getattr(torch, dtype))
+    kept = prune(configs, {"Q": q, "HEAD_DIM": max(16, 1 << (head_dim - 1).bit_length())})
+    return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept]
+
+
+def can_compile(target: str) -> bool:
+    """Whether the installed Triton and its ptxas compile for ``target`` (sm_100a needs a recent one)."""
+    rows = compile_case(Case("gelu_fwd", "bfloat16", width=1024), target)
+    return not any("error" in r for r in rows)
+
+
+# --------------------------------------------------------------------------------------------
+# Tables
+# --------------------------------------------------------------------------------------------
+
+
+def _config_text(config: dict) -> str:
+    if "BLOCK_M" in config and "BLOCK_N" in config:
+        return f"M{config['BLOCK_M']} N{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}"
+    blocks = " ".join(f"{k.removeprefix('BLOCK_')}{v}" for k, v in config.items() if k.startswith("BLOCK"))
+    return f"{blocks} w{config['num_warps']}"
+
+
+def _shape_text(row: dict) -> str:
+    """What the row's case is: dtype, head dim / width, causal, GQA."""
+    parts = row["case"].split("-")[1:]
+    return " ".join(p for p in parts if not re.fullmatch(r"M\d+N\d+w\d+s\d+", p))
+
+
+def markdown(rows: list[dict], environment: dict, *, kernels: tuple[str, ...] | None = None) -> str:
+    head = (
+        "| target | kernel | case | config | regs | spills (st/ld B) | smem KiB (limit) | blocks/SM | MMA | C7515 | copy "
+        "| hot loop instr | warp instr / M MAC | MMA work / needed |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for r in rows:
+        if kernels and r["kernel"] not in kernels:
+            continue
+        if "error" in r:
+            lines.append(f"| {r['target']} | {r['kernel']} | {r['case']} | | | | | | | | | | | error: {r['error'][:120]} |")
+            continue
+        hot = r.get("hot_loop", {})
+        lines.append(
+            f"| {r['target']} | {r['kernel'].lstrip('_')} | {_shape_text(r)} | {_config_text(r['config'])} | {r['registers']} "
+            f"| {r['spill_stores']}/{r['spill_loads']} | {r['shared'] / 1024:.0f} ({r['smem_limit'] // 1024}) | {r['blocks_per_sm']} "
+            f"| {r['mma']} | {'yes' if r['wgmma_serialized'] else 'no'} | {r['copy']} | {hot.get('instructions', '')} "
+            f"| {hot.get('warp_instructions_per_million_macs', '')} | {hot.get('mma_work_ratio', '')} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def environment() -> dict:
+    import torch
+    import triton
+
+    import hashlib
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "kernels"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    if dirty:
+        commit += " with uncommitted kernel changes"
+    return {"triton": triton.__version__, "torch": torch.__version__, "python": sys.version.split()[0], "commit": commit,
+            "date": time.strftime("%Y-%m-%d"),
+            "kernels_sha256": hashlib.sha256(b"".join(p.read_bytes() for p in sorted((REPO / "kernels").glob("*.py")))).hexdigest()[:16],
+            "ptxas": {t: Path(_ptxas(a.capability)).name for t, a in ARCHS.items()}}
+
+
+NOTE = ("Compile-time facts, not speed: each kernel compiled by Triton {triton} for the target without a GPU "
+        "(commit {commit}, {date}), read from ptxas -v and the SASS. Registers and spills per thread; "
+        "smem = shared memory the kernel requests per block; blocks/SM from registers, shared memory and warps; "
+        "MMA: HGMMA = Hopper warpgroup MMA (wgmma), HMMA = mma.sync; C7515 = ptxas serialized the wgmma; "
+        "copy: TMA, cp.async or plain global loads; hot loop = the innermost loop with the most MMAs; "
+        "warp instructions per million useful multiply-adds and the multiply-adds the MMAs execute over those "
+        "needed (1.0 = no repeated work) are per iteration of that loop.")
+
+
+def write(rows: list[dict], out: Path) -> tuple[Path, Path]:
+    env = environment()
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out / "static.json", out / "static.md"
+    json_path.write_text(json.dumps({"suite": "static", "environment": env, "rows": rows}, indent=1) + "\n")
+    md_path.write_text("# Compiled for H100 and A100\n\n" + NOTE.format(**env) + "\n\n" + markdown(rows, env))
+    return json_path, md_path
+
+
+# The README shows the attention kernels and the tutorial at bf16, MHA, not causal, on sm_90a and
+# sm_80, one row per configuration; the whole table (causal, GQA, every kernel) is in static.md.
+def readme_rows(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if "error" in r or (
+        r["kernel"] in ATTENTION_KERNELS + ("_tutorial_attn_fwd",) and r["dtype"] == "bfloat16"
+        and r["case"].endswith("-full-mha") and r["target"] in ("sm_90a", "sm_80"))]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench static", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--all", action="store_true", help="every dtype, head dims 64/128/256, sm_100a too (long)")
+    parser.add_argument("--targets", nargs="+", choices=list(ARCHS), help="only these targets")
+    parser.add_argument("--only", help="only cases whose id contains this text (e.g. attention_fwd-bfloat16-D128)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT.relative_to(REPO)})")
+    parser.add_argument("--no-readme", action="store_true", help="do not rewrite the README section")
+    parser.add_argument("--case-json", help=argparse.SUPPRESS)  # internal: one case (JSON), rows as JSON on stdout
+    args = parser.parse_args(argv)
+    os.environ.pop("TRITON_INTERPRET", None)  # compile, never interpret
+    if args.case_json:
+        spec = json.loads(args.case_json)
+        case = Case(**{k: tuple(v) if k == "config" and v else v for k, v in spec["case"].items()})
+        print(json.dumps(compile_case(case, spec["target"])))
+        return 0
+    pairs = [(c, t) for c, t in sweep(args.all) if (not args.targets or t in args.targets) and (not args.only or args.only in c.id)]
+    usable = {t: can_compile(t) for t in dict.fromkeys(t for _, t in pairs)}
+    for target, ok in usable.items():
+        if not ok:
+            print(f"{target}: the installed Triton cannot compile for it; skipped", file=sys.stderr)
+    rows, started = [], time.perf_counter()
+    for i, (case, target) in enumerate(p for p in pairs if usable[p[1]]):
+        new = compile_case(case, target)
+        rows.extend(new)
+        write(rows, args.out)  # after every case: a long run interrupted keeps what it compiled
+        print(f"[{i + 1}/{len(pairs)} {time.perf_counter() - started:.0f}s] {target} {case.id}: {len(new)} kernel(s)"
+              + "".join(f"; ERROR {r['error'][:200]}" for r in new if "error" in r), file=sys.stderr, flush=True)
+    json_path, md_path = write(rows, args.out)
+    print(f"wrote {json_path} and {md_path} ({time.perf_counter() - started:.0f} s)")
+    if not args.no_readme and args.out == DEFAULT_OUT:
+        from bench import report
+
+        report.update_static_readme(json_path)
+        print(f"updated {report.README}")
+    return 0
+
+
+def run_in_subprocess(case: Case, target: str, timeout: float = 600) -> list[dict]:
+    """compile_case in a fresh interpreter without TRITON_INTERPRET (the test process interprets)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    spec = json.dumps({"case": dataclasses.asdict(case), "target": target})
+    done = subprocess.run([sys.executable, "-m", "bench", "static", "--case-json", spec], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if done.returncode:
+        raise RuntimeError(f"compiling {case.id} for {target} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
