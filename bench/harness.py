@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import itertools
-import os
 import platform
 import subprocess
 import time
@@ -157,7 +156,9 @@ class Suite:
 def compiled_triton() -> bool:
     """Whether Triton compiles for a CUDA device here rather than interpreting: where the suites'
     GPU tests run (conftest.py skips those marked ``gpu`` otherwise) and their CPU smoke tests skip."""
-    return torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+    from fused_remat.kernels.limits import triton_interpreting
+
+    return torch.cuda.is_available() and not triton_interpreting()
 
 
 def dtype_name(dtype: torch.dtype) -> str:
