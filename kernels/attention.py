@@ -490,7 +490,6 @@ def _attn_bwd_dq(
 # --------------------------------------------------------------------------------------------
 
 _TUNE_KEY = ["N_CTX_Q_KEY", "N_CTX_K_KEY", "HEAD_DIM", "CAUSAL"]
-_SMEM_BYTES = 200 * 1024  # conservative budget under Hopper's 227 KiB per block
 
 
 def _configs(shapes):
@@ -500,35 +499,113 @@ def _configs(shapes):
     ]
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages). Forward and dQ stream key tiles past a resident query
-# tile; dK/dV streams query tiles past a resident key tile (so its BLOCK_N is the resident side).
-# Chosen by compiling for sm_90 (bf16, D 64/128/256) and reading ptxas's register and spill
-# counts: configurations that spill heavily at every head dim were left out; the autotuner
-# times the rest on the device.
-_FWD_CONFIGS = _configs([
-    (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 8, 2), (64, 64, 4, 3),
-    (64, 64, 8, 3), (64, 128, 4, 3), (64, 32, 4, 2), (64, 32, 8, 2),
-])
-_DQ_CONFIGS = _configs([
-    (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 8, 3), (64, 32, 8, 3),
-    (64, 64, 4, 3), (64, 32, 4, 4), (64, 128, 8, 2), (64, 32, 8, 2),
-])
-_DKDV_CONFIGS = _configs([
-    (32, 128, 8, 3), (64, 128, 8, 3), (16, 64, 8, 3), (32, 64, 8, 2),
-    (32, 64, 4, 4), (16, 32, 4, 2), (32, 32, 8, 2), (64, 32, 4, 3),
-])
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and GPU family: 90 = Hopper (sm_90) and
+# newer, 80 = Ampere/Ada. Forward and dQ stream key tiles past a resident query tile; dK/dV streams
+# query tiles past a resident key tile (its BLOCK_N is the resident side). Chosen from the compiled
+# form (`python -m bench static`: ptxas -v and the SASS, bf16, D 64/128), not from timing:
+# - Hopper: every dot a warpgroup MMA (HGMMA) doing each multiply-add once. Left out: 8-warp tiles
+#   with 64 query rows in fwd/dQ (both warpgroups recompute S and dP: 1.5x / 1.67x the work), dK/dV
+#   key tiles below 64 rows (BLOCK_N = 32: wgmma needs M >= 64, mma.sync instead) and 8-warp dK/dV
+#   tiles of 64 key rows (M16/M32 N64 w8: 1.5x). In: the large tiles that fit 227 KiB, such as
+#   fwd M128 N128 w8 s3 (224 KiB at D=128, no spills), dQ M128 N128 w8 s3 (D=64), and dK/dV
+#   M16 N128 w8 (no spills at D=128 with GQA, where the other dK/dV tiles spill).
+# - A100: the configurations measured before the Hopper list; those that spill are in _SPILLS.
+_SHAPES = {
+    "fwd": {
+        90: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 2)],
+        80: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 8, 2), (64, 64, 4, 3),
+             (64, 64, 8, 3), (64, 128, 4, 3), (64, 32, 4, 2), (64, 32, 8, 2)],
+    },
+    "dq": {
+        90: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)],
+        80: [(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 8, 3), (64, 32, 8, 3),
+             (64, 64, 4, 3), (64, 32, 4, 4), (64, 128, 8, 2), (64, 32, 8, 2)],
+    },
+    "dkdv": {
+        90: [(32, 128, 8, 3), (64, 128, 8, 3), (16, 128, 8, 3), (32, 64, 4, 4)],
+        80: [(32, 128, 8, 3), (64, 128, 8, 3), (16, 64, 8, 3), (32, 64, 8, 2),
+             (32, 64, 4, 4), (16, 32, 4, 2), (32, 32, 8, 2), (64, 32, 4, 3)],
+    },
+}
+
+# The pruning facts: where a configuration spills registers, read from ptxas -v on the compiled
+# kernel (`python -m bench static`, Triton 3.9, bf16; fp16 taken as the same; sm_80 measured for MHA
+# only, its entries applied to GQA too; sm_90 D=256 for fwd MHA and the backward with GQA, not
+# causal), never from timing. (family, kernel, (BLOCK_M, BLOCK_N, num_warps)) -> the cases that
+# spill as (padded head dims, causal, GQA), None = either; D=256 is assumed to spill wherever D=128
+# does. Spill bytes (stores/loads) in the comments.
+_SPILLS = {
+    (90, "dkdv", (64, 128, 8)): [((64,), True, True),  # 76/76
+                                 ((128, 256), None, None)],  # 200/176 .. 416/672
+    (90, "dkdv", (32, 128, 8)): [((128, 256), None, True)],  # 8/8 full, 128/128 causal
+    (90, "dkdv", (32, 64, 4)): [((128, 256), None, None)],  # 12/12 .. 404/408 (Triton 3.6 too)
+    (90, "fwd", (64, 128, 4)): [((128, 256), None, None)],  # 24/24 full, 16/16 causal
+    (90, "fwd", (64, 64, 4)): [((256,), None, None)],  # 92/232
+    (90, "dq", (64, 32, 4)): [((256,), None, None)],  # 4/4
+    # D=256: dK and dV's accumulators alone take 256 registers a thread in every Hopper dK/dV tile;
+    # all spill (2048/1536 here), so the pruning falls back to those that fit.
+    (90, "dkdv", (16, 128, 8)): [((256,), None, None)],
+    (90, "dq", (128, 128, 8)): [((128, 256), None, None)],  # 4/8 .. 12/28 (s2; s3 is over 227 KiB)
+    (80, "fwd", (128, 32, 8)): [((64,), True, None)],  # 4/4
+    (80, "fwd", (64, 128, 4)): [((64,), True, None)],  # 4/4
+    (80, "fwd", (64, 64, 4)): [((128, 256), True, None)],  # 4/4
+    (80, "dq", (64, 128, 8)): [((64,), None, None), ((128, 256), True, None)],  # 36/64; 4/4
+    (80, "dq", (128, 64, 8)): [((128, 256), None, None)],  # 24/56 .. 68/108
+    (80, "dq", (64, 64, 4)): [((128, 256), None, None)],  # 8/4 .. 32/32
+    (80, "dkdv", (32, 128, 8)): [((128, 256), None, None)],  # 8/8 .. 20/36
+    (80, "dkdv", (64, 128, 8)): [((128, 256), None, None)],  # 28/28 .. 76/108
+    (80, "dkdv", (32, 64, 4)): [((128, 256), True, None)],  # 8/4
+}
+# Shared memory per block where the driver cannot say (opt-in maximum, bytes).
+_SMEM_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
+# Tiles a kernel keeps resident for its whole loop (fwd: Q; dQ: Q and dO; dK/dV: K and V).
+_RESIDENT_TILES = {"fwd": 1, "dq": 2, "dkdv": 2}
 
 
-def _smem_estimate(config, head_dim: int, elem: int, resident: str, streamed: str) -> int:
-    """Rough shared memory: the pipelined stream of two tiles plus the resident tile."""
+def _target_family() -> int:
+    """90 when Triton compiles for Hopper or newer, 80 below: the active driver's target, which is
+    the GPU's or, in bench/static.py, the stand-in's (so the compile-target tests see this choice).
+    Without a CUDA driver (CPU tests) the Hopper list."""
+    try:
+        arch = triton.runtime.driver.active.get_current_target().arch
+    except Exception:
+        return 90
+    return 90 if isinstance(arch, int) and arch >= 90 else 80
+
+
+def _smem_limit(family: int) -> int:
+    try:
+        driver = triton.runtime.driver.active
+        return int(driver.utils.get_device_properties(driver.get_current_device())["max_shared_mem"])
+    except Exception:
+        return _SMEM_LIMIT[family]
+
+
+def _smem_estimate(config, head_dim: int, elem: int, kernel: str) -> int:
+    """Shared memory: the pipelined stream of two tiles plus the resident tiles, and 2 KiB for the
+    rest (the compiled kernels request this to within 1 KiB at D 64/128)."""
     rows = config.kwargs
-    return (config.num_stages * 2 * rows[streamed] + rows[resident]) * head_dim * elem
+    streamed, resident = ("BLOCK_M", "BLOCK_N") if kernel == "dkdv" else ("BLOCK_N", "BLOCK_M")
+    return (config.num_stages * 2 * rows[streamed] + _RESIDENT_TILES[kernel] * rows[resident]) * head_dim * elem + 2048
 
 
-def _pruner(resident: str, streamed: str, fp32_config):
-    """Drop configurations that obviously overflow shared memory or registers. fp32 (IEEE dots, a
-    correctness path rather than a fast one) gets one small configuration: big fp32 tiles take
-    minutes to compile (measured with ptxas for sm_90, Triton 3.6 and 3.9)."""
+def _spills(family: int, kernel: str, config, head_dim: int, causal, gqa) -> bool:
+    blocks = (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps)
+    return any(head_dim in dims and (c is None or causal is None or c == causal) and (g is None or gqa is None or g == gqa)
+               for dims, c, g in _SPILLS.get((family, kernel, blocks), ()))
+
+
+def _shape(config) -> tuple:
+    return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
+
+
+def _pruner(kernel: str, fp32_config):
+    """The autotuner's early_config_prune for ``kernel``: the target family's list, within its
+    shared memory, without the configurations _SPILLS lists for this head dim, causality and GQA
+    (unknown ones count as spilling). Never empty: if every configuration spills, those that fit are
+    kept, and if none fits, ``fp32_config``. fp32 (IEEE dots, a correctness path rather than a fast
+    one) gets one small configuration: big fp32 tiles take minutes to compile (measured with ptxas for
+    sm_90, Triton 3.6 and 3.9)."""
 
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
@@ -536,25 +613,36 @@ def _pruner(resident: str, streamed: str, fp32_config):
         elem = args["Q"].element_size()
         if elem >= 4:
             return [fp32_config]
-        keep = []
+        family = _target_family()
+        wanted = set(_SHAPES[kernel][family])
+        limit = _smem_limit(family)
+        causal = args.get("CAUSAL")
+        gqa = None if "GROUP" not in args else int(args["GROUP"]) > 1
+        fitting = []
         for config in configs:
-            if _smem_estimate(config, head_dim, elem, resident, streamed) > _SMEM_BYTES:
+            if _shape(config) not in wanted or _smem_estimate(config, head_dim, elem, kernel) > limit:
                 continue
             # Register budget: a 128-row fp32 accumulator of width 256 needs 8 warps.
-            if head_dim >= 256 and config.kwargs[resident] >= 128 and config.num_warps < 8:
+            if head_dim >= 256 and config.kwargs["BLOCK_N" if kernel == "dkdv" else "BLOCK_M"] >= 128 and config.num_warps < 8:
                 continue
-            keep.append(config)
-        return keep or [fp32_config]
+            fitting.append(config)
+        keep = [c for c in fitting if not _spills(family, kernel, c, head_dim, causal, gqa)]
+        return keep or fitting or [fp32_config]
 
     return prune
 
 
+# Every configuration of either family (the autotuner's list is fixed at decoration; the pruner
+# picks the target's).
+_FWD_CONFIGS, _DQ_CONFIGS, _DKDV_CONFIGS = (
+    _configs(dict.fromkeys(_SHAPES[k][90] + _SHAPES[k][80])) for k in ("fwd", "dq", "dkdv"))
+
 # fp32: shared memory at D=256 is 136 KiB (fwd), 200 KiB (dQ), 132 KiB (dK/dV) on sm_90.
 _FP32_QUERY_CONFIG = _configs([(64, 32, 4, 2)])[0]
 _FP32_KEY_CONFIG = _configs([(32, 32, 4, 2)])[0]
-_FWD_PRUNE = _pruner("BLOCK_M", "BLOCK_N", _FP32_QUERY_CONFIG)
-_DQ_PRUNE = _pruner("BLOCK_M", "BLOCK_N", _FP32_QUERY_CONFIG)
-_DKDV_PRUNE = _pruner("BLOCK_N", "BLOCK_M", _FP32_KEY_CONFIG)
+_FWD_PRUNE = _pruner("fwd", _FP32_QUERY_CONFIG)
+_DQ_PRUNE = _pruner("dq", _FP32_QUERY_CONFIG)
+_DKDV_PRUNE = _pruner("dkdv", _FP32_KEY_CONFIG)
 
 _attn_fwd_tuned = triton.autotune(
     configs=_FWD_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _FWD_PRUNE}

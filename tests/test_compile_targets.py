@@ -13,14 +13,16 @@ cached for the session, shared by xdist workers. Per compiled kernel, separate t
 The attention goals (no spills, HGMMA, no C7515, work once) are issue 11's, for sm_90a; on sm_80
 the attention kernels are checked to compile and fit, and every other kernel also for no spills.
 
-Goals today's kernels do not meet are strict xfails with the reason (``KNOWN``): the day a
-kernel meets one, its test fails as XPASS and the entry must go.
+Goals today's kernels do not meet are strict xfails with the reason (``known_failure``): the day
+a kernel meets one, its test fails as XPASS and the entry must go. Spills, HMMA and repeated work
+are not among them: the autotuner's pruning keeps, per target, only configurations without them
+(``picked_configs`` asks it under the stand-in driver), and those are asserted.
 
 CI runs a small subset (a few minutes on 2 cores). ``FUSED_REMAT_COMPILE_ALL=1`` adds every
 configuration the attention autotuner can pick, every dtype, head dims 64/128/256, causal and not,
 MHA and GQA, and every norm/activation/RoPE variant, marked ``compile_targets_full`` (select with
 ``-m compile_targets_full``). The expectations for the full set outside bf16 D 64/128 (fp16, fp32,
-D 256) were not all verified by a run: see KNOWN.
+D 256) were not all verified by a run: see known_failure.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import zlib
 
 import pytest
 
-from bench.static import ATTENTION_KERNELS, Case, launcher_configs, run_in_subprocess
+from bench.static import ATTENTION_KERNELS, Case, run_in_subprocess
 
 FULL = os.environ.get("FUSED_REMAT_COMPILE_ALL") == "1"
 PROPERTIES = ("fits", "no_spills", "hgmma", "not_serialized", "work_once")
@@ -47,26 +49,55 @@ CI_CASES = [
     Case("swiglu_bwd", "bfloat16", width=4096),
     Case("rope", "bfloat16", 128),
 ]
+# On sm_90a only (Hopper's own picks): the largest forward tile, and dK/dV with GQA at D=128, where
+# every dK/dV tile but M16 N128 w8 spills.
+CI_SM90_CASES = [
+    Case("attention_fwd", "bfloat16", 128, causal=True, config=(128, 128, 8, 3)),
+    Case("attention_bwd", "bfloat16", 128, causal=True, gqa=True, config=(128, 32, 8, 3), dkdv_config=(16, 128, 8, 3)),
+]
+CI_PAIRS = [(c, t) for c in CI_CASES for t in ("sm_90a", "sm_80")] + [(c, "sm_90a") for c in CI_SM90_CASES]
 
 
-def _full_cases() -> list[Case]:
-    cases = []
-    for dtype in ("bfloat16", "float16", "float32"):
-        for dim in (64, 128, 256):
-            fwd, dq, dkdv = (launcher_configs(k, dtype, dim) for k in ("fwd", "dq", "dkdv"))
-            for causal in (False, True):
-                cases += [Case("attention_fwd", dtype, dim, causal, False, config=c) for c in fwd]
-                for gqa in (False, True):
-                    # every dQ and every dK/dV configuration, paired (the shorter list repeats)
-                    for i in range(max(len(dq), len(dkdv))):
-                        cases.append(Case("attention_bwd", dtype, dim, causal, gqa,
-                                          config=dq[i % len(dq)], dkdv_config=dkdv[i % len(dkdv)]))
-        for op in ("layer_norm_fwd", "rms_norm_fwd", "layer_norm_bwd", "rms_norm_bwd"):
-            cases += [Case(op, dtype, width=w) for w in (768, 4096, 16384, 32768)]
-        for op in ("gelu_fwd", "gelu_bwd", "swiglu_fwd", "swiglu_bwd"):
-            cases.append(Case(op, dtype, width=4096))
-        cases += [Case("rope", dtype, d) for d in (64, 128, 256)]
-    return [c for c in cases if c not in CI_CASES]
+def picked_configs(kernel: str, target: str, dtype: str, head_dim: int, causal: bool, gqa: bool) -> list[tuple]:
+    """The configurations the attention autotuner offers for ``kernel`` ("fwd", "dq", "dkdv") when
+    compiling for ``target``: its prune function, run under bench/static.py's stand-in driver for
+    that target (so it sees the target's compute capability), with the launch's head dim, causality
+    and GQA group. (BLOCK_M, BLOCK_N, num_warps, num_stages) each."""
+    import torch
+
+    from bench.static import ARCHS, compiling_for
+    from fused_remat.kernels import attention
+
+    configs = getattr(attention, f"_{kernel.upper()}_CONFIGS")
+    prune = getattr(attention, f"_{kernel.upper()}_PRUNE")
+    q = torch.empty(1, 1, 1, head_dim, device="meta", dtype=getattr(torch, dtype))
+    with compiling_for(ARCHS[target]):
+        kept = prune(configs, {"Q": q, "GROUP": 4 if gqa else 1}, HEAD_DIM=max(16, 1 << (head_dim - 1).bit_length()),
+                     CAUSAL=causal)
+    return [attention._shape(c) for c in kept]
+
+
+def _full_cases() -> list[tuple[Case, str]]:
+    """(case, target): every configuration the autotuner can pick on that target."""
+    pairs = []
+    for target in ("sm_90a", "sm_80"):
+        for dtype in ("bfloat16", "float16", "float32"):
+            for dim in (64, 128, 256):
+                for causal in (False, True):
+                    fwd = picked_configs("fwd", target, dtype, dim, causal, False)
+                    pairs += [(Case("attention_fwd", dtype, dim, causal, False, config=c), target) for c in fwd]
+                    for gqa in (False, True):
+                        dq, dkdv = (picked_configs(k, target, dtype, dim, causal, gqa) for k in ("dq", "dkdv"))
+                        # every dQ and every dK/dV configuration, paired (the shorter list repeats)
+                        for i in range(max(len(dq), len(dkdv))):
+                            pairs.append((Case("attention_bwd", dtype, dim, causal, gqa,
+                                               config=dq[i % len(dq)], dkdv_config=dkdv[i % len(dkdv)]), target))
+            for op in ("layer_norm_fwd", "rms_norm_fwd", "layer_norm_bwd", "rms_norm_bwd"):
+                pairs += [(Case(op, dtype, width=w), target) for w in (768, 4096, 16384, 32768)]
+            for op in ("gelu_fwd", "gelu_bwd", "swiglu_fwd", "swiglu_bwd"):
+                pairs.append((Case(op, dtype, width=4096), target))
+            pairs += [(Case("rope", dtype, d), target) for d in (64, 128, 256)]
+    return [p for p in pairs if p not in CI_PAIRS]
 
 
 def _kernels(case: Case) -> tuple[str, ...]:
@@ -85,67 +116,45 @@ def _config_of(case: Case, kernel: str) -> tuple | None:
     return case.dkdv_config or case.config if kernel == "_attn_bwd_dkdv" else case.config
 
 
-# Measured with Triton 3.9, bf16, sm_90a (`python -m bench static`): configurations whose hot loop
-# executes more multiply-adds than needed (two warpgroups, or warps, computing the same products).
-_REPEATED_WORK = {
-    "_attn_fwd": {(64, 64, 8), (64, 32, 8), (64, 128, 8)},  # 1.5x
-    "_attn_bwd_dq": {(64, 64, 8), (64, 32, 8), (64, 128, 8)},  # 1.67x
-    "_attn_bwd_dkdv": {(16, 64, 8), (32, 64, 8), (16, 32, 4), (32, 32, 8)},  # 1.5x
-}
-# dK/dV configurations (BLOCK_M, BLOCK_N, num_warps) that reach 255 registers and spill, per
-# (head dim, causal, GQA), sm_90a, bf16 (fp16 assumed the same).
-_DKDV_SPILLS_SM90 = {
-    (64, True, True): {(64, 128, 8)},
-    (128, False, False): {(64, 128, 8), (32, 64, 4)},
-    (128, True, False): {(64, 128, 8)},
-    (128, False, True): {(32, 128, 8), (64, 128, 8), (32, 64, 4), (16, 32, 4), (64, 32, 4)},
-    (128, True, True): {(32, 128, 8), (64, 128, 8), (32, 64, 8), (32, 64, 4), (16, 32, 4), (64, 32, 4)},
-}
-
-
 def known_failure(case: Case, target: str, kernel: str, prop: str) -> str | None:
-    """Why a goal is not met today (issue 11), or None where it must hold. From compiling bf16
-    D 64/128 with Triton 3.9 (`python -m bench static`); fp16 is assumed to behave as bf16, and the
-    fp32 and D 256 entries (full set only) follow the issue's report, not a run of ours."""
-    config = _config_of(case, kernel)
-    blocks = tuple(config[:3]) if config else None
+    """Why a goal is not met today (issue 11), or None where it must hold. Spills, HMMA fallbacks and
+    repeated matrix work are not here: the attention autotuner's pruning leaves out, per target, every
+    configuration that shows them (kernels/attention.py, _SHAPES and _SPILLS), so every configuration
+    it can pick is asserted to have none, but for dK/dV at D=256, where no tile avoids spilling (the
+    pruning then keeps those that fit). fp16 is assumed to behave as bf16, and the fp32 entries
+    (full set only) follow the issue's report, not a run of ours."""
     sm90_attention = target == "sm_90a" and kernel in MMA_KERNELS
     if case.dtype == "float32" and kernel in MMA_KERNELS:
         if prop == "no_spills":
             return "fp32 attention spills (issue 11 part 4)"
         if prop in ("hgmma", "not_serialized"):
             return "fp32 (IEEE) dots are not wgmma"
+    if prop == "no_spills" and sm90_attention and kernel == "_attn_bwd_dkdv" and case.head_dim == 256:
+        return "D=256 dK/dV: the dK and dV accumulators alone need 256 registers a thread in every wgmma tile"
     if prop == "not_serialized" and sm90_attention and kernel in ("_attn_fwd", "_attn_bwd_dq"):
         return "C7515: wgmma serialized in fwd and dQ (non-wgmma instructions define the accumulator)"
-    if prop == "hgmma" and sm90_attention and kernel == "_attn_bwd_dkdv" and blocks[1] < 64:
-        return "dK/dV with a 32-row key tile: wgmma needs M >= 64, falls back to mma.sync"
-    if prop == "work_once" and blocks in _REPEATED_WORK.get(kernel, ()):
-        return "the hot loop's MMAs repeat work across warpgroups (1.5-1.67x the needed multiply-adds)"
-    if prop == "no_spills" and kernel == "_attn_bwd_dkdv":
-        if blocks in _DKDV_SPILLS_SM90.get((case.head_dim, case.causal, case.gqa), ()):
-            return "dK/dV reaches 255 registers and spills"
     return None
 
 
 def _params():
-    cases = [(c, False) for c in CI_CASES] + ([(c, True) for c in _full_cases()] if FULL else [])
+    cases = [(c, t, False) for c, t in CI_PAIRS]
+    cases += [(c, t, True) for c, t in _full_cases()] if FULL else []
     params = []
-    for case, full in cases:
-        for target in ("sm_90a", "sm_80"):
-            for kernel in _kernels(case):
-                for prop in PROPERTIES:
-                    # The issue's goals for attention are on sm_90a; on sm_80 its kernels must compile
-                    # and fit (their spills and repeated work are in the static table, not asserted).
-                    if kernel in MMA_KERNELS and target != "sm_90a" and prop != "fits":
-                        continue
-                    if kernel not in MMA_KERNELS and prop in ("hgmma", "not_serialized", "work_once"):
-                        continue
-                    marks = [pytest.mark.compile_targets_full] if full else []
-                    reason = known_failure(case, target, kernel, prop)
-                    if reason:
-                        marks.append(pytest.mark.xfail(strict=True, reason=reason))
-                    params.append(pytest.param(case, target, kernel, prop, marks=marks,
-                                               id=f"{target}-{case.id}-{kernel.lstrip('_')}-{prop}"))
+    for case, target, full in cases:
+        for kernel in _kernels(case):
+            for prop in PROPERTIES:
+                # The issue's goals for attention are on sm_90a; on sm_80 its kernels must compile
+                # and fit (their spills and repeated work are in the static table, not asserted).
+                if kernel in MMA_KERNELS and target != "sm_90a" and prop != "fits":
+                    continue
+                if kernel not in MMA_KERNELS and prop in ("hgmma", "not_serialized", "work_once"):
+                    continue
+                marks = [pytest.mark.compile_targets_full] if full else []
+                reason = known_failure(case, target, kernel, prop)
+                if reason:
+                    marks.append(pytest.mark.xfail(strict=True, reason=reason))
+                params.append(pytest.param(case, target, kernel, prop, marks=marks,
+                                           id=f"{target}-{case.id}-{kernel.lstrip('_')}-{prop}"))
     return params
 
 
@@ -191,6 +200,45 @@ def test_compiled(facts_cache, case, target, kernel, prop):
 
 def test_every_kernel_has_cases():
     """The sets above name every Triton kernel of the launchers (a new kernel needs a case here)."""
-    named = {k for c in CI_CASES for k in _kernels(c)} | {"_norm_fwd", "_gelu"}
+    named = {k for c, _ in CI_PAIRS for k in _kernels(c)} | {"_norm_fwd", "_gelu"}
     assert set(ATTENTION_KERNELS) <= named
     assert {"_attn_bwd_preprocess", "_norm_fwd", "_norm_bwd", "_gelu", "_swiglu", "_rotary_embedding"} <= named
+
+
+HOPPER_SHAPES = [(dtype, dim, causal, gqa) for dtype in ("bfloat16", "float16") for dim in (64, 128)
+                 for causal in (False, True) for gqa in (False, True)]
+
+
+@pytest.mark.parametrize("dtype, dim, causal, gqa", HOPPER_SHAPES,
+                         ids=[f"{t}-D{d}-{'causal' if c else 'full'}-{'gqa' if g else 'mha'}" for t, d, c, g in HOPPER_SHAPES])
+def test_hopper_picks_follow_the_rules(dtype, dim, causal, gqa):
+    """What the autotuner can pick on sm_90a (no compile: the rules the compiled tests confirm).
+    fwd/dQ: no 8-warp tile with 64 query rows (both warpgroups would repeat S and dP); dK/dV: a key
+    tile of at least 64 rows (wgmma's M) and, with 8 warps, of 128 (two warpgroups of 64 rows)."""
+    for kernel in ("fwd", "dq", "dkdv"):
+        picked = picked_configs(kernel, "sm_90a", dtype, dim, causal, gqa)
+        assert picked, f"{kernel}: pruning left nothing"
+        for m, n, warps, _ in picked:
+            if kernel == "dkdv":
+                assert n >= 64 * max(1, warps // 4), f"dkdv M{m} N{n} w{warps}: key tile below 64 rows per warpgroup"
+            else:
+                assert not (m < 128 and warps == 8), f"{kernel} M{m} N{n} w{warps}: 8 warps on {m} query rows"
+
+
+def test_picks_depend_on_the_target():
+    """The pruning reads the target's compute capability: sm_80 keeps configurations of its own."""
+    for kernel in ("fwd", "dq", "dkdv"):
+        hopper, ampere = (picked_configs(kernel, t, "bfloat16", 64, False, False) for t in ("sm_90a", "sm_80"))
+        assert hopper and ampere and set(hopper) != set(ampere), kernel
+
+
+def test_ci_cases_are_picks():
+    """The attention configurations CI compiles are ones the autotuner can pick on their target."""
+    for case, target in CI_PAIRS:
+        if not case.op.startswith("attention"):
+            continue
+        kernels = ("fwd",) if case.op == "attention_fwd" else ("dq", "dkdv")
+        for kernel in kernels:
+            config = case.dkdv_config if kernel == "dkdv" else case.config
+            assert config in picked_configs(kernel, target, case.dtype, case.head_dim, case.causal, case.gqa), \
+                f"{case.id} on {target}: {kernel} {config} is not among the autotuner's picks"
