@@ -62,10 +62,11 @@ def layer_bytes_per_token(config: ModelConfig, policy: str, precision: Precision
 
 def head_bytes(config: ModelConfig, tokens: int, precision: Precision) -> int:
     """What the rest of the model keeps: the token ids (embedding backward), the final norm's input
-    and statistics, and the chunked loss's gradients (one per hidden state, one for the head)."""
+    and statistics, and the chunked loss's gradients (one per hidden state, one for the head, and
+    its fp32 backward scale)."""
     statistics = 2 * _FP32 if config.norm == "layernorm" else _FP32
     per_token = 8 + precision.residual_bytes * config.dim + statistics + precision.residual_bytes * config.dim
-    return tokens * per_token + _FP32 * config.vocab_size * config.dim
+    return tokens * per_token + _FP32 * config.vocab_size * config.dim + _FP32
 
 
 def layer_step_flops(config: ModelConfig, batch: int, seq_len: int) -> tuple[float, float]:
