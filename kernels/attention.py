@@ -722,13 +722,17 @@ def _strides(t):
 
 
 def _output(name: str, given, like: torch.Tensor) -> torch.Tensor:
-    """A caller's preallocated output (any strides, last dim contiguous), or a fresh contiguous one."""
+    """A caller's preallocated output (any strides, last dim contiguous), or a fresh contiguous one.
+
+    A given output may also be fp32: the result unrounded, for callers that sum partial results
+    (ring attention merges one block of keys at a time)."""
     if given is None:
         return torch.empty(like.shape, device=like.device, dtype=like.dtype)
-    if given.shape != like.shape or given.dtype != like.dtype or given.device != like.device or given.stride(-1) != 1:
+    if (given.shape != like.shape or given.dtype not in (like.dtype, torch.float32) or given.device != like.device
+            or given.stride(-1) != 1):
         raise ValueError(
-            f"{name} must be a {like.dtype} tensor of shape {tuple(like.shape)} on {like.device} with a contiguous "
-            f"last dim, got {given.dtype} {tuple(given.shape)} strides {given.stride()} on {given.device}"
+            f"{name} must be a {like.dtype} or float32 tensor of shape {tuple(like.shape)} on {like.device} with a "
+            f"contiguous last dim, got {given.dtype} {tuple(given.shape)} strides {given.stride()} on {given.device}"
         )
     return given
 
