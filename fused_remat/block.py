@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import custom_ops, reference
+from . import context_parallel, custom_ops, reference
 from .backend import SUPPORTED_DTYPES, use_triton
 
 REMAT_POLICIES = ("none", "cheap", "full")
@@ -50,6 +50,7 @@ class _Geometry:
     rope_theta: float | None
     remat: str
     compute_dtype: torch.dtype
+    context_parallel: str = ""  # the context-parallel process group's name; "" for one process
 
     @property
     def tokens(self) -> int:
@@ -63,13 +64,17 @@ class _Geometry:
         """The geometry as the block custom ops take it (``from_op_args`` reverses it)."""
         sizes = [self.batch, self.seq, self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim,
                  int(self.rms), int(self.causal)]
-        return sizes, self.eps, self.rope_theta, self.activation, self.remat, self.compute_dtype
+        return sizes, self.eps, self.rope_theta, self.activation, self.remat, self.compute_dtype, self.context_parallel
 
     @classmethod
-    def from_op_args(cls, sizes, eps, rope_theta, activation, remat, compute_dtype) -> _Geometry:
+    def from_op_args(cls, sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel) -> _Geometry:
         batch, seq, dim, n_heads, n_kv_heads, head_dim, ffn_dim, rms, causal = sizes
         return cls(batch, seq, dim, n_heads, n_kv_heads, head_dim, ffn_dim, bool(rms), activation, bool(causal), eps,
-                   rope_theta, remat, compute_dtype)
+                   rope_theta, remat, compute_dtype, context_parallel)
+
+    def context_parallel_group(self):
+        """The process group the sequence is split over, or None."""
+        return context_parallel.resolve_group(self.context_parallel) if self.context_parallel else None
 
 
 # Parameter order of the Function's inputs after x.
@@ -171,7 +176,9 @@ def _rotate_qk_(qkv: torch.Tensor, g: _Geometry, inverse: bool) -> None:
     """Rotary embedding of the q and k heads of a packed qkv (or dqkv) buffer, in place."""
     # D/2 frequencies, computed per call rather than cached: a cache would be invisible to torch.compile.
     inv_freq = reference.rotary_inverse_frequencies(g.head_dim, g.rope_theta, qkv.device)
-    custom_ops.rotary_qk_(qkv, inv_freq, g.batch, g.n_heads, g.n_kv_heads, inverse)
+    group = g.context_parallel_group()
+    chunk_starts = None if group is None else list(context_parallel.local_chunk_starts(g.seq, group))
+    custom_ops.rotary_qk_(qkv, inv_freq, g.batch, g.n_heads, g.n_kv_heads, inverse, chunk_starts)
 
 
 def _norm_forward(x, weights, g: _Geometry, residual=None):
@@ -200,7 +207,14 @@ def _forward_pass(x: torch.Tensor, w: _Weights, g: _Geometry, keep_outputs: bool
     qkv = F.linear(y1, w.qkv, w.qkv_bias)
     if g.rope_theta is not None:
         _rotate_qk_(qkv, g, inverse=False)
-    o, lse = custom_ops.attention_packed_fwd(qkv, g.batch, g.n_heads, g.n_kv_heads, g.causal, g.head_dim**-0.5)
+    group = g.context_parallel_group()
+    if group is None:
+        o, lse = custom_ops.attention_packed_fwd(qkv, g.batch, g.n_heads, g.n_kv_heads, g.causal, g.head_dim**-0.5)
+    else:
+        o = qkv.new_empty(g.tokens, g.n_heads * g.head_dim)
+        _, lse = context_parallel.ring_attention_fwd(*custom_ops.split_heads(qkv, g.batch, g.n_heads, g.n_kv_heads),
+                                                     group, g.causal, g.head_dim**-0.5,
+                                                     out=custom_ops.token_major_heads(o, g.batch, g.n_heads))
     y2, mean2, rstd2, h = _norm_forward(x, w.norm2, g, residual=F.linear(o, w.out, w.out_bias))
     u = F.linear(y2, w.fc1, w.fc1_bias)
     saved = _Activations(qkv, o, lse, h, u, mean1, rstd1, mean2, rstd2)
@@ -231,11 +245,12 @@ _SLOTS = tuple(k for k in KEPT_FOR_BACKWARD if k.name != "x")
 
 @torch.library.custom_op("fused_remat::block_fwd", mutates_args=())
 def _block_fwd(x: torch.Tensor, params: list[torch.Tensor], present: list[bool], sizes: list[int], eps: float,
-               rope_theta: float | None, activation: str, remat: str, compute_dtype: torch.dtype) -> list[torch.Tensor]:
+               rope_theta: float | None, activation: str, remat: str, compute_dtype: torch.dtype,
+               context_parallel: str) -> list[torch.Tensor]:
     """[y (T, dim), then each of _SLOTS: the activation if ``remat`` keeps it, else empty] for x (T, dim).
 
     ``params`` holds the block's parameters that exist (``present`` says which of _PARAMETERS)."""
-    g = _Geometry.from_op_args(sizes, eps, rope_theta, activation, remat, compute_dtype)
+    g = _Geometry.from_op_args(sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel)
     with torch.autocast(x.device.type, enabled=False):
         weights = _Weights(_with_absent(params, present), compute_dtype)
         acts, y = _forward_pass(x, weights, g, keep_outputs=remat == "none", finish=True)
@@ -243,8 +258,8 @@ def _block_fwd(x: torch.Tensor, params: list[torch.Tensor], present: list[bool],
 
 
 @_block_fwd.register_fake
-def _(x, params, present, sizes, eps, rope_theta, activation, remat, compute_dtype):
-    g = _Geometry.from_op_args(sizes, eps, rope_theta, activation, remat, compute_dtype)
+def _(x, params, present, sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel):
+    g = _Geometry.from_op_args(sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel)
     return [torch.empty_like(x), *(_kept_like(k, g, x) if remat in k.policies else x.new_empty(0) for k in _SLOTS)]
 
 
@@ -264,10 +279,10 @@ def _kept_like(kept: Kept, g: _Geometry, x: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("fused_remat::block_bwd", mutates_args=())
 def _block_bwd(dy: torch.Tensor, x: torch.Tensor, kept: list[torch.Tensor], params: list[torch.Tensor],
                present: list[bool], needs: list[bool], sizes: list[int], eps: float, rope_theta: float | None,
-               activation: str, remat: str, compute_dtype: torch.dtype) -> list[torch.Tensor]:
+               activation: str, remat: str, compute_dtype: torch.dtype, context_parallel: str) -> list[torch.Tensor]:
     """[dx, then the gradient of each of ``params`` (empty where ``needs`` is False)] from dy (T, dim),
     x and the ``_SLOTS`` the forward returned."""
-    g = _Geometry.from_op_args(sizes, eps, rope_theta, activation, remat, compute_dtype)
+    g = _Geometry.from_op_args(sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel)
     named = dict(zip(_PARAMETERS, _with_absent(params, present)))
     needed = dict(zip((name for name, has in zip(_PARAMETERS, present) if has), needs))
     with torch.autocast(dy.device.type, enabled=False):
@@ -283,7 +298,7 @@ def _block_bwd(dy: torch.Tensor, x: torch.Tensor, kept: list[torch.Tensor], para
 
 
 @_block_bwd.register_fake
-def _(dy, x, kept, params, present, needs, sizes, eps, rope_theta, activation, remat, compute_dtype):
+def _(dy, x, kept, params, present, needs, sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel):
     return [torch.empty_like(x), *(torch.empty_like(p) if need else x.new_empty(0) for p, need in zip(params, needs))]
 
 
@@ -351,8 +366,18 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _Geometry, needs: 
     d_attn = dh.to(g.compute_dtype)
     grads["out_proj.bias"] = _bias_grad(needs["out_proj.bias"], d_attn, named["out_proj.bias"])
     grads["out_proj.weight"] = _weight_grad(needs["out_proj.weight"], d_attn, acts.o, named["out_proj.weight"])
-    dqkv = custom_ops.attention_packed_bwd(d_attn @ w.out, acts.qkv, acts.o, acts.lse, g.batch, g.n_heads,
-                                           g.n_kv_heads, g.causal, g.head_dim**-0.5)
+    group = g.context_parallel_group()
+    if group is None:
+        dqkv = custom_ops.attention_packed_bwd(d_attn @ w.out, acts.qkv, acts.o, acts.lse, g.batch, g.n_heads,
+                                               g.n_kv_heads, g.causal, g.head_dim**-0.5)
+    else:
+        dqkv = torch.empty_like(acts.qkv)
+        grads_qkv = context_parallel.ring_attention_bwd(
+            custom_ops.token_major_heads(d_attn @ w.out, g.batch, g.n_heads),
+            *custom_ops.split_heads(acts.qkv, g.batch, g.n_heads, g.n_kv_heads),
+            custom_ops.token_major_heads(acts.o, g.batch, g.n_heads), acts.lse, group, g.causal, g.head_dim**-0.5)
+        for packed, grad in zip(custom_ops.split_heads(dqkv, g.batch, g.n_heads, g.n_kv_heads), grads_qkv):
+            packed.copy_(grad)
     del d_attn
     if g.rope_theta is not None:
         _rotate_qk_(dqkv, g, inverse=True)
@@ -388,6 +413,11 @@ class TransformerBlock(reference.TransformerBlock):
     ``torch.autocast``, which runs the matmuls and attention in the autocast dtype while x, h and y
     stay in x's dtype. CUDA runs compiled Triton; CPU runs the Triton interpreter under
     ``TRITON_INTERPRET=1`` and otherwise the reference block (``full`` through torch.utils.checkpoint).
+
+    ``context_parallel`` (attribute, default None): a process group over which every sequence is
+    split (``fused_remat.context_parallel``): x is then this rank's two zigzag chunks (B, 2C, dim),
+    RoPE uses their true positions and attention runs as a ring over the group. Every policy keeps
+    what it keeps without it, for the local tokens; ``full``'s replay re-runs the ring in backward.
     """
 
     REMAT_POLICIES = REMAT_POLICIES
@@ -398,6 +428,7 @@ class TransformerBlock(reference.TransformerBlock):
         super().__init__(dim, n_heads, n_kv_heads=n_kv_heads, ffn_dim=ffn_dim, norm=norm, activation=activation,
                          bias=bias, causal=causal, eps=eps, rope_theta=rope_theta, remat=remat, device=device,
                          dtype=dtype)
+        self.context_parallel = None
 
     @classmethod
     def from_reference(cls, block: reference.TransformerBlock, remat: str = "cheap") -> TransformerBlock:
@@ -412,6 +443,11 @@ class TransformerBlock(reference.TransformerBlock):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
+        if self.context_parallel is not None:
+            context_parallel.check_local_sequence(_OP, x.shape[1], self.context_parallel)
+            if not use_triton(_OP, x.device):
+                raise RuntimeError(f"{_OP}: context parallelism runs the Triton kernels only (CUDA, or the interpreter "
+                                   f"with TRITON_INTERPRET=1 on CPU); this call would use the reference block")
         if not use_triton(_OP, x.device):
             return super().forward(x)  # the reference math; ``full`` through torch.utils.checkpoint
         params = [self._parameter(name) for name in _PARAMETERS]
@@ -420,6 +456,7 @@ class TransformerBlock(reference.TransformerBlock):
             head_dim=self.head_dim, ffn_dim=self.ffn_dim, rms=self.norm_kind == "rmsnorm",
             activation=self.activation, causal=self.causal, eps=self.eps, rope_theta=self.rope_theta,
             remat=self.remat, compute_dtype=self._compute_dtype(x, params),
+            context_parallel="" if self.context_parallel is None else self.context_parallel.group_name,
         )
         y, *_ = _BlockFunction.apply(x.reshape(geometry.tokens, self.dim).contiguous(), geometry, *params)
         return y.view(x.shape)

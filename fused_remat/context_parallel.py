@@ -70,6 +70,39 @@ def zigzag_positions(seq_len: int, rank: int, world: int) -> tuple[int, int]:
     return rank * chunk, (2 * world - 1 - rank) * chunk
 
 
+def resolve_group(group_name: str):
+    """The process group of that ``group_name`` (how custom operators, which take no process group
+    objects, name one)."""
+    return dist.distributed_c10d._resolve_process_group(group_name)
+
+
+def check_local_sequence(op: str, local_len: int, group) -> None:
+    if local_len % 2:
+        raise ValueError(f"{op}: under context parallelism the local sequence length must be even (two zigzag chunks "
+                         f"of the full sequence), got {local_len} on rank {dist.get_rank(group)}")
+
+
+def local_chunk_starts(local_len: int, group) -> tuple[int, int]:
+    """Full-sequence positions where this rank's two zigzag chunks start, for a local length 2C."""
+    world = dist.get_world_size(group)
+    return zigzag_positions(local_len * world, dist.get_rank(group), world)
+
+
+def mean_over_group(local_mean: torch.Tensor, local_count: int, group) -> torch.Tensor:
+    """The mean over every rank's counted tokens, from this rank's mean over its ``local_count``.
+
+    The value is the group's mean (all-reduced, identical on every rank); the gradient is this
+    rank's share only (local_mean x local_count / total), so that summing the parameter gradients
+    over the group, as data-parallel gradient reduction does, gives the gradient of the group's mean
+    once, not once per rank."""
+    total = torch.tensor(float(local_count), dtype=torch.float64, device=local_mean.device)
+    dist.all_reduce(total, group=group)
+    share = local_mean * (local_count / total.item()) if total.item() else local_mean * 0.0
+    value = share.detach().clone()
+    dist.all_reduce(value, group=group)
+    return share + (value - share.detach())
+
+
 class _Shift:
     """One in-flight ring transfer: ``tensor`` sent to the next rank, its like received from the previous."""
 
@@ -199,12 +232,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"{_OP}: q has {q.shape[2]} local positions but k/v have {k.shape[2]}; each rank holds "
                          f"the same tokens of q, k and v")
-    if q.shape[2] % 2:
-        raise ValueError(f"{_OP}: the local sequence length {q.shape[2]} of q must be even (two zigzag chunks)")
     group = dist.group.WORLD if group is None else group
+    check_local_sequence(_OP, q.shape[2], group)
     o, lse = _RingAttention.apply(q, k, v, group, bool(causal), scale)
     return (o, lse) if return_lse else o
 
 
-__all__ = ["ring_attention", "ring_attention_fwd", "ring_attention_bwd", "zigzag_shard", "zigzag_unshard",
+__all__ = ["ring_attention", "mean_over_group", "ring_attention_fwd", "ring_attention_bwd", "zigzag_shard", "zigzag_unshard",
            "zigzag_positions"]

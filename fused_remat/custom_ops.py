@@ -149,7 +149,7 @@ def split_heads(qkv: Tensor, batch: int, n_heads: int, n_kv_heads: int):
     return heads[:, :n_heads], heads[:, n_heads:n_heads + n_kv_heads], heads[:, n_heads + n_kv_heads:]
 
 
-def _token_major_heads(t: Tensor, batch: int, n_heads: int) -> Tensor:
+def token_major_heads(t: Tensor, batch: int, n_heads: int) -> Tensor:
     """A (T, H D) token-major buffer seen as (B, H, N, D)."""
     return t.view(batch, t.shape[0] // batch, n_heads, t.shape[1] // n_heads).transpose(1, 2)
 
@@ -162,7 +162,7 @@ def attention_packed_fwd(qkv: Tensor, batch: int, n_heads: int, n_kv_heads: int,
 
     q, k, v = split_heads(qkv, batch, n_heads, n_kv_heads)
     o = qkv.new_empty(qkv.shape[0], n_heads * q.shape[-1])
-    _, lse = launch(q, k, v, causal, scale, out=_token_major_heads(o, batch, n_heads))
+    _, lse = launch(q, k, v, causal, scale, out=token_major_heads(o, batch, n_heads))
     return o, lse
 
 
@@ -180,8 +180,8 @@ def attention_packed_bwd(do: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, batch:
     from .kernels.attention import attention_bwd as launch
 
     dqkv = torch.empty_like(qkv)
-    launch(_token_major_heads(do, batch, n_heads), *split_heads(qkv, batch, n_heads, n_kv_heads),
-           _token_major_heads(o, batch, n_heads), lse, causal, scale,
+    launch(token_major_heads(do, batch, n_heads), *split_heads(qkv, batch, n_heads, n_kv_heads),
+           token_major_heads(o, batch, n_heads), lse, causal, scale,
            out=split_heads(dqkv, batch, n_heads, n_kv_heads))
     return dqkv
 
@@ -192,17 +192,20 @@ def _(do, qkv, o, lse, batch, n_heads, n_kv_heads, causal, scale):
 
 
 @_op("rotary_qk_", mutates_args=("qkv",))
-def rotary_qk_(qkv: Tensor, inv_freq: Tensor, batch: int, n_heads: int, n_kv_heads: int, inverse: bool) -> None:
-    """Rotary embedding (positions 0..N-1) of the q and k heads of a packed qkv or dqkv, in place."""
+def rotary_qk_(qkv: Tensor, inv_freq: Tensor, batch: int, n_heads: int, n_kv_heads: int, inverse: bool,
+               chunk_starts: list[int] | None = None) -> None:
+    """Rotary embedding (positions 0..N-1, or two chunks from ``chunk_starts``, see
+    kernels.rope.rotary_embedding_) of the q and k heads of a packed qkv or dqkv, in place."""
     from .kernels.rope import rotary_embedding_
 
     head_dim = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
     heads = qkv.view(batch, qkv.shape[0] // batch, n_heads + 2 * n_kv_heads, head_dim)
-    rotary_embedding_(heads[:, :, :n_heads + n_kv_heads], inv_freq, inverse=inverse)
+    rotary_embedding_(heads[:, :, :n_heads + n_kv_heads], inv_freq, inverse=inverse,
+                      chunk_starts=None if chunk_starts is None else tuple(chunk_starts))
 
 
 @rotary_qk_.register_fake
-def _(qkv, inv_freq, batch, n_heads, n_kv_heads, inverse):
+def _(qkv, inv_freq, batch, n_heads, n_kv_heads, inverse, chunk_starts=None):
     return None
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import context_parallel as cp
 from . import reference
 from .block import TransformerBlock
 from .loss import linear_cross_entropy
@@ -28,6 +29,7 @@ from .norms import layer_norm, rms_norm
 
 BLOCK_CLASSES = {"fused": TransformerBlock, "reference": reference.TransformerBlock}
 BLOCK_IMPLS = tuple(BLOCK_CLASSES)
+IGNORE_INDEX = -100  # targets that do not count (padding), as in F.cross_entropy
 
 
 @dataclass(frozen=True)
@@ -100,11 +102,19 @@ class LanguageModel(nn.Module):
     ``remat``: one policy for all layers or a list, one per layer (``fused_remat.planner`` makes
     such a list for a memory budget). Weights start as GPT-2's: normal(0, 0.02), with the two
     projections that write into the residual stream scaled by 1/sqrt(2 x layers).
+
+    ``context_parallel``: a process group over which every sequence is split (fused blocks only).
+    tokens and targets are then this rank's zigzag part of the full sequences
+    (``fused_remat.context_parallel.zigzag_shard``); the loss returned is the mean over all tokens
+    of the full sequences (the same on every rank), and each rank's parameter gradients are its
+    share: their sum over the group is the gradient of that mean.
     """
 
     def __init__(self, config: ModelConfig, remat: str | Sequence[str] = "cheap", *, block_impl: str = "fused",
-                 device=None, dtype=None):
+                 context_parallel=None, device=None, dtype=None):
         super().__init__()
+        if context_parallel is not None and block_impl != "fused":
+            raise ValueError(f"context_parallel needs block_impl='fused' (ring attention), got {block_impl!r}")
         policies = resolve_policies(remat, config.n_layers, block_impl)
         self.config, self.block_impl = config, block_impl
         factory = dict(device=device, dtype=dtype)
@@ -118,6 +128,9 @@ class LanguageModel(nn.Module):
         else:
             self.norm = nn.LayerNorm(config.dim, eps=config.eps, bias=config.bias, **factory)
         self.head = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False, **factory)
+        self.context_parallel = context_parallel
+        for block in self.blocks if context_parallel is not None else ():
+            block.context_parallel = context_parallel
         if device is None or torch.device(device).type != "meta":
             self.reset_parameters()
 
@@ -157,7 +170,10 @@ class LanguageModel(nn.Module):
             return F.linear(x, self.head_weight)
         if targets.shape != tokens.shape:
             raise ValueError(f"targets must have the shape of tokens {tuple(tokens.shape)}, got {tuple(targets.shape)}")
-        return linear_cross_entropy(x, self.head_weight, targets)
+        loss = linear_cross_entropy(x, self.head_weight, targets, ignore_index=IGNORE_INDEX)
+        if self.context_parallel is None:
+            return loss
+        return cp.mean_over_group(loss, int((targets != IGNORE_INDEX).sum()), self.context_parallel)
 
     def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
         if self.block_impl == "reference":

@@ -52,6 +52,7 @@ def _cos_sin(angle):
 def _rotary_embedding(
     X, INV_FREQ,
     n_tokens, seq_len, n_heads, half,
+    split, first_start, second_start,
     stride_b, stride_n, stride_h,
     INVERSE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
@@ -60,12 +61,14 @@ def _rotary_embedding(
     token_mask = tokens < n_tokens
     batch = tokens // seq_len
     position = tokens - batch * seq_len
+    # Local tokens before ``split`` sit at first_start + i, the rest at second_start + (i - split).
+    absolute = tl.where(position < split, position + first_start, position - split + second_start)
 
     pairs = tl.arange(0, BLOCK_HALF)
     pair_mask = pairs < half
     inv_freq = tl.load(INV_FREQ + pairs, mask=pair_mask, other=0.0)
     # One rounded fp32 product, as the reference: position is exact in fp32 below 2^24.
-    angle = position.to(tl.float32)[:, None] * inv_freq[None, :]
+    angle = absolute.to(tl.float32)[:, None] * inv_freq[None, :]
     cos, sin = _cos_sin(angle)
     if INVERSE:
         sin = -sin
@@ -118,8 +121,12 @@ def _blocks(n_tokens: int, n_heads: int, half: int) -> tuple[int, int, int]:
     return block_t, block_h, block_half
 
 
-def rotary_embedding_(x: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def rotary_embedding_(x: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False,
+                      chunk_starts: tuple[int, int] | None = None) -> torch.Tensor:
     """Rotate x (B, N, H, D) in place by the rotary embedding of positions 0..N-1 and return x.
+
+    ``chunk_starts=(first, second)`` (N even) instead places x's first N/2 tokens at positions
+    first.. and the last N/2 at second..: a context-parallel rank's two zigzag chunks.
 
     x: fp32/fp16/bf16, any strides with a contiguous last dim (e.g. the q,k heads of a packed qkv
     buffer). inv_freq: contiguous fp32 (D/2,), as ``reference.rotary_inverse_frequencies``.
@@ -133,9 +140,11 @@ def rotary_embedding_(x: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = F
     half = head_dim // 2
     block_t, block_h, block_half = _blocks(n_tokens, n_heads, half)
     grid = (triton.cdiv(n_tokens, block_t), triton.cdiv(n_heads, block_h))
+    split, first_start, second_start = (seq_len, 0, 0) if chunk_starts is None else (seq_len // 2, *chunk_starts)
     _rotary_embedding[grid](
         x, inv_freq,
         n_tokens, seq_len, n_heads, half,
+        split, first_start, second_start,
         x.stride(0), x.stride(1), x.stride(2),
         INVERSE=bool(inverse),
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_HALF=block_half,

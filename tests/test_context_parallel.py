@@ -114,3 +114,36 @@ def test_zigzag_layout_round_trip_and_positions():
 def test_layout_rejects_indivisible_length():
     with pytest.raises(ValueError, match="sequence length 10 must be divisible by 2 x the context-parallel size"):
         zigzag_shard(torch.zeros(1, 10), 0, 3)
+
+
+def _model_check(rank, world, remat, n_kv_heads, seq):
+    """The model's tolerances of tests/test_model.py (fused against its reference twin, fp32)."""
+    import torch.distributed as dist
+
+    from fused_remat.model import IGNORE_INDEX, LanguageModel, ModelConfig
+
+    torch.manual_seed(7)
+    config = ModelConfig(vocab_size=32, dim=32, n_layers=2, n_heads=2, n_kv_heads=n_kv_heads, ffn_dim=48)
+    tokens = torch.randint(0, config.vocab_size, (1, seq + 1))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:].clone()
+    targets[0, 3] = IGNORE_INDEX  # the token count is reduced over the group too
+
+    def loss_and_grads(model, inputs, targets):
+        loss = model(inputs, targets)
+        return loss.detach(), torch.autograd.grad(loss, list(model.parameters()))
+
+    whole = LanguageModel(config, remat)
+    expected_loss, expected_grads = loss_and_grads(whole, inputs, targets)
+    split = LanguageModel(config, remat, context_parallel=dist.group.WORLD)
+    split.load_state_dict(whole.state_dict())
+    loss, grads = loss_and_grads(split, zigzag_shard(inputs, rank, world), zigzag_shard(targets, rank, world))
+    for grad in grads:
+        dist.all_reduce(grad)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+    for (name, _), got, expected in zip(split.named_parameters(), grads, expected_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("world, remat, n_kv_heads", [(2, "cheap", 1), (4, "full", 2), (2, "none", 2)])
+def test_language_model_matches_one_process(world, remat, n_kv_heads):
+    run_ranks(world, _model_check, remat, n_kv_heads, 8 * world)
