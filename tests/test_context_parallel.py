@@ -16,8 +16,10 @@ import pytest
 import torch
 
 from fused_remat.context_parallel import zigzag_positions, zigzag_shard, zigzag_unshard
+from fused_remat.model import ModelConfig
 
 TIMEOUT_S = 240
+_METER_CONFIG = ModelConfig(vocab_size=32, dim=32, n_layers=3, n_heads=2, n_kv_heads=1, ffn_dim=48)
 
 
 def _free_port() -> int:
@@ -147,3 +149,31 @@ def _model_check(rank, world, remat, n_kv_heads, seq):
 @pytest.mark.parametrize("world, remat, n_kv_heads", [(2, "cheap", 1), (4, "full", 2), (2, "none", 2)])
 def test_language_model_matches_one_process(world, remat, n_kv_heads):
     run_ranks(world, _model_check, remat, n_kv_heads, 8 * world)
+
+
+def _meter_check(rank, world, remat, seq_per_rank, expected_bytes):
+    import torch.distributed as dist
+
+    from fused_remat.memory import saved_memory
+    from fused_remat.model import LanguageModel
+
+    model = LanguageModel(_METER_CONFIG, remat, context_parallel=dist.group.WORLD)
+    tokens = torch.randint(0, _METER_CONFIG.vocab_size, (1, seq_per_rank))
+    with saved_memory(exclude=model.parameters()) as meter:
+        loss = model(tokens, tokens)
+    loss.backward()
+    assert meter.bytes == expected_bytes, f"rank {rank} saved {meter.bytes} bytes, one process at 1/{world} the length {expected_bytes}"
+
+
+@pytest.mark.parametrize("remat", ["cheap", "full"])
+def test_per_rank_memory_at_n_times_the_sequence_equals_one_process(remat):
+    """N ranks hold N times the sequence at the per-rank activation memory of one process at 1x."""
+    from fused_remat.memory import saved_memory
+    from fused_remat.model import LanguageModel
+
+    world, seq_per_rank = 2, 16
+    model = LanguageModel(_METER_CONFIG, remat)
+    tokens = torch.randint(0, _METER_CONFIG.vocab_size, (1, seq_per_rank))
+    with saved_memory(exclude=model.parameters()) as meter:
+        model(tokens, tokens)
+    run_ranks(world, _meter_check, remat, seq_per_rank, meter.bytes)
