@@ -177,3 +177,46 @@ def test_per_rank_memory_at_n_times_the_sequence_equals_one_process(remat):
     with saved_memory(exclude=model.parameters()) as meter:
         model(tokens, tokens)
     run_ranks(world, _meter_check, remat, seq_per_rank, meter.bytes)
+
+
+def _train(out, processes: int, *extra: str):
+    import os
+    import subprocess
+    import sys
+
+    from test_train import SHORT
+
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+               "-m", "fused_remat.train", *SHORT, "--steps", "2", "--eval-interval", "2", "--out", str(out), *extra]
+    finished = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    return finished
+
+
+def test_training_on_a_dp_by_cp_mesh_matches_data_parallel_alone(tmp_path, triton_backend):
+    """4 ranks as 2 (dp, FSDP2) x 2 (cp) train as 2 DDP ranks holding whole sequences: the same
+    batches per data-parallel replica, the same losses and gradient norms, step by step."""
+    from test_train import _metrics
+
+    _train(tmp_path / "dp", 2, "--distributed", "ddp")
+    _train(tmp_path / "mesh", 4, "--distributed", "fsdp", "--context-parallel", "2")
+    plain, mesh = _metrics(tmp_path / "dp"), _metrics(tmp_path / "mesh")
+    assert [r["step"] for r in mesh] == [0, 1]
+    assert mesh[-1].keys() >= {"loss", "grad_norm", "val_loss"}
+    for ours, theirs in zip(mesh, plain):
+        for key in ("loss", "grad_norm", "val_loss"):
+            assert (key in ours) == (key in theirs)
+            if key in ours:
+                assert ours[key] == pytest.approx(theirs[key], rel=1e-5), key
+
+
+def test_context_parallel_flags_are_checked():
+    from fused_remat.training.config import TrainConfig
+
+    with pytest.raises(ValueError, match=r"--seq-len 36 must be divisible by 2 x --context-parallel = 8"):
+        TrainConfig.build("cpu", seq_len=36, context_parallel=4)
+    with pytest.raises(ValueError, match="--context-parallel needs the fused block"):
+        TrainConfig.build("cpu", seq_len=32, context_parallel=2, block="reference")
+    with pytest.raises(ValueError, match="--context-parallel must be at least 1"):
+        TrainConfig.build("cpu", context_parallel=0)

@@ -6,6 +6,7 @@
     python -m fused_remat.train --out runs/owt --resume          # continues bit for bit
     python -m fused_remat.train --find-max-seq-len               # longest trainable sequence per policy
     torchrun --nproc_per_node 8 -m fused_remat.train --distributed fsdp ...
+    torchrun --nproc_per_node 8 -m fused_remat.train --distributed fsdp --context-parallel 4 --seq-len 131072 ...
 
 Without CUDA the kernels run in Triton's interpreter (so only the tiny preset is practical), or
 with ``--backend reference`` as plain PyTorch, about 12x faster. The run's folder (``--out``)
@@ -86,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                         "reference (plain PyTorch: about 12x faster on a CPU), auto (default: triton where it can run; "
                         f"on a CPU the interpreter); default: ${BACKEND_ENV} if set, else auto")
     parser.add_argument("--distributed", choices=STRATEGIES, help="under torchrun only: ddp (default) or fsdp (FSDP2)")
+    parser.add_argument("--context-parallel", type=int, metavar="N",
+                        help="under torchrun: split every sequence over N ranks (ring attention, zigzag chunks; "
+                        "--seq-len divisible by 2N); the world is N-rank groups x data parallel (default 1)")
     parser.add_argument("--find-max-seq-len", action="store_true",
                         help="instead of training: the longest sequence that trains one step, per policy")
     flags = parser.parse_args(argv)
@@ -110,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     try:
         choose_backend(config.backend)
-        run = init_distributed(config.distributed)
+        run = init_distributed(config.distributed, config.context_parallel)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -93,6 +93,7 @@ class TrainConfig:
     eval_batches: int = 4
     checkpoint_interval: int = 100  # 0: only at the end
     distributed: str | None = None
+    context_parallel: int = 1  # ranks each sequence is split over (torchrun)
     find_max_seq_len: bool = False
     keep_checkpoints: int = 2  # the newest checkpoint and this many - 1 before it
     skip_nonfinite: int = 0  # steps with a NaN/inf loss or gradient norm skipped before the run stops
@@ -105,7 +106,8 @@ class TrainConfig:
         and steps / 10 (at most 200) warm-up steps. ValueError naming the flag for a bad value."""
         given = {name: value for name, value in options.items() if value is not None}
         values = {**DEVICE_DEFAULTS[device_type], **given}
-        for name in ("steps", "seq_len", "batch_size", "grad_accum", "eval_batches", "eval_interval", "keep_checkpoints"):
+        for name in ("steps", "seq_len", "batch_size", "grad_accum", "eval_batches", "eval_interval", "keep_checkpoints",
+                     "context_parallel"):
             if values.get(name, 1) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {values[name]}")
         for name in ("checkpoint_interval", "skip_nonfinite"):
@@ -113,6 +115,14 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {values[name]}")
         if values.get("backend", "auto") not in BACKENDS:  # None is dropped with the other defaults
             raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {values['backend']!r}")
+        parallel = values.get("context_parallel", 1)
+        if parallel > 1:
+            if values["seq_len"] % (2 * parallel):
+                raise ValueError(f"--seq-len {values['seq_len']} must be divisible by 2 x --context-parallel = {2 * parallel}: "
+                                 f"each of the {parallel} ranks holds two equal zigzag chunks of every sequence")
+            if values.get("block", "fused") != "fused" or values.get("backend") == "reference":
+                raise ValueError("--context-parallel needs the fused block on its Triton kernels (ring attention): "
+                                 "leave out --block reference and --backend reference")
         if values["preset"] not in PRESETS:
             raise ValueError(f"--preset must be one of {', '.join(PRESETS)}, got {values['preset']!r}")
         values.setdefault("lr", PEAK_LR[values["preset"]])

@@ -3,6 +3,15 @@ that look the same whichever wrapping (or none) produced them.
 
 Without ``torchrun`` (WORLD_SIZE unset or 1) everything here is the single-process identity.
 CUDA uses NCCL with one GPU per process; CPU uses gloo (how CI tests it, two processes).
+
+Context parallelism (``--context-parallel N``): the world is a 2-D device mesh ("dp", "cp") of
+world/N x N ranks, rank = dp_index x N + cp_index. The N ranks of a "cp" row train on the same
+sequences, each on its zigzag chunks (``fused_remat.context_parallel``), and attention is a ring
+over that row. Parameters are replicated (DDP) or sharded (FSDP2) over the whole world, dp x cp
+flattened: every rank holds the same parameters either way. The CP ranks' gradients are shares of
+one sequence's gradient (they must be summed) while data-parallel reduction averages over all
+world ranks, so each rank's backward is scaled by N (``gradient_scale``): the average over the
+world is then the average over dp of the sums over cp.
 """
 
 from __future__ import annotations
@@ -25,6 +34,30 @@ class Distributed:
     local_rank: int = 0
     world_size: int = 1
     strategy: str | None = None  # None when single-process
+    context_parallel: int = 1  # ranks per sequence
+    context_parallel_group: dist.ProcessGroup | None = None  # this rank's "cp" row of the mesh, None without
+
+    @property
+    def data_rank(self) -> int:
+        """Which data-parallel replica this rank is (its sequences); ranks of one "cp" row share it."""
+        return self.rank // self.context_parallel
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.context_parallel
+
+    @property
+    def gradient_scale(self) -> float:
+        """Each backward's factor: N under context parallelism (module docstring), else 1."""
+        return float(self.context_parallel)
+
+    def shard_sequence(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's zigzag part of (batch, seq_len) ``tokens``; all of them without context parallelism."""
+        if self.context_parallel == 1:
+            return tokens
+        from ..context_parallel import zigzag_shard
+
+        return zigzag_shard(tokens, self.rank % self.context_parallel, self.context_parallel, dim=1)
 
     @property
     def is_main(self) -> bool:
@@ -59,9 +92,14 @@ class Distributed:
         return self.device() if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def init_distributed(strategy: str | None) -> Distributed:
-    """Joins the process group that torchrun set up (env:// rendezvous), if any."""
+def init_distributed(strategy: str | None, context_parallel: int = 1) -> Distributed:
+    """Joins the process group that torchrun set up (env:// rendezvous), if any, and with
+    ``context_parallel`` > 1 builds the ("dp", "cp") device mesh."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if context_parallel > 1 and world_size % context_parallel:
+        raise ValueError(f"--context-parallel {context_parallel} needs a world size that it divides, under torchrun: "
+                         f"torchrun --nproc_per_node {context_parallel} -m fused_remat.train --context-parallel "
+                         f"{context_parallel} ...; the world size is {world_size}")
     if world_size == 1:
         if strategy is not None and "WORLD_SIZE" not in os.environ:
             raise ValueError(f"--distributed {strategy} needs torchrun, which starts one process per GPU: "
@@ -76,7 +114,15 @@ def init_distributed(strategy: str | None) -> Distributed:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return Distributed(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size(), strategy=strategy)
+    group = None
+    if context_parallel > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu",
+                                (world_size // context_parallel, context_parallel), mesh_dim_names=("dp", "cp"))
+        group = mesh.get_group("cp")
+    return Distributed(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size(), strategy=strategy,
+                       context_parallel=context_parallel, context_parallel_group=group)
 
 
 def shutdown(run: Distributed) -> None:

@@ -36,6 +36,7 @@ def resolve_remat(config: TrainConfig, model_config: ModelConfig, device: torch.
     """The per-layer policies of ``--remat``, and for fused blocks the plan that explains them
     (printed at the start of a run); ``--remat auto`` plans them for ``--memory-budget``."""
     layers, precision = model_config.n_layers, config.precision
+    local_seq_len = config.seq_len // run.context_parallel  # the tokens of a sequence one rank holds
     if config.remat != "auto" or config.block != "fused":
         remat = config.remat.split(",") if "," in config.remat else config.remat
         try:
@@ -44,18 +45,18 @@ def resolve_remat(config: TrainConfig, model_config: ModelConfig, device: torch.
             raise flag_error("--remat", error, "remat") from None
         if config.block != "fused":
             return policies, None
-        return policies, explain_policies(model_config, config.batch_size, config.seq_len, precision, policies)
+        return policies, explain_policies(model_config, config.batch_size, local_seq_len, precision, policies)
     shards = run.world_size if run.strategy == "fsdp" else 1
     budget = config.memory_budget
     if budget is None:
         budget = default_activation_budget(model_config, device, shards)
     if device.type == "cuda":
-        costs = measure_policy_costs(model_config, config.batch_size, config.seq_len, precision, device)
+        costs = measure_policy_costs(model_config, config.batch_size, local_seq_len, precision, device)
         source = f"timings on {torch.cuda.get_device_name(device)}"
     else:
         costs, source = None, "FLOP model"
     try:
-        plan = plan_remat(model_config, config.batch_size, config.seq_len, precision, budget, costs=costs,
+        plan = plan_remat(model_config, config.batch_size, local_seq_len, precision, budget, costs=costs,
                           cost_source=source, candidates=PLANNED_POLICIES)
     except ValueError as error:
         message = f"{flag_error('--memory-budget', error, 'budget')}"
@@ -162,7 +163,8 @@ def train(config: TrainConfig, run: Distributed) -> int:
 
     policies, plan = resolve_remat(config, model_config, device, run)
     torch.manual_seed(config.seed)
-    model = LanguageModel(model_config, policies, block_impl=config.block, device=device)
+    model = LanguageModel(model_config, policies, block_impl=config.block, context_parallel=run.context_parallel_group,
+                          device=device)
     model = wrap_model(model, run)
     optimizer = make_optimizer(model, lr=config.lr, weight_decay=config.weight_decay)
     start_step = 0
@@ -170,7 +172,8 @@ def train(config: TrainConfig, run: Distributed) -> int:
         load_training_state(model, optimizer, state["model"], state["optimizer"])
         torch.set_rng_state(state["rng"]["cpu"])
         start_step = state["step"]
-    val_batches = list(token_data.val_batches(data, config.eval_batches, config.batch_size, config.seq_len, config.seed))
+    val_batches = [(run.shard_sequence(x), run.shard_sequence(y)) for x, y in
+                   token_data.val_batches(data, config.eval_batches, config.batch_size, config.seq_len, config.seed)]
 
     parameters = sum(p.numel() for p in unwrap(model).parameters())
     log(f"fused_remat.train on {backend} x {run.world_size}{'' if run.strategy is None else ' ' + run.strategy}: "
@@ -197,7 +200,7 @@ def train(config: TrainConfig, run: Distributed) -> int:
         run.barrier()
         saved = step
 
-    tokens_per_step = config.batch_size * config.seq_len * config.grad_accum * run.world_size
+    tokens_per_step = config.batch_size * config.seq_len * config.grad_accum * run.data_parallel_size
     progress = Progress(config.steps, start_step, enabled=run.is_main)
     step, skipped, unwritten = start_step, 0, None
     try:
@@ -207,11 +210,12 @@ def train(config: TrainConfig, run: Distributed) -> int:
                 lr = config.learning_rate(step)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
-                micro_batches = [token_data.train_batch(data, step, micro, run.rank, config.batch_size, config.seq_len,
-                                                        config.seed) for micro in range(config.grad_accum)]
-                loss, grad_norm = train_step(model, optimizer, [(x.to(device), y.to(device)) for x, y in micro_batches],
+                micro_batches = [token_data.train_batch(data, step, micro, run.data_rank, config.batch_size,
+                                                        config.seq_len, config.seed) for micro in range(config.grad_accum)]
+                loss, grad_norm = train_step(model, optimizer, [(run.shard_sequence(x).to(device), run.shard_sequence(y).to(device))
+                                                                for x, y in micro_batches],
                                              compute_dtype=config.compute_dtype, grad_clip=config.grad_clip,
-                                             finite_only=True)
+                                             finite_only=True, gradient_scale=run.gradient_scale)
                 step += 1
                 record = unwritten = dict(step=step - 1, loss=run.mean(float(loss)), lr=lr,
                                           grad_norm=float(_full(grad_norm)), peak_memory=peak_memory(device))

@@ -33,21 +33,22 @@ def forward_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
                compute_dtype: torch.dtype | None = None, grad_clip: float = 0.0,
-               finite_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               finite_only: bool = False, gradient_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over ``micro_batches`` ((inputs, targets) pairs on the model's device):
     forward and loss (``forward_loss``) and backward of loss / len(micro_batches) for each, with
     data-parallel gradient communication only on the last; then the gradient norm clipped to
     ``grad_clip`` (0: measured, not clipped), the optimizer's step and ``zero_grad(set_to_none=True)``.
     With ``finite_only`` a step whose loss or gradient norm is NaN or infinite changes nothing (its
     gradients are dropped, the weights and AdamW moments stay as they were), at the cost of one
-    host sync. Returns the mean loss (detached) and the gradient norm before clipping (a DTensor
+    host sync. ``gradient_scale`` multiplies every backward (context parallelism: see
+    ``training/distributed.py``). Returns the mean loss (detached) and the gradient norm before clipping (a DTensor
     under FSDP2)."""
     count = len(micro_batches)
     loss_sum = None
     for index, (inputs, targets) in enumerate(micro_batches):
         with gradient_sync(model, enabled=index == count - 1):
             loss = forward_loss(model, inputs, targets, compute_dtype)
-            (loss / count).backward()
+            (loss * (gradient_scale / count)).backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
     if not finite_only or is_finite(loss_sum, grad_norm):
