@@ -220,3 +220,18 @@ def test_context_parallel_flags_are_checked():
         TrainConfig.build("cpu", seq_len=32, context_parallel=2, block="reference")
     with pytest.raises(ValueError, match="--context-parallel must be at least 1"):
         TrainConfig.build("cpu", context_parallel=0)
+
+
+def test_find_max_seq_len_answers_per_rank_for_context_parallel(tmp_path, triton_backend):
+    import json
+
+    from fused_remat.training import cli
+
+    out = tmp_path / "run"
+    assert cli.main(["--preset", "tiny", "--batch-size", "1", "--find-max-seq-len", "--memory-budget", "1.8MiB",
+                     "--context-parallel", "2", "--out", str(out)]) == 0
+    rows = json.loads((out / "max_seq_len.json").read_text())["rows"]
+    assert [row["remat"] for row in rows] == ["none", "cheap", "full", "auto"]  # ring attention: our block only
+    lengths = {row["remat"]: row["max_seq_len"] for row in rows}
+    assert all(row["context_parallel"] == 2 and row["max_seq_len"] % 64 == 0 for row in rows)
+    assert 0 < lengths["none"] <= lengths["cheap"] < lengths["full"] and lengths["auto"] <= lengths["full"]

@@ -9,6 +9,13 @@ per parameter (fp32 weights, gradients, two AdamW moments) stay within ``--memor
 Lengths are searched by doubling, then bisection, in multiples of ``GRANULARITY``, to within
 1/64 of the answer (a probe at long lengths is a slow step), up to ``MAX_SEQ_LEN``.
 
+With ``--context-parallel N`` the question is per rank: a sequence of S tokens split over N ranks
+fits when one rank's share fits, and a rank keeps for backward what one process keeps at S / N
+tokens (the saved-memory meter measures exactly that, tests/test_context_parallel.py). So the probe
+runs one process at S / N, for our block only (the reference block has no ring attention). Not
+counted: the ring's transient buffers (two k/v blocks in flight, fp32 accumulators of one layer's
+attention output and gradients), which a GPU run would have to confirm.
+
 ``find_max_seq_len(config, run)`` is what ``python -m fused_remat.train --find-max-seq-len`` runs;
 ``TrainStepProbe`` and ``largest_fitting`` are also the training benchmark's
 (``bench/bench_train.py``). A probe steps as training does (``training/step.py``).
@@ -158,26 +165,35 @@ def find_max_seq_len(config: TrainConfig, run: Distributed) -> int:
     if device.type == "cuda" and budget is not None:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
-    granularity = GRANULARITY[device.type]
+    parallel = config.context_parallel
+    granularity = GRANULARITY[device.type] * parallel  # a multiple of 2N: every rank holds two equal chunks
     criterion = ("one training step without CUDA out-of-memory" if device.type == "cuda"
                  else "saved activations (meter) + 16 B/parameter within --memory-budget")
+    candidates = CANDIDATES
+    if parallel > 1:
+        criterion += f", per rank of --context-parallel {parallel} (one process at seq_len / {parallel})"
+        candidates = [(f"{label}, context parallel {parallel}", block, remat)
+                      for label, block, remat in CANDIDATES if block == "fused"]
     print(f"longest trainable sequence on {describe_backend(device)} (a doubling, then a bisection, per candidate): {config.preset} ({model_config.describe()}), batch {config.batch_size}, {config.dtype}, "
           f"criterion: {criterion}, in steps of {granularity}", flush=True)
     rows = []
-    for label, block_impl, remat in CANDIDATES:
+    for label, block_impl, remat in candidates:
         torch.manual_seed(config.seed)
         probe = TrainStepProbe(model_config, block_impl, remat, config.batch_size, config.precision, device, budget)
         print(f"  {label}: probing", flush=True)
-        longest = largest_fitting(_reporting(probe), granularity)
+        per_rank = probe if parallel == 1 else lambda seq_len, probe=probe: probe(seq_len // parallel)
+        longest = largest_fitting(_reporting(per_rank), granularity, MAX_SEQ_LEN * parallel)
         del probe
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        rows.append(dict(candidate=label, block=block_impl, remat=remat, max_seq_len=longest, capped=longest == MAX_SEQ_LEN))
+        capped = longest == MAX_SEQ_LEN * parallel
+        rows.append(dict(candidate=label, block=block_impl, remat=remat, context_parallel=parallel, max_seq_len=longest,
+                         capped=capped))
         baseline = rows[0]["max_seq_len"]
         ratio = f"{longest / baseline:.2f}x" if baseline else "-"
-        capped = ">=" if longest == MAX_SEQ_LEN else "  "
-        print(f"  {label:<36} {capped}{longest:>10,d} tokens  {ratio:>7} vs eager", flush=True)
+        print(f"  {label:<36} {'>=' if capped else '  '}{longest:>10,d} tokens  {ratio:>7} vs {rows[0]['candidate']}",
+              flush=True)
     config.out.mkdir(parents=True, exist_ok=True)
     result = dict(preset=config.preset, batch_size=config.batch_size, dtype=config.dtype, criterion=criterion,
                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     try:
         choose_backend(config.backend)
-        run = init_distributed(config.distributed, config.context_parallel)
+        # --find-max-seq-len answers for --context-parallel in one process (training/capacity.py).
+        run = init_distributed(config.distributed, 1 if config.find_max_seq_len else config.context_parallel)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
