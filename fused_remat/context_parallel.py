@@ -57,7 +57,6 @@ def zigzag_shard(x: torch.Tensor, rank: int, world: int, dim: int = 1) -> torch.
 
 def zigzag_unshard(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
     """The full sequence from every rank's local part (``parts[r]`` from rank r), along ``dim``."""
-    world = len(parts)
     firsts = [p.chunk(2, dim)[0] for p in parts]
     seconds = [p.chunk(2, dim)[1] for p in reversed(parts)]
     return torch.cat(firsts + seconds, dim)

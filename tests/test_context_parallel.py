@@ -15,6 +15,7 @@ import traceback
 import pytest
 import torch
 
+from fused_remat import reference
 from fused_remat.context_parallel import zigzag_positions, zigzag_shard, zigzag_unshard
 from fused_remat.model import ModelConfig
 
@@ -235,3 +236,17 @@ def test_find_max_seq_len_answers_per_rank_for_context_parallel(tmp_path, triton
     lengths = {row["remat"]: row["max_seq_len"] for row in rows}
     assert all(row["context_parallel"] == 2 and row["max_seq_len"] % 64 == 0 for row in rows)
     assert 0 < lengths["none"] <= lengths["cheap"] < lengths["full"] and lengths["auto"] <= lengths["full"]
+
+
+def test_rope_at_zigzag_positions_matches_the_full_sequence_sharded(triton_backend):
+    """What each rank's block does to its q and k: the rotation of the full sequence, then sharded."""
+    from fused_remat.kernels.rope import rotary_embedding_
+
+    seq, world, head_dim, theta = 24, 3, 16, 10000.0
+    x = torch.randn(2, seq, 3, head_dim)
+    expected = reference.rotary_embedding(x.double(), theta)
+    inv_freq = reference.rotary_inverse_frequencies(head_dim, theta)
+    for rank in range(world):
+        local = zigzag_shard(x, rank, world)
+        rotary_embedding_(local, inv_freq, chunk_starts=zigzag_positions(seq, rank, world))
+        torch.testing.assert_close(local.double(), zigzag_shard(expected, rank, world), rtol=0, atol=1e-5)
