@@ -37,6 +37,8 @@ def _rank_main(rank, world, port, errors, check, args):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         try:
             check(rank, world, *args)
+            # Every rank done before any tears down: gloo aborts a process whose peer closed mid-transfer.
+            dist.barrier()
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - any failure goes to the parent with its traceback
