@@ -252,3 +252,30 @@ def test_rope_at_zigzag_positions_matches_the_full_sequence_sharded(triton_backe
         local = zigzag_shard(x, rank, world)
         rotary_embedding_(local, inv_freq, chunk_starts=zigzag_positions(seq, rank, world))
         torch.testing.assert_close(local.double(), zigzag_shard(expected, rank, world), rtol=0, atol=1e-5)
+
+
+def _bad_input_check(rank, world):
+    import os
+
+    import torch.distributed as dist
+
+    from fused_remat import TransformerBlock
+    from fused_remat.backend import BACKEND_ENV
+    from fused_remat.context_parallel import ring_attention
+
+    q = torch.randn(1, 2, 6, 16)
+    with pytest.raises(ValueError, match="q has 6 local positions but k/v have 4"):
+        ring_attention(q, q[:, :, :4], q[:, :, :4])
+    with pytest.raises(ValueError, match="local sequence length must be even .* got 5"):
+        ring_attention(q[:, :, :5], q[:, :, :5], q[:, :, :5])
+    block = TransformerBlock(32, 2)
+    block.context_parallel = dist.group.WORLD
+    with pytest.raises(ValueError, match="local sequence length must be even"):
+        block(torch.randn(1, 5, 32))
+    os.environ[BACKEND_ENV] = "reference"  # this spawned rank's own environment
+    with pytest.raises(RuntimeError, match="context parallelism runs the Triton kernels only"):
+        block(torch.randn(1, 4, 32))
+
+
+def test_bad_context_parallel_input_is_named():
+    run_ranks(1, _bad_input_check)
