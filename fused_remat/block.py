@@ -11,11 +11,13 @@ written once, in ``KEPT_FOR_BACKWARD``, which the planner also prices:
     none   x, norm1 out, qkv, attention out, lse, h, norm2 out, fc1 out, activation out, statistics
     cheap  x, qkv, attention out, lse, h, fc1 out, statistics (default)
     full   x
+    offload  x, in pinned host memory (``fused_remat.offload``)
 
 ``cheap`` rebuilds the two norm outputs inside the norm backward kernels and the activation output
 inside the activation backward kernel, exactly where the linear weight gradients need them.
 ``full`` replays the forward up to fc1 from x at the start of backward, then runs ``cheap``'s
-backward. Nothing of size N x N is ever kept.
+backward. ``offload`` is ``full`` with x copied to host memory on a side stream during forward and
+back one layer ahead during backward. Nothing of size N x N is ever kept.
 """
 
 from __future__ import annotations
@@ -25,10 +27,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import context_parallel, custom_ops, reference
+from . import context_parallel, custom_ops, offload, reference
 from .backend import SUPPORTED_DTYPES, use_triton
 
-REMAT_POLICIES = ("none", "cheap", "full")
+REMAT_POLICIES = ("none", "cheap", "full", "offload")
+# Policies whose kept tensors live in host memory, not on the device; each runs, on the device, as
+# the policy it names.
+HOST_RESIDENT = {"offload": "full"}
 _OP = "TransformerBlock"
 
 
@@ -51,6 +56,7 @@ class _Geometry:
     remat: str
     compute_dtype: torch.dtype
     context_parallel: str = ""  # the context-parallel process group's name; "" for one process
+    offload: bool = False  # x kept in host memory (the Function's business; the custom ops never see it)
 
     @property
     def tokens(self) -> int:
@@ -136,7 +142,7 @@ class Kept:
 # these (x first, then the rest in this order) and the planner prices policies from them. A new
 # policy or a new kept tensor is one edit here.
 KEPT_FOR_BACKWARD = (
-    Kept("x", "dim", RESIDUAL, ("none", "cheap", "full")),
+    Kept("x", "dim", RESIDUAL, ("none", "cheap", "full", "offload")),
     Kept("qkv", "qkv", COMPUTE, ("none", "cheap")),
     Kept("o", "dim", COMPUTE, ("none", "cheap")),
     Kept("lse", "heads", FP32, ("none", "cheap")),
@@ -163,11 +169,16 @@ def block_widths(dim: int, n_heads: int, n_kv_heads: int | None, ffn_dim: int | 
     )
 
 
-def kept_bytes_per_token(policy: str, widths: dict[str, int], residual_bytes: int, compute_bytes: int) -> int:
-    """Bytes the block keeps for backward per token under ``policy``: x and h in the residual
-    dtype (the parameters' dtype, fp32 master weights under autocast), the matmul and attention
-    outputs in the compute dtype, statistics in fp32."""
+def kept_bytes_per_token(policy: str, widths: dict[str, int], residual_bytes: int, compute_bytes: int,
+                         memory: str = "device") -> int:
+    """Bytes the block keeps for backward per token under ``policy`` in ``memory`` ("device" or
+    "host"): x and h in the residual dtype (the parameters' dtype, fp32 master weights under
+    autocast), the matmul and attention outputs in the compute dtype, statistics in fp32."""
     TransformerBlock.check_remat(policy)
+    if memory not in ("device", "host"):
+        raise ValueError(f"memory must be 'device' or 'host', got {memory!r}")
+    if (memory == "host") != (policy in HOST_RESIDENT):
+        return 0
     size = {RESIDUAL: residual_bytes, COMPUTE: compute_bytes, FP32: 4}
     return sum(widths[k.width] * size[k.dtype] for k in KEPT_FOR_BACKWARD if policy in k.policies)
 
@@ -319,9 +330,12 @@ class _BlockFunction(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, g, *params = inputs
-        # Everything kept for backward, in one place: x, the policy's activations (KEPT_FOR_BACKWARD),
-        # and the parameters as themselves (no copies; under autocast backward casts them again).
-        ctx.save_for_backward(x, *(t for k, t in zip(_SLOTS, output[1:]) if g.remat in k.policies),
+        # Everything kept for backward, in one place: x (or, offloaded, its host copy), the policy's
+        # activations (KEPT_FOR_BACKWARD), and the parameters as themselves (no copies; under
+        # autocast backward casts them again).
+        ctx.host_copy = offload.HostCopy(x) if g.offload else None
+        ctx.save_for_backward(x if ctx.host_copy is None else ctx.host_copy.host,
+                              *(t for k, t in zip(_SLOTS, output[1:]) if g.remat in k.policies),
                               *(p for p in params if p is not None))
         ctx.geometry, ctx.present = g, [p is not None for p in params]
         ctx.mark_non_differentiable(*output[1:])
@@ -330,6 +344,8 @@ class _BlockFunction(torch.autograd.Function):
     def backward(ctx, dy, *_):
         g: _Geometry = ctx.geometry
         x, *saved = ctx.saved_tensors
+        if ctx.host_copy is not None:
+            x = ctx.host_copy.fetch()
         n_kept = sum(g.remat in k.policies for k in _SLOTS)
         kept_tensors, params = iter(saved[:n_kept]), saved[n_kept:]
         kept = [next(kept_tensors) if g.remat in k.policies else x.new_empty(0) for k in _SLOTS]
@@ -397,6 +413,13 @@ def _norm_backward(dy, x, weights, mean, rstd, residual_grad, rebuild: bool, g: 
     return dx, dw, custom_ops.present(db), custom_ops.present(rebuilt)
 
 
+@torch.compiler.disable
+def _apply_offloaded(x, g: _Geometry, *params):
+    """The block Function with x offloaded, always eager: the copies to and from host memory run on
+    a side stream with events, which torch.compile does not trace (a graph break, not an error)."""
+    return _BlockFunction.apply(x, g, *params)
+
+
 class TransformerBlock(reference.TransformerBlock):
     """Pre-norm Transformer block on fused Triton kernels that keeps little for backward.
 
@@ -407,7 +430,9 @@ class TransformerBlock(reference.TransformerBlock):
     either's state dict into the other), plus ``remat``: ``"cheap"`` (default) keeps x, qkv, the
     attention output and log-sum-exp, h, the fc1 output and the norm statistics, and rebuilds norm
     and activation outputs inside the backward kernels; ``"none"`` also keeps those (what an eager
-    block keeps); ``"full"`` keeps only x and replays the forward in backward.
+    block keeps); ``"full"`` keeps only x and replays the forward in backward; ``"offload"`` is
+    ``full`` with x in pinned host memory, copied there and back on a side stream
+    (``fused_remat.offload``; under torch.compile the block then runs eagerly, a graph break).
 
     x: (B, N, dim) in fp16, bf16 or fp32, the parameters' dtype — or any float parameters under
     ``torch.autocast``, which runs the matmuls and attention in the autocast dtype while x, h and y
@@ -421,6 +446,7 @@ class TransformerBlock(reference.TransformerBlock):
     """
 
     REMAT_POLICIES = REMAT_POLICIES
+    CHECKPOINTED = ("full", "offload")  # on the reference path (CPU without the interpreter)
 
     def __init__(self, dim: int, n_heads: int, *, n_kv_heads: int | None = None, ffn_dim: int | None = None,
                  norm: str = "layernorm", activation: str = "gelu", bias: bool = True, causal: bool = True,
@@ -449,16 +475,18 @@ class TransformerBlock(reference.TransformerBlock):
                 raise RuntimeError(f"{_OP}: context parallelism runs the Triton kernels only (CUDA, or the interpreter "
                                    f"with TRITON_INTERPRET=1 on CPU); this call would use the reference block")
         if not use_triton(_OP, x.device):
-            return super().forward(x)  # the reference math; ``full`` through torch.utils.checkpoint
+            return super().forward(x)  # the reference math; ``full`` and ``offload`` through torch.utils.checkpoint
         params = [self._parameter(name) for name in _PARAMETERS]
         geometry = _Geometry(
             batch=x.shape[0], seq=x.shape[1], dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
             head_dim=self.head_dim, ffn_dim=self.ffn_dim, rms=self.norm_kind == "rmsnorm",
             activation=self.activation, causal=self.causal, eps=self.eps, rope_theta=self.rope_theta,
-            remat=self.remat, compute_dtype=self._compute_dtype(x, params),
+            remat=HOST_RESIDENT.get(self.remat, self.remat), compute_dtype=self._compute_dtype(x, params),
             context_parallel="" if self.context_parallel is None else self.context_parallel.group_name,
+            offload=self.remat in HOST_RESIDENT,
         )
-        y, *_ = _BlockFunction.apply(x.reshape(geometry.tokens, self.dim).contiguous(), geometry, *params)
+        apply = _apply_offloaded if geometry.offload else _BlockFunction.apply
+        y, *_ = apply(x.reshape(geometry.tokens, self.dim).contiguous(), geometry, *params)
         return y.view(x.shape)
 
     def _parameter(self, name: str) -> torch.nn.Parameter | None:

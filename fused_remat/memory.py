@@ -2,7 +2,7 @@
 
     with fused_remat.memory.saved_memory() as meter:
         y = layer_norm(x, w, b)
-    meter.bytes          # activation bytes held for backward
+    meter.bytes          # activation bytes held for backward (device_bytes + host_bytes)
     print(meter.report())
 
 Every tensor that an autograd node saves while the meter is active passes through a
@@ -21,17 +21,22 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .offload import is_host_copy
+
 
 @dataclass
 class SavedTensorRecord:
     dtype: torch.dtype
     shape: tuple[int, ...]
     storage_bytes: int
+    host: bool  # an offloaded activation's host memory (``fused_remat.offload``)
 
 
 @dataclass
 class SavedMemoryMeter:
-    """What autograd saved while the meter was active. ``bytes`` counts each storage once."""
+    """What autograd saved while the meter was active. ``bytes`` counts each storage once: the
+    ``device_bytes`` that stay where the computation runs plus the ``host_bytes`` of offloaded
+    activations (on CPU the offload copy is the tensor itself; it is still counted as host)."""
 
     excluded_storages: set[int] = field(default_factory=set)
     records: dict[int, SavedTensorRecord] = field(default_factory=dict)
@@ -41,6 +46,14 @@ class SavedMemoryMeter:
     def bytes(self) -> int:
         return sum(r.storage_bytes for r in self.records.values())
 
+    @property
+    def device_bytes(self) -> int:
+        return sum(r.storage_bytes for r in self.records.values() if not r.host)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(r.storage_bytes for r in self.records.values() if r.host)
+
     def breakdown(self) -> dict[tuple[torch.dtype, tuple[int, ...]], int]:
         """Bytes per (dtype, shape of the largest tensor seen on each storage)."""
         totals: dict[tuple[torch.dtype, tuple[int, ...]], int] = defaultdict(int)
@@ -49,7 +62,8 @@ class SavedMemoryMeter:
         return dict(totals)
 
     def report(self) -> str:
-        lines = [f"saved for backward: {self.bytes} bytes in {len(self.records)} storages"]
+        lines = [f"saved for backward: {self.bytes} bytes in {len(self.records)} storages "
+                 f"({self.device_bytes} on the device, {self.host_bytes} offloaded to host memory)"]
         for (dtype, shape), nbytes in sorted(self.breakdown().items(), key=lambda item: -item[1]):
             lines.append(f"  {nbytes:>14,d} B  {str(dtype).removeprefix('torch.'):<9} {list(shape)}")
         if self.excluded_count:
@@ -67,9 +81,13 @@ class SavedMemoryMeter:
         else:
             key = _storage_key(tensor)
             seen = self.records.get(key)
+            # A storage saved both as itself and as an offload copy (on CPU) is on the device.
+            host = is_host_copy(tensor) and (seen is None or seen.host)
             if seen is None or tensor.numel() > math.prod(seen.shape):
                 storage_bytes = tensor.untyped_storage().nbytes()
-                self.records[key] = SavedTensorRecord(tensor.dtype, tuple(tensor.shape), storage_bytes)
+                self.records[key] = SavedTensorRecord(tensor.dtype, tuple(tensor.shape), storage_bytes, host)
+            else:
+                seen.host = host
         return tensor
 
 

@@ -12,8 +12,16 @@ checkpoint-every-sqrt(n)-layers is the degenerate case with two choices per laye
 or keep the input) and a budget fixed at about 2 sqrt(n) layers' worth; here every layer chooses
 between policies priced by measurement, under any budget.
 
-It places the ``full`` layers first (lowest indices): backward reaches them last, when the later
-layers' saved activations are already freed, so their replay does not add to the peak.
+``offload`` keeps what ``full`` keeps in host memory instead: its device bytes are zero and its
+cost is ``full``'s plus whatever part of the copies does not hide behind compute. The block input
+goes to the host during the layer's forward and comes back during the next layer's backward, so
+each copy (T x dim residual-dtype bytes over the host link) hides when it is shorter than that
+compute. With equal cost the planner prefers the plan with fewer device bytes, so ``offload``
+replaces ``full`` wherever its copies hide. The host bytes are reported apart.
+
+It places the costliest layers (``offload``, ``full``) first (lowest indices): backward reaches
+them last, when the later layers' saved activations are already freed, so their replay does not
+add to the peak.
 """
 
 from __future__ import annotations
@@ -28,8 +36,12 @@ from .block import TransformerBlock, block_widths, kept_bytes_per_token
 from .flops import ATTENTION_BACKWARD_FACTOR, attention_flops
 from .model import ModelConfig
 
-PLANNED_POLICIES = ("cheap", "full")
+PLANNED_POLICIES = ("cheap", "full", "offload")
 _FP32 = 4
+
+# Stated assumptions, used where nothing was measured (no GPU): not measurements.
+ASSUMED_HOST_BANDWIDTH = 25e9  # bytes/s each way over PCIe Gen4 x16 with pinned memory
+ASSUMED_DEVICE_FLOPS = 400e12  # bf16 FLOP/s an H100 sustains over a training step
 
 
 @dataclass(frozen=True)
@@ -54,10 +66,10 @@ def _widths(config: ModelConfig) -> dict[str, int]:
     return block_widths(config.dim, config.n_heads, config.n_kv_heads, config.ffn_dim, config.norm, config.activation)
 
 
-def layer_bytes_per_token(config: ModelConfig, policy: str, precision: Precision) -> int:
-    """Bytes one fused block keeps for backward per token under ``policy`` (the block's own table,
-    ``fused_remat.block.KEPT_FOR_BACKWARD``)."""
-    return kept_bytes_per_token(policy, _widths(config), precision.residual_bytes, precision.compute_bytes)
+def layer_bytes_per_token(config: ModelConfig, policy: str, precision: Precision, memory: str = "device") -> int:
+    """Bytes one fused block keeps for backward per token under ``policy`` in ``memory`` ("device"
+    or "host"; the block's own table, ``fused_remat.block.KEPT_FOR_BACKWARD``)."""
+    return kept_bytes_per_token(policy, _widths(config), precision.residual_bytes, precision.compute_bytes, memory)
 
 
 def head_bytes(config: ModelConfig, tokens: int, precision: Precision) -> int:
@@ -69,8 +81,8 @@ def head_bytes(config: ModelConfig, tokens: int, precision: Precision) -> int:
     return tokens * per_token + _FP32 * config.vocab_size * config.dim + _FP32
 
 
-def layer_step_flops(config: ModelConfig, batch: int, seq_len: int) -> tuple[float, float]:
-    """(forward FLOPs up to fc1, FLOPs of one training step) of one layer.
+def layer_step_flops(config: ModelConfig, batch: int, seq_len: int) -> tuple[float, float, float]:
+    """(forward FLOPs up to fc1, forward FLOPs, FLOPs of one training step) of one layer.
 
     Matmuls cost 2 FLOPs per multiply-add forward and twice that backward; attention is
     4 B H N^2 D forward (half, causal) and 2.5x that backward (DESIGN.md)."""
@@ -79,34 +91,83 @@ def layer_step_flops(config: ModelConfig, batch: int, seq_len: int) -> tuple[flo
     qkv_out_fc1 = 2 * tokens * config.dim * (widths["qkv"] + widths["dim"] + widths["pre_activation"])
     fc2 = 2 * tokens * widths["ffn"] * config.dim
     attention = attention_flops(batch, config.n_heads, seq_len, seq_len, config.dim // config.n_heads, causal=True)
-    return qkv_out_fc1 + attention, 3 * (qkv_out_fc1 + fc2) + (1 + ATTENTION_BACKWARD_FACTOR) * attention
+    forward = qkv_out_fc1 + fc2 + attention
+    return qkv_out_fc1 + attention, forward, 3 * (qkv_out_fc1 + fc2) + (1 + ATTENTION_BACKWARD_FACTOR) * attention
 
 
-def flop_policy_costs(config: ModelConfig, batch: int, seq_len: int) -> dict[str, float]:
-    """Extra compute of each policy as a fraction of the layer's training step (FLOP model)."""
-    replay, step = layer_step_flops(config, batch, seq_len)
-    return {"none": 0.0, "cheap": 0.0, "full": replay / step}
+def offload_cost(full_cost: float, step_seconds: float, forward_seconds: float, copy_seconds: float) -> float:
+    """``offload``'s extra time as a fraction of a layer's step: ``full``'s replay plus the parts of
+    the two copies that do not hide, the copy out behind the layer's forward and the copy back
+    behind a layer's backward (the prefetch runs one layer ahead)."""
+    backward_seconds = step_seconds - forward_seconds
+    exposed = max(0.0, copy_seconds - forward_seconds) + max(0.0, copy_seconds - backward_seconds)
+    return full_cost + exposed / step_seconds
+
+
+def copy_seconds(config: ModelConfig, batch: int, seq_len: int, precision: Precision, host_bandwidth: float) -> float:
+    """Seconds to move one offloaded layer's kept bytes one way over the host link."""
+    return layer_bytes_per_token(config, "offload", precision, "host") * batch * seq_len / host_bandwidth
+
+
+def flop_policy_costs(config: ModelConfig, batch: int, seq_len: int, precision: Precision | None = None,
+                      host_bandwidth: float = ASSUMED_HOST_BANDWIDTH,
+                      device_flops: float = ASSUMED_DEVICE_FLOPS) -> dict[str, float]:
+    """Extra compute of each policy as a fraction of the layer's training step (FLOP model); for
+    ``offload``, seconds from the FLOPs at ``device_flops`` against copies at ``host_bandwidth``
+    (both assumptions unless measured; bf16 autocast over fp32 weights unless ``precision``)."""
+    precision = Precision(torch.float32, torch.bfloat16) if precision is None else precision
+    replay, forward, step = layer_step_flops(config, batch, seq_len)
+    full = replay / step
+    copy = copy_seconds(config, batch, seq_len, precision, host_bandwidth)
+    return {"none": 0.0, "cheap": 0.0, "full": full,
+            "offload": offload_cost(full, step / device_flops, forward / device_flops, copy)}
 
 
 def measure_policy_costs(config: ModelConfig, batch: int, seq_len: int, precision: Precision,
                          device: torch.device, repeats: int = 5) -> dict[str, float]:
     """Extra time of each policy over ``none``, as a fraction, from timing one block's forward and
-    backward on ``device`` (median of ``repeats`` after a warm-up)."""
+    backward on ``device`` (median of ``repeats`` after a warm-up). ``offload``'s is ``full``'s
+    plus the copies' exposed part, from the measured forward and step times and the host link's
+    measured bandwidth (``measure_host_bandwidth``): one block alone has no neighbour for its
+    copies to hide behind, so timing it would price them as never hidden."""
     block = TransformerBlock(config.dim, config.n_heads, **config.block_kwargs(), device=device, dtype=precision.residual)
     x = torch.randn(batch, seq_len, config.dim, device=device, dtype=precision.residual, requires_grad=True)
     autocast = precision.compute != precision.residual
-    times = {}
+    times, forward_times = {}, {}
     for policy in ("none", "cheap", "full"):
         block.remat = policy
-        samples = []
+        samples, forward_samples = [], []
         for _ in range(repeats + 1):
             start = _now(device)
             with torch.autocast(device.type, dtype=precision.compute, enabled=autocast):
                 y = block(x)
+            forward_samples.append(_now(device) - start)
             y.backward(torch.ones_like(y))
             samples.append(_now(device) - start)
         times[policy] = sorted(samples[1:])[repeats // 2]
-    return {policy: max(0.0, t / times["none"] - 1.0) for policy, t in times.items()}
+        forward_times[policy] = sorted(forward_samples[1:])[repeats // 2]
+    costs = {policy: max(0.0, t / times["none"] - 1.0) for policy, t in times.items()}
+    copy = copy_seconds(config, batch, seq_len, precision, measure_host_bandwidth(device))
+    costs["offload"] = offload_cost(costs["full"], times["none"], forward_times["none"], copy)
+    return costs
+
+
+def measure_host_bandwidth(device: torch.device, nbytes: int = 1 << 28, repeats: int = 5) -> float:
+    """Bytes/s of the slower direction of a pinned host <-> ``device`` copy (median of ``repeats``);
+    on CPU, where offload moves nothing, infinite."""
+    if device.type != "cuda":
+        return float("inf")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    seconds = []
+    for source, target in ((host, on_device), (on_device, host)):
+        samples = []
+        for _ in range(repeats + 1):
+            start = _now(device)
+            target.copy_(source, non_blocking=True)
+            samples.append(_now(device) - start)
+        seconds.append(sorted(samples[1:])[repeats // 2])
+    return nbytes / max(seconds)
 
 
 def _now(device: torch.device) -> float:
@@ -118,7 +179,8 @@ def _now(device: torch.device) -> float:
 @dataclass
 class RematPlan:
     policies: list[str]
-    layer_bytes: list[int]
+    layer_bytes: list[int]  # on the device
+    layer_host_bytes: list[int]  # offloaded to host memory
     fixed_bytes: int
     layer_extra: list[float]  # extra compute of each layer, as a fraction of its step
     step_flops: float  # the whole model's training step without remat
@@ -132,6 +194,10 @@ class RematPlan:
         return self.fixed_bytes + sum(self.layer_bytes)
 
     @property
+    def host_bytes(self) -> int:
+        return sum(self.layer_host_bytes)
+
+    @property
     def extra_compute(self) -> float:
         """Extra compute of the plan as a fraction of the model's training step."""
         return sum(self.layer_extra) * self.layer_step_flops / self.step_flops
@@ -140,12 +206,14 @@ class RematPlan:
         budget = "no budget" if self.budget is None else f"budget {_mib(self.budget)}"
         lines = [
             f"remat plan for {self.tokens:,} tokens per step, {budget}; extra compute from the {self.cost_source}",
-            f"{'layer':>6}  {'policy':<6} {'predicted':>12} {'extra compute':>14}",
+            f"{'layer':>6}  {'policy':<7} {'predicted':>12} {'host memory':>12} {'extra compute':>14}",
         ]
-        for i, (policy, nbytes, extra) in enumerate(zip(self.policies, self.layer_bytes, self.layer_extra)):
-            lines.append(f"{i:>6}  {policy:<6} {_mib(nbytes):>12} {extra:>+13.1%}")
-        lines.append(f"{'head':>6}  {'':<6} {_mib(self.fixed_bytes):>12} {'':>14}")
-        lines.append(f"{'total':>6}  {'':<6} {_mib(self.predicted_bytes):>12} {self.extra_compute:>+13.1%} of a step")
+        rows = zip(self.policies, self.layer_bytes, self.layer_host_bytes, self.layer_extra)
+        for i, (policy, nbytes, host, extra) in enumerate(rows):
+            lines.append(f"{i:>6}  {policy:<7} {_mib(nbytes):>12} {_mib(host):>12} {extra:>+13.1%}")
+        lines.append(f"{'head':>6}  {'':<7} {_mib(self.fixed_bytes):>12} {'':>12} {'':>14}")
+        lines.append(f"{'total':>6}  {'':<7} {_mib(self.predicted_bytes):>12} {_mib(self.host_bytes):>12} "
+                     f"{self.extra_compute:>+13.1%} of a step")
         return "\n".join(lines)
 
 
@@ -160,7 +228,7 @@ def plan_remat(config: ModelConfig, batch: int, seq_len: int, precision: Precisi
     plus the embedding, final norm and loss) stay within ``budget``; ``budget=None`` plans the
     cheapest policies outright. Raises ValueError when even the smallest plan does not fit."""
     tokens = batch * seq_len
-    costs = flop_policy_costs(config, batch, seq_len) if costs is None else costs
+    costs = flop_policy_costs(config, batch, seq_len, precision) if costs is None else costs
     per_layer = {p: layer_bytes_per_token(config, p, precision) * tokens for p in candidates}
     fixed = head_bytes(config, tokens, precision)
     layers = config.n_layers
@@ -178,7 +246,7 @@ def plan_remat(config: ModelConfig, batch: int, seq_len: int, precision: Precisi
         smallest = fixed + layers * min(per_layer.values())
         raise ValueError(f"budget: {_mib(budget)} is below the smallest plan's {_mib(smallest)} "
                          f"({tokens:,} tokens, {layers} layers); shorten the sequences or the batch")
-    # Most expensive policy first (``full`` on the earliest layers), as the module docstring explains.
+    # Most expensive policy first (``offload`` and ``full`` on the earliest layers), as the module docstring explains.
     order = sorted(zip(candidates, best[1]), key=lambda item: -costs[item[0]])
     policies = [p for p, n in order for _ in range(n)]
     return explain_policies(config, batch, seq_len, precision, policies, costs, cost_source, budget)
@@ -189,11 +257,12 @@ def explain_policies(config: ModelConfig, batch: int, seq_len: int, precision: P
                      budget: int | None = None) -> RematPlan:
     """The plan table for given per-layer policies: predicted bytes and extra compute of each."""
     tokens = batch * seq_len
-    costs = flop_policy_costs(config, batch, seq_len) if costs is None else costs
-    layer_flops = layer_step_flops(config, batch, seq_len)[1]
+    costs = flop_policy_costs(config, batch, seq_len, precision) if costs is None else costs
+    layer_flops = layer_step_flops(config, batch, seq_len)[2]
     step = config.n_layers * layer_flops + 6 * tokens * config.dim * config.vocab_size
     return RematPlan(
         policies=list(policies), layer_bytes=[layer_bytes_per_token(config, p, precision) * tokens for p in policies],
+        layer_host_bytes=[layer_bytes_per_token(config, p, precision, "host") * tokens for p in policies],
         fixed_bytes=head_bytes(config, tokens, precision), layer_extra=[costs[p] for p in policies], step_flops=step,
         layer_step_flops=layer_flops, budget=budget, cost_source=cost_source, tokens=tokens,
     )

@@ -138,6 +138,7 @@ class TransformerBlock(nn.Module):
     """
 
     REMAT_POLICIES = ("none", "full")
+    CHECKPOINTED = ("full",)  # the policies that run under torch.utils.checkpoint
 
     def __init__(self, dim: int, n_heads: int, *, n_kv_heads: int | None = None, ffn_dim: int | None = None,
                  norm: str = "layernorm", activation: str = "gelu", bias: bool = True, causal: bool = True,
@@ -181,7 +182,7 @@ class TransformerBlock(nn.Module):
         return nn.LayerNorm(self.dim, eps=self.eps, bias=bias, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.remat == "full" and torch.is_grad_enabled():
+        if self.remat in self.CHECKPOINTED and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(self._eager, x, use_reentrant=False)
         return self._eager(x)
 

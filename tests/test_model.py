@@ -54,7 +54,7 @@ def test_every_policy_mix_gives_bitwise_the_same_training(device, triton_backend
     model = LanguageModel(CONFIG, "none", device=device)
     tokens = _tokens(CONFIG, 2, 13, device)
     baseline = _loss_and_grads(model, tokens)
-    for policies in (["cheap"] * 3, ["full"] * 3, ["full", "cheap", "none"]):
+    for policies in (["cheap"] * 3, ["full"] * 3, ["full", "cheap", "none"], ["offload"] * 3, ["offload", "full", "cheap"]):
         model.set_remat(policies)
         assert [block.remat for block in model.blocks] == policies
         loss, grads = _loss_and_grads(model, tokens)
@@ -128,7 +128,7 @@ def _measured_bytes(model, tokens, precision):
     with saved_memory(exclude=model.parameters()) as meter:
         with torch.autocast(tokens.device.type, dtype=precision.compute, enabled=autocast):
             model(inputs, tokens[:, 1:])
-    return meter.bytes
+    return meter.device_bytes, meter.host_bytes
 
 
 @pytest.mark.parametrize("config", [CONFIG, LLAMA_LIKE], ids=["gpt", "llama"])
@@ -138,12 +138,13 @@ def test_predicted_bytes_match_the_meter(config, precision, device, triton_backe
     model = LanguageModel(config, "none", device=device)
     tokens = _tokens(config, batch, seq, device)
     mixes = [["none"] * config.n_layers, ["cheap"] * config.n_layers, ["full"] * config.n_layers,
-             ["full"] + ["cheap"] * (config.n_layers - 1)]
+             ["full"] + ["cheap"] * (config.n_layers - 1), ["offload"] + ["cheap"] * (config.n_layers - 1)]
     for policies in mixes:
         model.set_remat(policies)
-        predicted = explain_policies(config, batch, seq, precision, policies).predicted_bytes
-        measured = _measured_bytes(model, tokens, precision)
-        assert abs(predicted - measured) <= 0.1 * measured, (policies, predicted, measured)
+        plan = explain_policies(config, batch, seq, precision, policies)
+        measured, host = _measured_bytes(model, tokens, precision)
+        assert abs(plan.predicted_bytes - measured) <= 0.1 * measured, (policies, plan.predicted_bytes, measured)
+        assert host == plan.host_bytes, (policies, host, plan.host_bytes)
 
 
 def test_plans_fit_their_budget_and_spend_the_least_recompute(device, triton_backend):
@@ -156,14 +157,20 @@ def test_plans_fit_their_budget_and_spend_the_least_recompute(device, triton_bac
     for budget in torch.linspace(smallest, largest + 1000, 7).long().tolist():
         plan = plan_remat(CONFIG, batch, seq, FP32, budget)
         assert plan.predicted_bytes <= budget
-        assert plan.policies == sorted(plan.policies, key=lambda p: p != "full"), "full layers come first"
+        assert plan.policies == sorted(plan.policies, key=("offload", "full", "cheap").index), "replayed layers first"
         assert plan.extra_compute <= previous_extra
         previous_extra = plan.extra_compute
         model.set_remat(plan.policies)
-        assert _measured_bytes(model, tokens, FP32) <= budget
+        assert _measured_bytes(model, tokens, FP32)[0] <= budget
     assert plan.policies == ["cheap"] * 3 and plan.extra_compute == 0
     with pytest.raises(ValueError, match="budget: .* is below the smallest plan"):
-        plan_remat(CONFIG, batch, seq, FP32, smallest - 1)
+        plan_remat(CONFIG, batch, seq, FP32, smallest - 1, candidates=("cheap", "full"))
+    everything_offloaded = explain_policies(CONFIG, batch, seq, FP32, ["offload"] * 3).predicted_bytes
+    # Below full everywhere, offloading fits; at these tiny sizes its copies do not hide, so only as
+    # few layers as the budget needs are offloaded.
+    assert plan_remat(CONFIG, batch, seq, FP32, smallest - 1).policies == ["offload", "full", "full"]
+    with pytest.raises(ValueError, match="budget: .* is below the smallest plan"):
+        plan_remat(CONFIG, batch, seq, FP32, everything_offloaded - 1)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -233,5 +240,5 @@ def test_gpu_activation_memory_follows_the_plan():
 def test_measured_policy_costs_are_relative_to_none(device, triton_backend):
     # On CPU the timings say nothing about a GPU; this checks the measurement's plumbing.
     costs = measure_policy_costs(CONFIG, 1, 16, FP32, device, repeats=1)
-    assert set(costs) == {"none", "cheap", "full"}
+    assert set(costs) == {"none", "cheap", "full", "offload"}
     assert costs["none"] == 0 and all(cost >= 0 for cost in costs.values())

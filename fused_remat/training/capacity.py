@@ -47,6 +47,7 @@ CANDIDATES = (
     ("fused_remat none", "fused", "none"),
     ("fused_remat cheap", "fused", "cheap"),
     ("fused_remat full", "fused", "full"),
+    ("fused_remat offload", "fused", "offload"),
     ("fused_remat auto", "fused", "auto"),
 )
 
@@ -130,7 +131,7 @@ class TrainStepProbe:
         with saved_memory(exclude=self.model.parameters()) as meter:
             loss = self._loss(tokens)
         del loss
-        saved = meter.bytes
+        saved = meter.device_bytes  # offloaded layer inputs wait in host memory
         if self.model.block_impl == "reference":
             # torch.utils.checkpoint keeps each checkpointed block's input through saved-tensor
             # hooks of its own, which hide it from the meter's: count those inputs here.
