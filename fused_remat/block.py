@@ -22,6 +22,7 @@ back one layer ahead during backward. Nothing of size N x N is ever kept.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -413,11 +414,12 @@ def _norm_backward(dy, x, weights, mean, rstd, residual_grad, rebuild: bool, g: 
     return dx, dw, custom_ops.present(db), custom_ops.present(rebuilt)
 
 
-@torch.compiler.disable
-def _apply_offloaded(x, g: _Geometry, *params):
-    """The block Function with x offloaded, always eager: the copies to and from host memory run on
-    a side stream with events, which torch.compile does not trace (a graph break, not an error)."""
-    return _BlockFunction.apply(x, g, *params)
+@functools.cache
+def _eager_block_function():
+    """The block Function, never traced by torch.compile (a graph break, not an error): with x
+    offloaded, the copies to and from host memory run on a side stream with events, which
+    torch.compile does not trace. Made on first use: torch.compiler.disable imports the compiler."""
+    return torch.compiler.disable(_BlockFunction.apply)
 
 
 class TransformerBlock(reference.TransformerBlock):
@@ -485,7 +487,7 @@ class TransformerBlock(reference.TransformerBlock):
             context_parallel="" if self.context_parallel is None else self.context_parallel.group_name,
             offload=self.remat in HOST_RESIDENT,
         )
-        apply = _apply_offloaded if geometry.offload else _BlockFunction.apply
+        apply = _eager_block_function() if geometry.offload else _BlockFunction.apply
         y, *_ = apply(x.reshape(geometry.tokens, self.dim).contiguous(), geometry, *params)
         return y.view(x.shape)
 

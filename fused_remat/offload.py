@@ -26,8 +26,9 @@ import weakref
 
 import torch
 
-# The host tensors of live copies by storage address, for the saved-memory meter (a WeakSet would
-# compare tensors with ==, which is element-wise).
+# The host tensors of live copies by id, for the saved-memory meter: the tensor objects, not their
+# storage (on CPU a copy shares its storage with the tensor it copies), and not a WeakSet (which
+# would compare tensors with ==, element-wise).
 _registry: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 _latest = threading.local()  # the HostCopy this thread made last (weakly)
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -35,7 +36,7 @@ _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 def is_host_copy(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is the host memory of an offloaded activation."""
-    return _registry.get(tensor.untyped_storage().data_ptr()) is not None
+    return _registry.get(id(tensor)) is tensor
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -67,7 +68,7 @@ class HostCopy:
         else:
             self.host = tensor.detach()
             self._stored = None
-        _registry[self.host.untyped_storage().data_ptr()] = self.host
+        _registry[id(self.host)] = self.host
 
     def prefetch(self) -> None:
         """Start the copy back to the device unless it is under way."""

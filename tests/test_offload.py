@@ -1,0 +1,174 @@
+"""The ``offload`` policy: ``full``'s kept input in host memory. On CPU the copy is the tensor itself,
+so these tests check the bookkeeping (what the meter counts where, the prefetch chain, gradients
+bitwise equal to the other policies); the stream overlap and the device memory are GPU tests."""
+
+import gc
+
+import pytest
+import torch
+
+from fused_remat import TransformerBlock, reference
+from fused_remat.block import block_widths, kept_bytes_per_token
+from fused_remat.memory import saved_memory
+from fused_remat.model import LanguageModel, ModelConfig, preset
+from fused_remat.offload import HostCopy, is_host_copy
+from fused_remat.planner import (
+    ASSUMED_HOST_BANDWIDTH, Precision, copy_seconds, explain_policies, flop_policy_costs, plan_remat,
+)
+
+CONFIG = ModelConfig(vocab_size=120, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=48)
+AUTOCAST_BF16 = Precision(torch.float32, torch.bfloat16)
+
+
+def _block_grads(block, x):
+    y = block(x)
+    return torch.autograd.grad((y * y.detach().sin()).sum(), [x, *block.parameters()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_offload_gradients_are_bitwise_cheap_and_full(dtype, device, triton_backend):
+    block = TransformerBlock(32, 4, n_kv_heads=2, norm="rmsnorm", activation="swiglu", rope_theta=10000.0,
+                             device=device, dtype=dtype)
+    x = torch.randn(2, 13, 32, device=device, dtype=dtype, requires_grad=True)
+    grads = {}
+    for policy in ("cheap", "full", "offload"):
+        block.remat = policy
+        grads[policy] = _block_grads(block, x)
+    for policy in ("full", "offload"):
+        assert all(torch.equal(a, b) for a, b in zip(grads["cheap"], grads[policy])), policy
+
+
+def test_the_meter_counts_the_offloaded_input_as_host_memory(device, triton_backend):
+    block = TransformerBlock(32, 2, remat="offload", device=device)
+    x = torch.randn(3, 7, 32, device=device, requires_grad=True)
+    with saved_memory(exclude=block.parameters()) as meter:
+        y = block(x)
+    assert meter.device_bytes == 0
+    assert meter.host_bytes == x.numel() * x.element_size() == meter.bytes
+    assert "offloaded to host memory" in meter.report()
+    y.sum().backward()
+    block.remat = "full"
+    with saved_memory(exclude=block.parameters()) as meter:
+        block(x)
+    assert (meter.device_bytes, meter.host_bytes) == (x.numel() * x.element_size(), 0)
+
+
+def test_offloaded_layers_keep_device_bytes_independent_of_the_layer_count(device, triton_backend):
+    """The issue's goal: with offload the device keeps O(1) layer inputs; the host keeps them all."""
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, 17), device=device)
+    kept = {}
+    for layers in (1, 2, 4):
+        config = ModelConfig(**{**CONFIG.__dict__, "n_layers": layers})
+        model = LanguageModel(config, "offload", device=device)
+        with saved_memory(exclude=model.parameters()) as meter:
+            model(tokens[:, :-1], tokens[:, 1:])
+        kept[layers] = meter.device_bytes, meter.host_bytes
+    assert kept[1][0] == kept[2][0] == kept[4][0]
+    one_input = 2 * 16 * CONFIG.dim * 4
+    assert [kept[n][1] for n in (1, 2, 4)] == [one_input, 2 * one_input, 4 * one_input]
+
+
+def test_backward_prefetches_the_previous_layers_copy():
+    first, second = HostCopy(torch.randn(4, 3)), HostCopy(torch.randn(4, 3))
+    third = HostCopy(torch.randn(5))
+    assert second.previous() is first and third.previous() is second
+    assert is_host_copy(first.host) and not is_host_copy(torch.randn(2))
+    assert torch.equal(third.fetch(), third.host)
+    assert second._upload is not None and first._upload is None, "exactly one layer ahead"
+    assert torch.equal(second.fetch(), second.host)
+    assert first._upload is not None
+
+
+def test_a_copy_does_not_keep_its_predecessor_alive():
+    first = HostCopy(torch.randn(8))
+    second = HostCopy(torch.randn(8))
+    del first
+    gc.collect()
+    assert second.previous() is None
+    assert torch.equal(second.fetch(), second.host)
+
+
+def test_retained_graph_runs_backward_twice(device, triton_backend):
+    block = TransformerBlock(32, 2, remat="offload", device=device)
+    x = torch.randn(1, 9, 32, device=device, requires_grad=True)
+    y = block(x).sum()
+    first = torch.autograd.grad(y, x, retain_graph=True)[0]
+    assert torch.equal(first, torch.autograd.grad(y, x)[0])
+
+
+def test_offload_under_torch_compile_runs_eagerly_and_matches(device, triton_backend):
+    block = TransformerBlock(32, 2, remat="offload", device=device)
+    x = torch.randn(1, 8, 32, device=device, requires_grad=True)
+    eager = torch.autograd.grad(block(x).sum(), x)[0]
+    torch._dynamo.reset()
+    compiled = torch.autograd.grad(torch.compile(block)(x).sum(), x)[0]
+    assert torch.equal(eager, compiled)
+
+
+def test_the_reference_block_refuses_offload():
+    with pytest.raises(ValueError, match="remat must be one of"):
+        reference.TransformerBlock(32, 2, remat="offload")
+    with pytest.raises(ValueError, match="remat must be one of"):
+        LanguageModel(CONFIG, "offload", block_impl="reference")
+
+
+def test_offload_keeps_fulls_bytes_in_host_memory():
+    widths = block_widths(4096, 32, 8, 14336, "rmsnorm", "swiglu")
+    full = kept_bytes_per_token("full", widths, 4, 2)
+    assert kept_bytes_per_token("offload", widths, 4, 2) == 0
+    assert kept_bytes_per_token("offload", widths, 4, 2, memory="host") == full == 4 * 4096
+    assert kept_bytes_per_token("full", widths, 4, 2, memory="host") == 0
+    with pytest.raises(ValueError, match="memory must be"):
+        kept_bytes_per_token("full", widths, 4, 2, memory="disk")
+
+
+def test_offload_costs_what_full_costs_where_its_copies_hide():
+    long = flop_policy_costs(preset("llama-1b"), 1, 32768, AUTOCAST_BF16)
+    assert long["offload"] == long["full"]
+    short = flop_policy_costs(preset("gpt2-small"), 1, 256, AUTOCAST_BF16)
+    assert short["offload"] > short["full"]
+    # The copy: one layer input, fp32 residual, over the assumed link.
+    assert copy_seconds(preset("gpt2-small"), 1, 256, AUTOCAST_BF16, ASSUMED_HOST_BANDWIDTH) == \
+        256 * 768 * 4 / ASSUMED_HOST_BANDWIDTH
+
+
+def test_the_planner_offloads_where_copies_hide_and_reports_host_bytes():
+    config = preset("llama-1b")
+    batch, seq = 1, 32768
+    full = explain_policies(config, batch, seq, AUTOCAST_BF16, ["full"] * config.n_layers)
+    plan = plan_remat(config, batch, seq, AUTOCAST_BF16, budget=full.predicted_bytes)
+    # Hidden copies cost nothing over full, and take its layer inputs off the device.
+    assert "offload" in plan.policies and "full" not in plan.policies
+    assert plan.extra_compute <= full.extra_compute
+    assert plan.host_bytes == plan.policies.count("offload") * seq * config.dim * 4
+    assert "host memory" in plan.table() and "offload" in plan.table()
+
+
+@pytest.mark.gpu
+def test_gpu_offload_holds_less_device_memory_than_full_and_overlaps():
+    """On a GPU: between forward and backward, offload holds about the layer inputs less than
+    full; the step is not much slower than full's (the copies overlap compute)."""
+    device = torch.device("cuda")
+    config = preset("gpt2-small", n_layers=8)
+    tokens = torch.randint(0, config.vocab_size, (1, 16385), device=device)
+    model = LanguageModel(config, "full", device=device)
+    held, seconds = {}, {}
+    for policy in ("full", "offload"):
+        model.set_remat(policy)
+        for _ in range(2):  # the second run is timed, the first warms up
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(tokens[:, :-1], tokens[:, 1:])
+            torch.cuda.synchronize()
+            held[policy] = torch.cuda.memory_allocated() - before
+            loss.backward()
+            end.record()
+            torch.cuda.synchronize()
+            seconds[policy] = start.elapsed_time(end) / 1e3
+            model.zero_grad(set_to_none=True)
+    inputs = config.n_layers * 16384 * config.dim * 4
+    assert held["full"] - held["offload"] >= 0.8 * inputs, held
+    assert seconds["offload"] <= 1.25 * seconds["full"], seconds
