@@ -22,12 +22,14 @@ Providers:
     fused_remat          LanguageModel, fused blocks, remat="cheap" (the default policy)
     fused_remat-none     remat="none"
     fused_remat-full     remat="full"
+    fused_remat-offload  remat="offload" (full's kept inputs in pinned host memory)
     fused_remat-auto     the per-layer plan of ``planner.plan_remat`` for a budget of half the bytes
-                         that ``cheap`` is predicted to keep (FLOP-model costs). At every length that
-                         gives 8 ``full`` and 4 ``cheap`` layers in gpt2-small: a plan in between the
-                         two policies, where the planner has a choice to make (a budget of a fraction
-                         of the device would simply give ``cheap`` at these lengths). The plan is
-                         recorded in each result's ``extra``.
+                         that ``cheap`` is predicted to keep (FLOP-model costs). In gpt2-small that
+                         is 8 ``full`` and 4 ``cheap`` layers at 8k; at 16k and 32k, where the model
+                         hides offload's copies, 2 and 7 of the replayed layers are ``offload``: a plan
+                         in between the policies, where the planner has a choice to make (a budget of
+                         a fraction of the device would simply give ``cheap`` at these lengths). The
+                         plan is recorded in each result's ``extra``.
     eager                LanguageModel(block_impl="reference", remat="none")
     checkpoint           LanguageModel(block_impl="reference", remat="full"): every block under
                          torch.utils.checkpoint (use_reentrant=False)
@@ -114,6 +116,7 @@ PROVIDERS = {
     "fused_remat": Provider("fused", "cheap"),
     "fused_remat-none": Provider("fused", "none"),
     "fused_remat-full": Provider("fused", "full"),
+    "fused_remat-offload": Provider("fused", "offload"),
     "fused_remat-auto": Provider("fused", "auto"),
     "eager": Provider("reference", "none"),
     "checkpoint": Provider("reference", "full"),
@@ -456,12 +459,13 @@ def test_smoke_on_cpu(triton_backend):
 
 
 def test_auto_plan_mixes_policies_within_its_budget():
-    """At every benchmarked length the auto provider's budget forces a mix of full and cheap layers."""
+    """At every benchmarked length the auto provider's budget forces a mix of replayed (full or
+    offload) and cheap layers."""
     config, prec = model_config("cuda"), precision("cuda")
     for n in LENGTHS:
         plan = auto_plan(config, BATCH, n, prec)
         assert plan.predicted_bytes <= plan.budget
-        assert {"full", "cheap"} <= set(plan.policies), plan.policies
+        assert "cheap" in plan.policies and {"full", "offload"} & set(plan.policies), plan.policies
 
 
 def test_runner_records_oom_and_goes_on():
