@@ -22,7 +22,6 @@ back one layer ahead during backward. Nothing of size N x N is ever kept.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -414,12 +413,18 @@ def _norm_backward(dy, x, weights, mean, rstd, residual_grad, rebuild: bool, g: 
     return dx, dw, custom_ops.present(db), custom_ops.present(rebuilt)
 
 
-@functools.cache
+_eager_apply = None
+
+
 def _eager_block_function():
     """The block Function, never traced by torch.compile (a graph break, not an error): with x
     offloaded, the copies to and from host memory run on a side stream with events, which
-    torch.compile does not trace. Made on first use: torch.compiler.disable imports the compiler."""
-    return torch.compiler.disable(_BlockFunction.apply)
+    torch.compile does not trace. Made on first use: torch.compiler.disable imports the compiler
+    (about a second), which a model without offloaded layers should not pay at import."""
+    global _eager_apply
+    if _eager_apply is None:
+        _eager_apply = torch.compiler.disable(_BlockFunction.apply)
+    return _eager_apply
 
 
 class TransformerBlock(reference.TransformerBlock):
