@@ -32,7 +32,7 @@ real parameters get the same gradients. A forward refuses to run if one of them 
 Refused with ``UnsupportedByFusedBlock`` (a ValueError naming the input), never silently wrong:
 an ``attention_mask`` with padding (all-ones masks are fine) or of 4 dimensions; ``position_ids`` or
 ``cache_position`` other than 0..N-1 in every row (also packed sequences); a KV cache:
-``past_key_values``, ``use_cache=True`` (``use_cache`` left unset means False on a patched model,
+``past_key_values`` (``cache`` in recent transformers), ``use_cache=True`` (``use_cache`` left unset means False on a patched model,
 so ``model.generate()`` needs ``use_cache=False`` and then gives the unpatched model's tokens);
 ``output_attentions`` and ``output_hidden_states``; a sliding window shorter than the sequence;
 dropout > 0 in training mode (attention or residual dropout; GPT-2's embedding dropout is outside the
@@ -339,6 +339,9 @@ def _describe(value) -> str:
 # --- model-level checks -----------------------------------------------------------------------
 
 _NO_CACHE = "the block keeps no KV cache; pass use_cache=False (to generate() too)"
+# transformers 5.2x names the cache argument ``cache``; earlier versions ``past_key_values``.
+_CACHE_ARGUMENTS = {"use_cache": "use_cache=True", "past_key_values": "past_key_values",
+                    "cache": "cache (past_key_values)"}
 # Base-model arguments that need no check (what they change happens outside the decoder layers).
 _HARMLESS = frozenset({"input_ids", "inputs_embeds", "token_type_ids", "return_dict"})
 
@@ -365,8 +368,8 @@ def _check_model_inputs(arguments: dict, config) -> None:
                 raise _refuse("attention_mask with padding (zeros)", "the block attends to every earlier token; use unpadded batches")
         elif name in ("position_ids", "cache_position") and seq is not None:
             _check_positions(name, value, seq)
-        elif name in ("use_cache", "past_key_values"):
-            raise _refuse("use_cache=True" if name == "use_cache" else "past_key_values", _NO_CACHE)
+        elif name in _CACHE_ARGUMENTS:
+            raise _refuse(_CACHE_ARGUMENTS[name], _NO_CACHE)
         else:
             raise _refuse(f"{name}={_describe(value)}", "the fused decoder layers cannot honour it")
     for flag in ("output_attentions", "output_hidden_states"):
