@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import next_power_of_2
+from .launch import ensure_scratch_allocator, next_power_of_2
 from .limits import MAX_HEAD_DIM, triton_interpreting
 from .precision import round_to
 
@@ -77,12 +77,15 @@ def _row_stats(base, batch, head, Hq, Nq):
 
 
 @triton.jit
-def _dot(a, b, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """a @ b with fp32 accumulation. UPCAST_DOT (interpreter): fp32 operands, exact products."""
+def _dot(a, b, acc, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + a @ b in fp32 (acc None: a @ b). The sum happens inside the MMA: an accumulator
+    rescaled or added to outside it would be defined by non-wgmma instructions between warpgroup
+    MMAs, which makes ptxas serialize them on Hopper (advisory C7515). UPCAST_DOT (interpreter):
+    fp32 operands, exact products."""
     if UPCAST_DOT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
-        return tl.dot(a, b, input_precision=DOT_PRECISION)
+        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -102,6 +105,28 @@ def _load_rows(base, row0, offs_r, n_rows, stride_r, offs_d, D, CHECK_ROWS: tl.c
         else:
             tile = tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
     return tile
+
+
+@triton.jit
+def _tile_source(base, n_rows, D, stride_r, USE_TMA: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Where a kernel streams (BLOCK, HEAD_DIM) tiles of an (n_rows, D) matrix from: a tensor
+    descriptor (USE_TMA; on Hopper the copies are TMA, asynchronous and address-free for the
+    threads, and rows and columns out of range read as zero) or the plain base pointer."""
+    if USE_TMA:
+        return tl.make_tensor_descriptor(base, shape=[n_rows, D], strides=[stride_r, 1], block_shape=[BLOCK, HEAD_DIM])
+    else:
+        return base
+
+
+@triton.jit
+def _load_tile(source, row0, n_rows, stride_r, D, CHECK_ROWS: tl.constexpr, EVEN_D: tl.constexpr,
+               USE_TMA: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The BLOCK rows from row0 of a _tile_source, zero outside the matrix."""
+    if USE_TMA:
+        return source.load([row0, 0])
+    else:
+        return _load_rows(source, row0, tl.arange(0, BLOCK), n_rows, stride_r, tl.arange(0, HEAD_DIM), D,
+                          CHECK_ROWS=CHECK_ROWS, EVEN_D=EVEN_D)
 
 
 @triton.jit
@@ -143,17 +168,17 @@ def _visible(offs_m, keys, Nq, Nk, CAUSAL: tl.constexpr):
 
 @triton.jit
 def _key_block(
-    q, K_head, V_head, stride_kn, stride_vn, start_n, Nk, D,
-    MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+    q, k_src, v_src, stride_kn, stride_vn, start_n, Nk, D,
+    MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """k and v of the key block at start_n (MASKED: rows past Nk read as zero) and the raw, unmasked
-    scores q k^T (not yet scaled)."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    k = _load_rows(K_head, start_n, offs_n, Nk, stride_kn, offs_d, D, CHECK_ROWS=MASKED, EVEN_D=EVEN_D)
-    v = _load_rows(V_head, start_n, offs_n, Nk, stride_vn, offs_d, D, CHECK_ROWS=MASKED, EVEN_D=EVEN_D)
-    return k, v, _dot(q, tl.trans(k), UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
+    """k and v of the key block at start_n (rows past Nk read as zero) and the raw, unmasked scores
+    q k^T (not yet scaled). k_src, v_src: _tile_source's."""
+    k = _load_tile(k_src, start_n, Nk, stride_kn, D, CHECK_ROWS=MASKED, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
+                   BLOCK=BLOCK_N, HEAD_DIM=HEAD_DIM)
+    v = _load_tile(v_src, start_n, Nk, stride_vn, D, CHECK_ROWS=MASKED, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
+                   BLOCK=BLOCK_N, HEAD_DIM=HEAD_DIM)
+    return k, v, _dot(q, tl.trans(k), None, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
 
 
 @triton.jit
@@ -181,7 +206,23 @@ def _probs(s, sm_scale, qk_scale, offset, DOT_PRECISION: tl.constexpr):
     if DOT_PRECISION == "ieee":
         return tl.math.exp2(tl.fma(s, sm_scale, -offset) * LOG2E)
     else:
-        return tl.math.exp2(s * qk_scale - offset)
+        return tl.math.exp2(tl.fma(s, qk_scale, -offset))
+
+
+@triton.jit
+def _scaled_row_max(qk, scale, visible, MASKED: tl.constexpr, NEGATIVE_SCALE: tl.constexpr):
+    """max over each row's visible keys of qk * scale, with one multiply per row instead of one per
+    score (rounding is monotonic, so the result is the same bits); -inf where a row sees no key."""
+    if NEGATIVE_SCALE:
+        fill = float("inf")
+        extreme = tl.min(tl.where(visible, qk, fill) if MASKED else qk, 1)
+    else:
+        fill = float("-inf")
+        extreme = tl.max(tl.where(visible, qk, fill) if MASKED else qk, 1)
+    if MASKED:  # (+-inf) * 0 would be NaN for scale 0: a row with nothing visible is -inf
+        return tl.where(extreme == fill, float("-inf"), extreme * scale)
+    else:
+        return extreme * scale
 
 
 # --------------------------------------------------------------------------------------------
@@ -191,44 +232,42 @@ def _probs(s, sm_scale, qk_scale, offset, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def _attn_fwd_inner(
-    acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_vn, start_m, lo, hi, Nq, Nk, D, sm_scale, qk_scale,
+    acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, lo, hi, Nq, Nk, D, sm_scale, qk_scale,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr, NEGATIVE_SCALE: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Online softmax over the key blocks in [lo, hi): running max m_i, sum l_i and output acc.
     16-bit inputs run in log2 units (m_i too); fp32 inputs keep m_i in natural units and form each
-    exponent with one fma (see _probs), so that lse = m_i + ln(l_i) matches the backward's P."""
+    exponent with one fma (see _probs), so that lse = m_i + ln(l_i) matches the backward's P. The
+    scale is applied once per row to the max and inside the exponent's fma, never to the scores."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
+    if DOT_PRECISION == "ieee":
+        scale = sm_scale  # natural units
+    else:
+        scale = qk_scale  # log2 units
     for start_n in range(lo, hi, BLOCK_N):
         k, v, qk = _key_block(
-            q, K_head, V_head, stride_kn, stride_vn, start_n, Nk, D,
-            MASKED=MASKED, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
-            UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N,
+            q, k_src, v_src, stride_kn, stride_vn, start_n, Nk, D, MASKED=MASKED, HEAD_DIM=HEAD_DIM,
+            EVEN_D=EVEN_D, USE_TMA=USE_TMA, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N,
         )
-        if DOT_PRECISION == "ieee":
-            s = qk * sm_scale  # natural units; only for the running max
-        else:
-            s = qk * qk_scale  # log2 units
-        if MASKED:
-            visible = _visible(offs_m, start_n + offs_n, Nq, Nk, CAUSAL=CAUSAL)
-            s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        visible = _visible(offs_m, start_n + offs_n, Nq, Nk, CAUSAL=CAUSAL) if MASKED else None
+        m_new = tl.maximum(m_i, _scaled_row_max(qk, scale, visible, MASKED=MASKED, NEGATIVE_SCALE=NEGATIVE_SCALE))
         if MASKED:
             # A row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
             m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_shift = m_new
+        p = _probs(qk, sm_scale, qk_scale, m_shift[:, None], DOT_PRECISION=DOT_PRECISION)
+        if MASKED:
+            p = tl.where(visible, p, 0.0)
         if DOT_PRECISION == "ieee":
-            p = _probs(qk, sm_scale, qk_scale, m_shift[:, None], DOT_PRECISION=DOT_PRECISION)
-            if MASKED:
-                p = tl.where(visible, p, 0.0)
             alpha = tl.math.exp2((m_i - m_shift) * LOG2E)
         else:
-            p = tl.math.exp2(s - m_shift[:, None])
             alpha = tl.math.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -242,20 +281,23 @@ def _attn_fwd(
     stride_ob, stride_oh, stride_on,
     Hq, Nq, Nk, D, GROUP, sm_scale, qk_scale,
     N_CTX_Q_KEY, N_CTX_K_KEY,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
+    NEGATIVE_SCALE: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """o = softmax(q k^T * scale) v and lse per row. Grid: (query blocks, Hq, B); causal runs the
-    last query blocks (which see the most keys) first, for a shorter tail.
+    last query blocks (which see the most keys) first, for a shorter tail. K and V stream through
+    _tile_source (TMA descriptors when USE_TMA).
 
     N_CTX_Q_KEY and N_CTX_K_KEY are unused here: they are the autotuner's length buckets."""
     start_m, head, kv_head, batch = _program_place(GROUP, REVERSE=CAUSAL, BLOCK=BLOCK_M)
     offs_r = tl.arange(0, BLOCK_M)
     offs_m = start_m + offs_r
     offs_d = tl.arange(0, HEAD_DIM)
-    K_head = _head(K, batch, kv_head, stride_kb, stride_kh)
-    V_head = _head(V, batch, kv_head, stride_vb, stride_vh)
+    k_src = _tile_source(_head(K, batch, kv_head, stride_kb, stride_kh), Nk, D, stride_kn,
+                         USE_TMA=USE_TMA, BLOCK=BLOCK_N, HEAD_DIM=HEAD_DIM)
+    v_src = _tile_source(_head(V, batch, kv_head, stride_vb, stride_vh), Nk, D, stride_vn,
+                         USE_TMA=USE_TMA, BLOCK=BLOCK_N, HEAD_DIM=HEAD_DIM)
     q = _load_rows(_head(Q, batch, head, stride_qb, stride_qh), start_m, offs_r, Nq, stride_qn, offs_d, D,
                    CHECK_ROWS=True, EVEN_D=EVEN_D)
 
@@ -264,14 +306,16 @@ def _attn_fwd(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     full_end, masked_end = _key_ranges(start_m, Nq, Nk, CAUSAL=CAUSAL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_vn, start_m, 0, full_end, Nq, Nk, D, sm_scale,
-        qk_scale, MASKED=False, CAUSAL=CAUSAL, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
-        UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, 0, full_end, Nq, Nk, D, sm_scale,
+        qk_scale, MASKED=False, CAUSAL=CAUSAL, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
+        NEGATIVE_SCALE=NEGATIVE_SCALE, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, K_head, V_head, stride_kn, stride_vn, start_m, full_end, masked_end, Nq, Nk, D,
-        sm_scale, qk_scale, MASKED=True, CAUSAL=CAUSAL, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
-        UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, full_end, masked_end, Nq, Nk, D,
+        sm_scale, qk_scale, MASKED=True, CAUSAL=CAUSAL, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
+        NEGATIVE_SCALE=NEGATIVE_SCALE, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
 
     empty = l_i == 0.0  # rows that saw no key
@@ -316,19 +360,21 @@ def _attn_bwd_preprocess(
 
 @triton.jit
 def _attn_bwd_dkdv_inner(
-    dk, dv, k, v, Q_head, DO_head, LSE_row, DELTA_row, stride_qn, stride_don, start_n, lo, hi, Nq, Nk, D,
-    sm_scale, qk_scale, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+    dk, dv, k, v, q_src, do_src, LSE_row, DELTA_row, stride_qn, stride_don, start_n, lo, hi, Nq, Nk, D,
+    sm_scale, qk_scale, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query blocks [lo, hi), working on transposed tiles
-    (keys along rows). Query rows past Nq read lse = +inf, hence P = 0: they add nothing."""
+    (keys along rows); q and dO stream from _tile_source's. Query rows past Nq read as zero with
+    lse = +inf, hence P = 0: they add nothing."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_r
-        q = _load_rows(Q_head, start_m, offs_r, Nq, stride_qn, offs_d, D, CHECK_ROWS=True, EVEN_D=EVEN_D)
-        do = _load_rows(DO_head, start_m, offs_r, Nq, stride_don, offs_d, D, CHECK_ROWS=True, EVEN_D=EVEN_D)
+        q = _load_tile(q_src, start_m, Nq, stride_qn, D, CHECK_ROWS=True, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
+                       BLOCK=BLOCK_M, HEAD_DIM=HEAD_DIM)
+        do = _load_tile(do_src, start_m, Nq, stride_don, D, CHECK_ROWS=True, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
+                        BLOCK=BLOCK_M, HEAD_DIM=HEAD_DIM)
         lse = _load_lse(LSE_row, offs_m, Nq, DOT_PRECISION=DOT_PRECISION)
         delta = tl.load(DELTA_row + offs_m, mask=offs_m < Nq, other=0.0)
         # P^T recomputed from the saved lse: exp(S^T * scale - lse). The lse is only as good as the
@@ -338,16 +384,16 @@ def _attn_bwd_dkdv_inner(
         # k q^T in another order than q k^T (a few ulps apart), so there S^T is taken as the
         # transpose of the forward's own product.
         if UPCAST_DOT:
-            qk_t = tl.trans(_dot(q, tl.trans(k), UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION))
+            qk_t = tl.trans(_dot(q, tl.trans(k), None, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION))
         else:
-            qk_t = _dot(k, tl.trans(q), UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
+            qk_t = _dot(k, tl.trans(q), None, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
         p_t = _probs(qk_t, sm_scale, qk_scale, lse[None, :], DOT_PRECISION=DOT_PRECISION)
         if MASKED:  # the causal diagonal: query i sees key j iff j <= i + Nk - Nq
             p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + (Nk - Nq), p_t, 0.0)
-        dv += _dot(p_t.to(do.dtype), do, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
-        dp_t = _dot(v, tl.trans(do), UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
+        dv = _dot(p_t.to(do.dtype), do, dv, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
+        dp_t = _dot(v, tl.trans(do), None, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
-        dk += _dot(ds_t.to(q.dtype), q, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
+        dk = _dot(ds_t.to(q.dtype), q, dk, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
     return dk, dv
 
 
@@ -362,7 +408,7 @@ def _attn_bwd_dkdv(
     stride_dvb, stride_dvh, stride_dvn,
     Hq, Nq, Nk, D, GROUP, sm_scale, qk_scale,
     N_CTX_Q_KEY, N_CTX_K_KEY,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -392,19 +438,21 @@ def _attn_bwd_dkdv(
 
     for g in range(GROUP):
         head = kv_head * GROUP + g
-        Q_head = _head(Q, batch, head, stride_qb, stride_qh)
-        DO_head = _head(DO, batch, head, stride_dob, stride_doh)
+        q_src = _tile_source(_head(Q, batch, head, stride_qb, stride_qh), Nq, D, stride_qn,
+                             USE_TMA=USE_TMA, BLOCK=BLOCK_M, HEAD_DIM=HEAD_DIM)
+        do_src = _tile_source(_head(DO, batch, head, stride_dob, stride_doh), Nq, D, stride_don,
+                              USE_TMA=USE_TMA, BLOCK=BLOCK_M, HEAD_DIM=HEAD_DIM)
         LSE_row = _row_stats(LSE, batch, head, Hq, Nq)
         DELTA_row = _row_stats(DELTA, batch, head, Hq, Nq)
         if CAUSAL:
             dk, dv = _attn_bwd_dkdv_inner(
-                dk, dv, k, v, Q_head, DO_head, LSE_row, DELTA_row, stride_qn, stride_don, start_n, masked_lo, masked_hi,
-                Nq, Nk, D, sm_scale, qk_scale, MASKED=True, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
+                dk, dv, k, v, q_src, do_src, LSE_row, DELTA_row, stride_qn, stride_don, start_n, masked_lo, masked_hi,
+                Nq, Nk, D, sm_scale, qk_scale, MASKED=True, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
                 UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
             )
         dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, Q_head, DO_head, LSE_row, DELTA_row, stride_qn, stride_don, start_n, full_lo, Nq,
-            Nq, Nk, D, sm_scale, qk_scale, MASKED=False, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
+            dk, dv, k, v, q_src, do_src, LSE_row, DELTA_row, stride_qn, stride_don, start_n, full_lo, Nq,
+            Nq, Nk, D, sm_scale, qk_scale, MASKED=False, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
             UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         )
 
@@ -417,8 +465,8 @@ def _attn_bwd_dkdv(
 
 @triton.jit
 def _attn_bwd_dq_inner(
-    dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_vn, start_m, lo, hi, Nq, Nk, D, sm_scale, qk_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+    dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, lo, hi, Nq, Nk, D, sm_scale, qk_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Accumulate dQ (unscaled) of one query block over the key blocks in [lo, hi). Rows that see no
@@ -427,16 +475,15 @@ def _attn_bwd_dq_inner(
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         k, v, qk = _key_block(
-            q, K_head, V_head, stride_kn, stride_vn, start_n, Nk, D,
-            MASKED=MASKED, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
-            UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N,
+            q, k_src, v_src, stride_kn, stride_vn, start_n, Nk, D, MASKED=MASKED, HEAD_DIM=HEAD_DIM,
+            EVEN_D=EVEN_D, USE_TMA=USE_TMA, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N,
         )
         p = _probs(qk, sm_scale, qk_scale, lse[:, None], DOT_PRECISION=DOT_PRECISION)
         if MASKED:
             p = tl.where(_visible(offs_m, start_n + offs_n, Nq, Nk, CAUSAL=CAUSAL), p, 0.0)
-        dp = _dot(do, tl.trans(v), UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
+        dp = _dot(do, tl.trans(v), None, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
+        dq = _dot(ds.to(k.dtype), k, dq, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
     return dq
 
 
@@ -450,7 +497,7 @@ def _attn_bwd_dq(
     stride_dqb, stride_dqh, stride_dqn,
     Hq, Nq, Nk, D, GROUP, sm_scale, qk_scale,
     N_CTX_Q_KEY, N_CTX_K_KEY,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -465,19 +512,21 @@ def _attn_bwd_dq(
                     CHECK_ROWS=True, EVEN_D=EVEN_D)
     lse = _load_lse(_row_stats(LSE, batch, head, Hq, Nq), offs_m, Nq, DOT_PRECISION=DOT_PRECISION)
     delta = tl.load(_row_stats(DELTA, batch, head, Hq, Nq) + offs_m, mask=offs_m < Nq, other=0.0)
-    K_head = _head(K, batch, kv_head, stride_kb, stride_kh)
-    V_head = _head(V, batch, kv_head, stride_vb, stride_vh)
+    k_src = _tile_source(_head(K, batch, kv_head, stride_kb, stride_kh), Nk, D, stride_kn,
+                         USE_TMA=USE_TMA, BLOCK=BLOCK_N, HEAD_DIM=HEAD_DIM)
+    v_src = _tile_source(_head(V, batch, kv_head, stride_vb, stride_vh), Nk, D, stride_vn,
+                         USE_TMA=USE_TMA, BLOCK=BLOCK_N, HEAD_DIM=HEAD_DIM)
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     full_end, masked_end = _key_ranges(start_m, Nq, Nk, CAUSAL=CAUSAL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     dq = _attn_bwd_dq_inner(
-        dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_vn, start_m, 0, full_end, Nq, Nk, D, sm_scale,
-        qk_scale, MASKED=False, CAUSAL=CAUSAL, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
+        dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, 0, full_end, Nq, Nk, D, sm_scale,
+        qk_scale, MASKED=False, CAUSAL=CAUSAL, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
         UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
     dq = _attn_bwd_dq_inner(
-        dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_vn, start_m, full_end, masked_end, Nq, Nk, D,
-        sm_scale, qk_scale, MASKED=True, CAUSAL=CAUSAL, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D,
+        dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, full_end, masked_end, Nq, Nk, D,
+        sm_scale, qk_scale, MASKED=True, CAUSAL=CAUSAL, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
         UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
     dq = dq * sm_scale
@@ -710,11 +759,43 @@ class _Problem:
         return (self.q_heads, self.q_len, self.k_len, self.head_dim, self.q_heads // self.kv_heads, *scales,
                 next_power_of_2(self.q_len), next_power_of_2(self.k_len))
 
-    def constexprs(self) -> dict:
+    def constexprs(self, use_tma: bool) -> dict:
         return dict(
             CAUSAL=self.causal, HEAD_DIM=self.padded_head_dim, EVEN_D=self.head_dim == self.padded_head_dim,
-            UPCAST_DOT=triton_interpreting(), DOT_PRECISION="ieee" if self.ieee_dots else "tf32",
+            USE_TMA=use_tma, UPCAST_DOT=triton_interpreting(), DOT_PRECISION="ieee" if self.ieee_dots else "tf32",
         )
+
+
+def _tma_refusal(named: dict) -> str | None:
+    """Why the streamed tensors in ``named`` cannot be read through tensor descriptors, or None.
+
+    A descriptor's base address and its row stride must be multiples of 16 bytes (TMA's rule); each
+    (batch, head) matrix starts at a batch and head stride from the base, so those must be too where
+    the dimension has more than one entry. Descriptors run on Hopper and newer and in the interpreter;
+    A100s read through pointers."""
+    if not triton_interpreting() and _target_family() < 90:
+        return "the GPU has no TMA (compute capability below 9.0)"
+    for name, t in named.items():
+        elem = t.element_size()
+        if t.data_ptr() % 16:
+            return f"{name}'s data pointer is not 16-byte aligned"
+        batch, heads, rows, _ = t.shape
+        strides = [t.stride(2)] + [st for st, size in ((t.stride(0), batch), (t.stride(1), heads)) if size > 1]
+        if any(st * elem % 16 for st in strides):
+            return f"{name}'s strides {t.stride()} are not all multiples of 16 bytes"
+    return None
+
+
+def _use_tma(tma: bool | None, named: dict) -> bool:
+    """The launch's USE_TMA: descriptors where they can be used (``tma`` None), or as ``tma`` says
+    (False: pointer loads; True: descriptors, a clear error where they cannot be)."""
+    refusal = _tma_refusal(named) if tma is not False else None
+    if tma and refusal:
+        raise ValueError(f"tma=True: {refusal}")
+    use = tma is not False and refusal is None
+    if use:
+        ensure_scratch_allocator()
+    return use
 
 
 def _strides(t):
@@ -737,37 +818,41 @@ def _output(name: str, given, like: torch.Tensor) -> torch.Tensor:
     return given
 
 
-def attention_fwd(q, k, v, causal: bool, scale: float, *, out=None, config: dict | None = None):
+def attention_fwd(q, k, v, causal: bool, scale: float, *, out=None, config: dict | None = None,
+                  tma: bool | None = None):
     """q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D), last dims contiguous.
 
     Returns o (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq) fp32, natural log, -inf on rows that
     see no key. o is ``out`` when given (any strides with a contiguous last dim: a block passes a
     (B, Nq, Hq, D) buffer's transpose so o is already laid out for the output projection), else a
     new contiguous tensor. ``config`` ({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}) pins the
-    launch configuration; by default CUDA autotunes and the interpreter uses INTERPRETER_CONFIG."""
+    launch configuration; by default CUDA autotunes and the interpreter uses INTERPRETER_CONFIG.
+    ``tma``: k and v stream through tensor descriptors (TMA) where their alignment allows (None),
+    never (False), or always (True: an error where they cannot)."""
     _check(q, k, v)
     p = _Problem.of(q, k, causal, scale)
     o = _output("out", out, q)
     lse = torch.empty((p.batch, p.q_heads, p.q_len), device=q.device, dtype=torch.float32)
     if o.numel() == 0:
         return o, lse
+    use_tma = _use_tma(tma, {"k": k, "v": v})
     kernel, cfg = _pick(_attn_fwd, _attn_fwd_tuned, config)
     kernel[lambda meta: (triton.cdiv(p.q_len, meta["BLOCK_M"]), p.q_heads, p.batch)](
         q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-        *p.scalars(p.sm_scale, p.qk_scale), **p.constexprs(), **cfg,
+        *p.scalars(p.sm_scale, p.qk_scale), **p.constexprs(use_tma), NEGATIVE_SCALE=p.sm_scale < 0, **cfg,
     )
     return o, lse
 
 
 def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, dlse=None, out=None,
-                  config: dict | None = None, dkdv_config: dict | None = None):
+                  config: dict | None = None, dkdv_config: dict | None = None, tma: bool | None = None):
     """Gradients of attention_fwd. do like o (last dim contiguous; other strides free); lse as
     returned by attention_fwd; dlse (optional, (B, Hq, Nq)) the gradient reaching lse.
 
     Returns dq, dk, dv in the dtypes of q, k, v: ``out`` = (dq, dk, dv) when given (any strides
     with a contiguous last dim, e.g. views of one packed dqkv buffer), else new contiguous tensors.
     ``config`` pins the dQ kernel's launch configuration and ``dkdv_config`` the dK/dV kernel's
-    (default: ``config``)."""
+    (default: ``config``). ``tma`` as in attention_fwd, for the streamed k, v (dQ) and q, dO (dK/dV)."""
     _check(q, k, v)
     p = _Problem.of(q, k, causal, scale)
     if do.stride(-1) != 1:
@@ -785,7 +870,8 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, dlse=None,
         HAS_DLSE=dlse is not None, HEAD_DIM=p.padded_head_dim, BLOCK_M=pre_block,
     )
 
-    scalars, constexprs = p.scalars(p.sm_scale, p.qk_scale), p.constexprs()
+    scalars = p.scalars(p.sm_scale, p.qk_scale)
+    constexprs = p.constexprs(_use_tma(tma, {"q": q, "k": k, "v": v, "do": do}))
     kernel, cfg = _pick(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, dkdv_config or config)
     kernel[lambda meta: (triton.cdiv(p.k_len, meta["BLOCK_N"]), p.kv_heads, p.batch)](
         q, k, v, do, lse, delta, dk, dv,

@@ -25,3 +25,20 @@ def persistent_program_count(device: torch.device, work_items: int, per_sm: int 
 
 def next_power_of_2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
+
+
+def _cuda_scratch(size: int, alignment: int, stream):
+    """Global scratch for a launch on the current CUDA device (Triton asks when a kernel builds
+    tensor descriptors on the device: 128 bytes per descriptor and program)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_scratch_allocator() -> None:
+    """Give Triton an allocator for kernel scratch memory unless the caller set one.
+
+    Triton keeps it in a context variable, which every new thread (autograd's backward threads
+    among them) starts without: so this runs before every launch that needs it, not once."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_cuda_scratch)
