@@ -219,8 +219,9 @@ def _scaled_row_max(qk, scale, visible, MASKED: tl.constexpr, NEGATIVE_SCALE: tl
     else:
         fill = float("-inf")
         extreme = tl.max(tl.where(visible, qk, fill) if MASKED else qk, 1)
-    if MASKED:  # (+-inf) * 0 would be NaN for scale 0: a row with nothing visible is -inf
-        return tl.where(extreme == fill, float("-inf"), extreme * scale)
+    if MASKED:  # a row with nothing visible is -inf for any scale ((+-inf) * 0 would be NaN)
+        empty = extreme == fill
+        return tl.where(empty, float("-inf"), tl.where(empty, 0.0, extreme) * scale)
     else:
         return extreme * scale
 

@@ -144,6 +144,113 @@ def test_custom_scale(device, triton_backend):
     _check(*_inputs(1, 2, 1, 45, 70, 32, F32, device), causal=True, scale=0.37)
 
 
+@pytest.mark.parametrize("scale,dtype", [(-0.4, F32), (0.0, F32), (-0.3, F16)], ids=["negative", "zero", "negative-f16"])
+def test_negative_and_zero_scales(scale, dtype, device, triton_backend):
+    """The forward scales each row's maximum instead of every score: a negative scale must take the
+    row minimum, and a zero scale (uniform attention) must never form inf * 0 on masked keys. Causal
+    with Nq > Nk also has rows that see no key."""
+    _check(*_inputs(1, 2, 1, 70, 40, 32, dtype, device), causal=True, scale=scale)
+
+
+# ------------------------------------------------------------------ tensor descriptors and pointer loads
+
+DESCRIPTOR_CASES = [
+    # (B, Hq, Hkv, Nq, Nk, D, causal, dtype): ragged lengths, a padded head dim, GQA, both dtypes
+    (1, 4, 2, 70, 45, 40, True, F32),
+    (2, 2, 2, 33, 100, 64, False, F16),
+]
+
+
+@pytest.mark.parametrize("case", DESCRIPTOR_CASES, ids=_case_id)
+def test_descriptor_and_pointer_loads_give_the_same_bits(case, device):
+    """Aligned inputs stream through tensor descriptors (TMA on Hopper) by default; the pointer loads
+    kept for strides a descriptor cannot take must read the same tiles, so every output is bitwise
+    the same (the error rule for the default path is the sweep's)."""
+    from fused_remat.kernels.attention import attention_bwd, attention_fwd
+
+    b, hq, hkv, nq, nk, d, causal, dtype = case
+    q, k, v = (t.detach() for t in _inputs(b, hq, hkv, nq, nk, d, dtype, device))
+    do = torch.randn_like(q)
+    results = {}
+    for tma in (None, True, False):
+        o, lse = attention_fwd(q, k, v, causal, 0.3, tma=tma)
+        results[tma] = (o, lse, *attention_bwd(do, q, k, v, o, lse, causal, 0.3, tma=tma))
+    for tma in (None, False):
+        for name, ours, descriptor in zip(("o", "lse", "dq", "dk", "dv"), results[tma], results[True]):
+            assert torch.equal(ours, descriptor), f"{name}: tma={tma} differs from the descriptor path"
+
+
+def test_unaligned_inputs_fall_back_to_pointer_loads(device):
+    """A descriptor needs a 16-byte aligned base and 16-byte multiple strides: other inputs take the
+    pointer loads (same results), and tma=True says which tensor it cannot read."""
+    from fused_remat.kernels.attention import attention_bwd, attention_fwd
+
+    q, k, v = (t.detach() for t in _inputs(1, 2, 1, 50, 60, 37, F32, device))  # 148-byte rows
+    with pytest.raises(ValueError, match=r"tma=True: k's strides .* multiples of 16 bytes"):
+        attention_fwd(q, k, v, True, 0.2, tma=True)
+    o, lse = attention_fwd(q, k, v, True, 0.2)
+    assert torch.equal(o, attention_fwd(q, k, v, True, 0.2, tma=False)[0])
+    do = torch.randn_like(o)
+    with pytest.raises(ValueError, match=r"tma=True: q's strides"):
+        attention_bwd(do, q, k, v, o, lse, True, 0.2, tma=True)
+
+    packed = torch.randn(1, 2, 60, 1 + 32, device=device)  # rows of 132 bytes, viewed from element 1
+    k_off, v_off = packed[:, :1, :, 1:], packed[:, 1:, :, 1:]
+    q = torch.randn(1, 2, 50, 32, device=device)
+    with pytest.raises(ValueError, match=r"tma=True: k's data pointer is not 16-byte aligned"):
+        attention_fwd(q, k_off, v_off, False, 0.2, tma=True)
+    o, _ = attention_fwd(q, k_off, v_off, False, 0.2)
+    assert torch.equal(o, attention_fwd(q, k_off.contiguous(), v_off.contiguous(), False, 0.2, tma=False)[0])
+
+
+def test_every_descriptor_launch_has_a_scratch_allocator(device, monkeypatch):
+    """Device-side descriptors need Triton's scratch allocator at launch. Triton keeps it in a
+    context variable that a new thread (autograd's backward threads among them) starts without, so
+    the launchers set one before each launch where none is set, and keep the caller's own."""
+    import threading
+
+    import triton
+    from triton.runtime import _allocation
+
+    from fused_remat.kernels import attention as kernels
+
+    at_launch = []
+    pick = kernels._pick
+
+    def recording_pick(plain, tuned, config):
+        kernel, cfg = pick(plain, tuned, config)
+
+        class Recorded:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    at_launch.append((kwargs.get("USE_TMA"), _allocation._allocator.get()))
+                    return kernel[grid](*args, **kwargs)
+                return launch
+        return Recorded(), cfg
+
+    monkeypatch.setattr(kernels, "_pick", recording_pick)
+    q, k, v = (t.detach() for t in _inputs(1, 2, 1, 20, 30, 16, F32, device))
+
+    def fwd_and_bwd():
+        o, lse = kernels.attention_fwd(q, k, v, True, 0.25)
+        kernels.attention_bwd(torch.randn_like(o), q, k, v, o, lse, True, 0.25)
+
+    def own(size, alignment, stream):
+        return torch.empty(size, dtype=torch.int8, device=device)
+
+    def with_own_allocator():
+        triton.set_allocator(own)
+        fwd_and_bwd()
+
+    for target in (fwd_and_bwd, with_own_allocator):  # fresh threads: no allocator set
+        thread = threading.Thread(target=target)
+        thread.start()
+        thread.join()
+    assert len(at_launch) == 6 and all(use_tma for use_tma, _ in at_launch)
+    assert not any(isinstance(allocator, _allocation.NullAllocator) for _, allocator in at_launch)
+    assert all(allocator is own for _, allocator in at_launch[3:])
+
+
 @pytest.mark.parametrize("block_m,block_n", [(16, 64), (64, 16)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_unequal_block_shapes(block_m, block_n, causal, device):
@@ -340,6 +447,28 @@ GPU_CASES = [
     (1, 2, 2, 16384, 16384, 64, True, F16),
     (1, 2, 1, 3000, 16384, 128, True, BF16),
 ]
+
+
+@pytest.mark.gpu
+def test_descriptor_launches_from_a_new_thread_on_gpu(device):
+    """A thread that never set Triton's allocator (as autograd's backward threads) launches the
+    descriptor kernels: the launchers provide the scratch memory."""
+    import threading
+
+    q, k, v = _inputs(1, 4, 2, 1000, 1000, 64, BF16, device)
+    errors = []
+
+    def step():
+        try:
+            o = fused_remat.attention(q, k, v, causal=True)
+            torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
+        except Exception as exc:  # reported below: a thread's exception would otherwise only print
+            errors.append(exc)
+
+    thread = threading.Thread(target=step)
+    thread.start()
+    thread.join()
+    assert not errors, errors
 
 
 @pytest.mark.gpu

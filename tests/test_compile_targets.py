@@ -8,10 +8,13 @@ cached for the session, shared by xdist workers. Per compiled kernel, separate t
 - ``no_spills``: ptxas reports no spill stores or loads;
 - ``hgmma``: on sm_90a, every attention dot is a Hopper warpgroup MMA (HGMMA), no mma.sync (HMMA);
 - ``not_serialized``: on sm_90a, ptxas does not report advisory C7515 (wgmma serialized);
-- ``work_once``: the hot loop's MMAs execute exactly the multiply-adds needed (no warpgroup repeats).
+- ``work_once``: the hot loop's MMAs execute exactly the multiply-adds needed (no warpgroup repeats);
+- ``copy_engine``: the attention kernels stream their tiles by TMA on sm_90a (tensor descriptors)
+  and without it on sm_80, which has none (pointer loads, cp.async).
 
-The attention goals (no spills, HGMMA, no C7515, work once) are issue 11's, for sm_90a; on sm_80
-the attention kernels are checked to compile and fit, and every other kernel also for no spills.
+The attention goals (no spills, HGMMA, no C7515, work once, TMA) are issue 11's, for sm_90a; on
+sm_80 the attention kernels are checked to compile, fit and use no TMA, and every other kernel also
+for no spills.
 
 Goals today's kernels do not meet are strict xfails with the reason (``known_failure``): the day
 a kernel meets one, its test fails as XPASS and the entry must go. Spills, HMMA and repeated work
@@ -36,7 +39,7 @@ import pytest
 from bench.static import ATTENTION_KERNELS, Case, run_in_subprocess
 
 FULL = os.environ.get("FUSED_REMAT_COMPILE_ALL") == "1"
-PROPERTIES = ("fits", "no_spills", "hgmma", "not_serialized", "work_once")
+PROPERTIES = ("fits", "no_spills", "hgmma", "not_serialized", "work_once", "copy_engine")
 MMA_KERNELS = ("_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv")
 
 # The CI subset: one configuration each of the attention kernels (the autotuner's first choices),
@@ -131,8 +134,6 @@ def known_failure(case: Case, target: str, kernel: str, prop: str) -> str | None
             return "fp32 (IEEE) dots are not wgmma"
     if prop == "no_spills" and sm90_attention and kernel == "_attn_bwd_dkdv" and case.head_dim == 256:
         return "D=256 dK/dV: the dK and dV accumulators alone need 256 registers a thread in every wgmma tile"
-    if prop == "not_serialized" and sm90_attention and kernel in ("_attn_fwd", "_attn_bwd_dq"):
-        return "C7515: wgmma serialized in fwd and dQ (non-wgmma instructions define the accumulator)"
     return None
 
 
@@ -145,9 +146,9 @@ def _params():
             for prop in PROPERTIES:
                 # The issue's goals for attention are on sm_90a; on sm_80 its kernels must compile
                 # and fit (their spills and repeated work are in the static table, not asserted).
-                if kernel in MMA_KERNELS and target != "sm_90a" and prop != "fits":
+                if kernel in MMA_KERNELS and target != "sm_90a" and prop not in ("fits", "copy_engine"):
                     continue
-                if kernel not in MMA_KERNELS and prop in ("hgmma", "not_serialized", "work_once"):
+                if kernel not in MMA_KERNELS and prop in ("hgmma", "not_serialized", "work_once", "copy_engine"):
                     continue
                 marks = [pytest.mark.compile_targets_full] if full else []
                 reason = known_failure(case, target, kernel, prop)
@@ -196,6 +197,12 @@ def test_compiled(facts_cache, case, target, kernel, prop):
     elif prop == "work_once":
         ratio = row["hot_loop"]["mma_work_ratio"]
         assert ratio == 1.0, f"{where}: the hot loop's MMAs execute {ratio}x the needed multiply-adds"
+    elif prop == "copy_engine":
+        engines = row["copy"].split("+")
+        if target == "sm_90a":
+            assert "TMA" in engines, f"{where}: tiles copied by {row['copy']}, not TMA"
+        else:
+            assert "TMA" not in engines, f"{where}: TMA on {target}, which has none"
 
 
 def test_every_kernel_has_cases():
