@@ -19,6 +19,10 @@ From each compiled kernel this reads compile-time facts, never speed:
   multiply-adds its MMA instructions execute over those the algorithm needs (1.0 = no repetition
   across warpgroups).
 
+Beside the project's kernels it compiles yardsticks written here from the Triton tutorial's fused
+attention (06-fused-attention): the forward with pointer loads, the forward with K and V through
+device-side tensor descriptors (TMA on Hopper), and the backward as a dK/dV and a dQ kernel.
+
 Run ``python -m bench static`` (bf16, D 64/128, every configuration, sm_90a and sm_80) or
 ``--all`` (every dtype, head dim 64/128/256, sm_100a too where the installed Triton compiles it).
 Results: ``bench/results/static/static.json`` and ``static.md`` (or ``--out``), and the README
@@ -207,7 +211,8 @@ def _previous_driver():
 ATTENTION_KERNELS = ("_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv")
 # Multiply-adds the algorithm needs per hot-loop iteration, in units of BLOCK_M * BLOCK_N * HEAD_DIM:
 # forward S = QK^T and PV; dQ: S, dP = dO V^T, dS K; dK/dV: S^T, dV, dP^T, dK.
-MATRIX_PRODUCTS = {"_attn_fwd": 2, "_attn_bwd_dq": 3, "_attn_bwd_dkdv": 4, "_tutorial_attn_fwd": 2}
+MATRIX_PRODUCTS = {"_attn_fwd": 2, "_attn_bwd_dq": 3, "_attn_bwd_dkdv": 4, "_tutorial_attn_fwd": 2,
+                   "_tutorial_tma_attn_fwd": 2, "_tutorial_attn_bwd_dq": 3, "_tutorial_attn_bwd_dkdv": 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,7 +220,8 @@ class Case:
     """One launcher call. ``config`` pins the attention configuration; None lets the autotuner
     offer every configuration its pruning keeps (each is compiled and recorded)."""
 
-    op: str  # attention_fwd, attention_bwd, layer_norm_fwd/_bwd, rms_norm_fwd/_bwd, gelu_fwd/_bwd, swiglu_fwd/_bwd, rope, tutorial_fwd
+    op: str  # attention_fwd, attention_bwd, layer_norm_fwd/_bwd, rms_norm_fwd/_bwd, gelu_fwd/_bwd, swiglu_fwd/_bwd, rope,
+    # and the yardsticks tutorial_fwd, tutorial_tma_fwd, tutorial_bwd
     dtype: str = "bfloat16"
     head_dim: int = 128
     causal: bool = False
@@ -263,7 +269,7 @@ def _run_case(case: Case) -> None:
             attention.attention_bwd(torch.empty_like(q), q, k, v, o, lse, case.causal, scale, config=config,
                                     dkdv_config=dkdv_config)
         else:
-            _tutorial_launch(q, k, v, case.causal, scale, config)
+            _tutorial_launch(case.op, q, k, v, case.causal, scale, config, dkdv_config)
         return
     rows = 8192
     x = torch.empty(rows, case.width, **meta)
@@ -297,74 +303,222 @@ def _run_case(case: Case) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# The Triton tutorial's fused-attention forward, as a yardstick (written here from its idea:
-# a resident query tile, K and V streamed, online softmax in base 2; causal as two stages)
+# Yardsticks: the Triton tutorial's fused attention (06-fused-attention), written here from its
+# idea. Forward: a resident query tile, K and V streamed, online softmax in base 2, the scale
+# folded into the exponent's fma, causal as two stages; once with pointer loads, once with K and
+# V through device-side tensor descriptors (TMA on Hopper), as the tutorial does there. Backward:
+# dK/dV (one key block a program, a loop over query blocks) and dQ (one query block a program, a
+# loop over key blocks) as two kernels, pointer loads; causal: the diagonal blocks masked first,
+# then the rest unmasked (with the same block size, where the tutorial halves it on the diagonal).
+# Every accumulation happens inside tl.dot.
 # --------------------------------------------------------------------------------------------
+
+TUTORIAL_CONFIGS = ((128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3))  # its Hopper favourites at D 64/128
+# (BLOCK_M, BLOCK_N, num_warps, num_stages), the tutorial's Hopper choice first. dK/dV: BLOCK_M query
+# rows a step, BLOCK_N keys a program; dQ: BLOCK_M queries a program, BLOCK_N keys a step.
+TUTORIAL_DKDV_CONFIGS = ((32, 128, 4, 5), (64, 128, 8, 3))
+TUTORIAL_DQ_CONFIGS = ((128, 32, 4, 5), (128, 64, 8, 3))
+TUTORIAL_KERNELS = ("_tutorial_attn_fwd", "_tutorial_tma_attn_fwd", "_tutorial_attn_bwd_dkdv", "_tutorial_attn_bwd_dq")
 
 
 @functools.lru_cache(maxsize=None)
-def _tutorial_kernel():
+def _tutorial_kernels() -> dict:
+    """The yardstick kernels by name; each takes (tensors..., sm_scale, N_CTX) and the constexprs
+    HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N. Tensors are contiguous (batch, heads, N_CTX, HEAD_DIM)."""
     import triton
     import triton.language as tl
 
+    log2e = tl.constexpr(1.4426950408889634)
+
     @triton.jit
-    def _tutorial_attn_fwd(Q, K, V, O, M, sm_scale, Z, H, N_CTX, GROUP,
-                           HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        start = tl.program_id(0) * BLOCK_M
-        bh = tl.program_id(1)
+    def tile_ptrs(base, row0, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, TRANSPOSED: tl.constexpr):
+        """Pointers to the (ROWS, HEAD_DIM) tile from row0 of a row-major matrix, or to its transpose."""
+        rows = row0 + tl.arange(0, ROWS)
+        cols = tl.arange(0, HEAD_DIM)
+        if TRANSPOSED:
+            return base + rows[None, :] * HEAD_DIM + cols[:, None]
+        else:
+            return base + rows[:, None] * HEAD_DIM + cols[None, :]
+
+    @triton.jit
+    def kv_source(base, N_CTX, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, TRANSPOSED: tl.constexpr,
+                  TMA: tl.constexpr):
+        """Where K or V tiles come from: a device-side tensor descriptor, or pointers to the first tile."""
+        if TMA:
+            return tl.make_tensor_descriptor(base, shape=[N_CTX, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                             block_shape=[BLOCK_N, HEAD_DIM])
+        else:
+            return tile_ptrs(base, 0, BLOCK_N, HEAD_DIM, TRANSPOSED)
+
+    @triton.jit
+    def kv_tiles(k_src, v_src, n, HEAD_DIM: tl.constexpr, TMA: tl.constexpr):
+        """K^T (HEAD_DIM, BLOCK_N) and V (BLOCK_N, HEAD_DIM) of the key block from row n."""
+        if TMA:
+            return tl.trans(k_src.load([n, 0])), v_src.load([n, 0])
+        else:
+            return tl.load(k_src + n * HEAD_DIM), tl.load(v_src + n * HEAD_DIM)
+
+    @triton.jit
+    def softmax_step(s, v, m, denom, acc, scale2):
+        """One key block of the online softmax: s = q k^T, to be scaled by scale2 (-inf where masked)."""
+        m_new = tl.maximum(m, tl.max(s, 1) * scale2)
+        p = tl.math.exp2(s * scale2 - m_new[:, None])
+        alpha = tl.math.exp2(m - m_new)
+        return m_new, denom * alpha + tl.sum(p, 1), tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+
+    @triton.jit
+    def forward(start, bh, Q, K, V, O, M, GROUP, sm_scale, N_CTX, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+        """The query rows from start of (batch x head) bh."""
         head_off = bh.to(tl.int64) * N_CTX * HEAD_DIM
         kv_off = (bh // GROUP).to(tl.int64) * N_CTX * HEAD_DIM
         rows = start + tl.arange(0, BLOCK_M)
-        cols = tl.arange(0, HEAD_DIM)
-        keys = tl.arange(0, BLOCK_N)
-        q = tl.load(Q + head_off + rows[:, None] * HEAD_DIM + cols[None, :])
-        scale2 = sm_scale * 1.4426950408889634
+        q = tl.load(tile_ptrs(Q + head_off, start, BLOCK_M, HEAD_DIM, False))
+        k_src = kv_source(K + kv_off, N_CTX, HEAD_DIM, BLOCK_N, True, TMA)
+        v_src = kv_source(V + kv_off, N_CTX, HEAD_DIM, BLOCK_N, False, TMA)
+        scale2 = sm_scale * log2e
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         denom = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         end = start if CAUSAL else N_CTX
-        k_ptrs = K + kv_off + keys[None, :] * HEAD_DIM + cols[:, None]
-        v_ptrs = V + kv_off + keys[:, None] * HEAD_DIM + cols[None, :]
         for n in range(0, end, BLOCK_N):  # blocks no row of the tile needs to mask
-            kt = tl.load(k_ptrs + n * HEAD_DIM)
-            s = tl.dot(q, kt)
-            m_new = tl.maximum(m, tl.max(s, 1) * scale2)
-            p = tl.math.exp2(s * scale2 - m_new[:, None])
-            correction = tl.math.exp2(m - m_new)
-            denom = denom * correction + tl.sum(p, 1)
-            acc = acc * correction[:, None]
-            acc = tl.dot(p.to(tl.bfloat16), tl.load(v_ptrs + n * HEAD_DIM), acc)
-            m = m_new
+            kt, v = kv_tiles(k_src, v_src, n, HEAD_DIM, TMA)
+            m, denom, acc = softmax_step(tl.dot(q, kt), v, m, denom, acc, scale2)
         if CAUSAL:  # the diagonal tile(s)
+            tl.static_assert(BLOCK_M % BLOCK_N == 0)
             for n in range(start, start + BLOCK_M, BLOCK_N):
-                kt = tl.load(k_ptrs + n * HEAD_DIM)
-                s = tl.where(rows[:, None] >= (n + keys)[None, :], tl.dot(q, kt) * scale2, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, 1))
-                p = tl.math.exp2(s - m_new[:, None])
-                correction = tl.math.exp2(m - m_new)
-                denom = denom * correction + tl.sum(p, 1)
-                acc = tl.dot(p.to(tl.bfloat16), tl.load(v_ptrs + n * HEAD_DIM), acc * correction[:, None])
-                m = m_new
+                kt, v = kv_tiles(k_src, v_src, n, HEAD_DIM, TMA)
+                s = tl.where(rows[:, None] >= (n + tl.arange(0, BLOCK_N))[None, :], tl.dot(q, kt) * scale2, float("-inf"))
+                m, denom, acc = softmax_step(s, v, m, denom, acc, 1.0)  # scaled before the mask
         tl.store(M + bh * N_CTX + rows, m + tl.math.log2(denom))
-        tl.store(O + head_off + rows[:, None] * HEAD_DIM + cols[None, :], (acc / denom[:, None]).to(O.dtype.element_ty))
+        tl.store(tile_ptrs(O + head_off, start, BLOCK_M, HEAD_DIM, False), (acc / denom[:, None]).to(O.dtype.element_ty))
 
-    return _tutorial_attn_fwd
+    @triton.jit
+    def _tutorial_attn_fwd(Q, K, V, O, M, GROUP, sm_scale, N_CTX, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        forward(tl.program_id(0) * BLOCK_M, tl.program_id(1), Q, K, V, O, M, GROUP, sm_scale, N_CTX, HEAD_DIM, CAUSAL,
+                BLOCK_M, BLOCK_N, False)
+
+    @triton.jit
+    def _tutorial_tma_attn_fwd(Q, K, V, O, M, GROUP, sm_scale, N_CTX, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        forward(tl.program_id(0) * BLOCK_M, tl.program_id(1), Q, K, V, O, M, GROUP, sm_scale, N_CTX, HEAD_DIM, CAUSAL,
+                BLOCK_M, BLOCK_N, True)
+
+    @triton.jit
+    def dkdv_stage(dk, dv, k, v, Q, DO, M, Delta, start_n, q0, q1, scale2, HEAD_DIM: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr):
+        """dK and dV of the key block from start_n, accumulated over query rows [q0, q1)."""
+        keys = start_n + tl.arange(0, BLOCK_N)
+        qt_ptrs = tile_ptrs(Q, 0, BLOCK_M, HEAD_DIM, True)
+        do_ptrs = tile_ptrs(DO, 0, BLOCK_M, HEAD_DIM, False)
+        for m0 in range(q0, q1, BLOCK_M):
+            queries = m0 + tl.arange(0, BLOCK_M)
+            qt = tl.load(qt_ptrs + m0 * HEAD_DIM)
+            do = tl.load(do_ptrs + m0 * HEAD_DIM)
+            pt = tl.math.exp2(tl.dot(k, qt) * scale2 - tl.load(M + queries)[None, :])
+            if MASK:
+                pt = tl.where(queries[None, :] >= keys[:, None], pt, 0.0)
+            dv = tl.dot(pt.to(do.dtype), do, dv)
+            dst = pt * (tl.dot(v, tl.trans(do)) - tl.load(Delta + queries)[None, :])
+            dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk)
+        return dk, dv
+
+    @triton.jit
+    def _tutorial_attn_bwd_dkdv(Q, K, V, DO, DK, DV, M, Delta, sm_scale, N_CTX, HEAD_DIM: tl.constexpr,
+                                CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        start_n = tl.program_id(0) * BLOCK_N
+        bh = tl.program_id(1)
+        off = bh.to(tl.int64) * N_CTX * HEAD_DIM
+        M += bh * N_CTX
+        Delta += bh * N_CTX
+        k = tl.load(tile_ptrs(K + off, start_n, BLOCK_N, HEAD_DIM, False))
+        v = tl.load(tile_ptrs(V + off, start_n, BLOCK_N, HEAD_DIM, False))
+        dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+        dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+        scale2 = sm_scale * log2e
+        if CAUSAL:  # the query blocks on the diagonal, then those below it
+            tl.static_assert(BLOCK_N % BLOCK_M == 0)
+            dk, dv = dkdv_stage(dk, dv, k, v, Q + off, DO + off, M, Delta, start_n, start_n, start_n + BLOCK_N, scale2,
+                                HEAD_DIM, BLOCK_M, BLOCK_N, True)
+            dk, dv = dkdv_stage(dk, dv, k, v, Q + off, DO + off, M, Delta, start_n, start_n + BLOCK_N, N_CTX, scale2,
+                                HEAD_DIM, BLOCK_M, BLOCK_N, False)
+        else:
+            dk, dv = dkdv_stage(dk, dv, k, v, Q + off, DO + off, M, Delta, start_n, 0, N_CTX, scale2,
+                                HEAD_DIM, BLOCK_M, BLOCK_N, False)
+        tl.store(tile_ptrs(DV + off, start_n, BLOCK_N, HEAD_DIM, False), dv.to(DV.dtype.element_ty))
+        tl.store(tile_ptrs(DK + off, start_n, BLOCK_N, HEAD_DIM, False), (dk * sm_scale).to(DK.dtype.element_ty))
+
+    @triton.jit
+    def dq_stage(dq, q, do, m, delta, K, V, start_m, k0, k1, scale2, HEAD_DIM: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr):
+        """dQ of the query block from start_m, accumulated over key rows [k0, k1)."""
+        queries = start_m + tl.arange(0, BLOCK_M)
+        kt_ptrs = tile_ptrs(K, 0, BLOCK_N, HEAD_DIM, True)
+        vt_ptrs = tile_ptrs(V, 0, BLOCK_N, HEAD_DIM, True)
+        for n0 in range(k0, k1, BLOCK_N):
+            kt = tl.load(kt_ptrs + n0 * HEAD_DIM)
+            vt = tl.load(vt_ptrs + n0 * HEAD_DIM)
+            p = tl.math.exp2(tl.dot(q, kt) * scale2 - m[:, None])
+            if MASK:
+                p = tl.where(queries[:, None] >= (n0 + tl.arange(0, BLOCK_N))[None, :], p, 0.0)
+            ds = p * (tl.dot(do, vt) - delta[:, None])
+            dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq)
+        return dq
+
+    @triton.jit
+    def _tutorial_attn_bwd_dq(Q, K, V, DO, DQ, M, Delta, sm_scale, N_CTX, HEAD_DIM: tl.constexpr,
+                              CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        start_m = tl.program_id(0) * BLOCK_M
+        bh = tl.program_id(1)
+        off = bh.to(tl.int64) * N_CTX * HEAD_DIM
+        rows = bh * N_CTX + start_m + tl.arange(0, BLOCK_M)
+        q = tl.load(tile_ptrs(Q + off, start_m, BLOCK_M, HEAD_DIM, False))
+        do = tl.load(tile_ptrs(DO + off, start_m, BLOCK_M, HEAD_DIM, False))
+        m = tl.load(M + rows)
+        delta = tl.load(Delta + rows)
+        dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        scale2 = sm_scale * log2e
+        if CAUSAL:  # the key blocks on the diagonal, then those left of it
+            tl.static_assert(BLOCK_M % BLOCK_N == 0)
+            dq = dq_stage(dq, q, do, m, delta, K + off, V + off, start_m, start_m, start_m + BLOCK_M, scale2,
+                          HEAD_DIM, BLOCK_M, BLOCK_N, True)
+            dq = dq_stage(dq, q, do, m, delta, K + off, V + off, start_m, 0, start_m, scale2,
+                          HEAD_DIM, BLOCK_M, BLOCK_N, False)
+        else:
+            dq = dq_stage(dq, q, do, m, delta, K + off, V + off, start_m, 0, N_CTX, scale2,
+                          HEAD_DIM, BLOCK_M, BLOCK_N, False)
+        tl.store(tile_ptrs(DQ + off, start_m, BLOCK_M, HEAD_DIM, False), (dq * sm_scale).to(DQ.dtype.element_ty))
+
+    return {k.__name__: k for k in (_tutorial_attn_fwd, _tutorial_tma_attn_fwd, _tutorial_attn_bwd_dkdv,
+                                    _tutorial_attn_bwd_dq)}
 
 
-TUTORIAL_CONFIGS = ((128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3))  # its Hopper favourites at D 64/128
-
-
-def _tutorial_launch(q, k, v, causal, scale, config):
+def _tutorial_launch(op, q, k, v, causal, scale, config, dkdv_config) -> None:
+    """Compile ``op``'s yardstick kernels: each at the pinned configuration, else at every default one."""
     import torch
 
     batch, heads, length, head_dim = q.shape
-    o = torch.empty_like(q)
-    m = torch.empty(batch, heads, length, device=q.device, dtype=torch.float32)
-    for block_m, block_n, warps, stages in [tuple(config.values())] if config else TUTORIAL_CONFIGS:
-        _tutorial_kernel()[(length // block_m, batch * heads)](
-            q, k, v, o, m, scale, batch, heads, length, heads // k.shape[1], HEAD_DIM=head_dim, CAUSAL=causal,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
-        )
+    kernels = _tutorial_kernels()
+    stats = dict(device=q.device, dtype=torch.float32)
+    m, delta = torch.empty(batch, heads, length, **stats), torch.empty(batch, heads, length, **stats)
+
+    def launch(name, configs, pinned, by_keys, *tensors):
+        for block_m, block_n, warps, stages in [tuple(pinned.values())] if pinned else configs:
+            grid = (length // (block_n if by_keys else block_m), batch * heads)
+            kernels[name][grid](*tensors, scale, length, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=block_m,
+                                BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+
+    if op == "tutorial_bwd":
+        if k.shape[1] != heads:
+            raise ValueError("the backward yardstick is MHA only")
+        do = torch.empty_like(q)
+        launch("_tutorial_attn_bwd_dkdv", TUTORIAL_DKDV_CONFIGS, dkdv_config or config, True,
+               q, k, v, do, torch.empty_like(k), torch.empty_like(v), m, delta)
+        launch("_tutorial_attn_bwd_dq", TUTORIAL_DQ_CONFIGS, config, False, q, k, v, do, torch.empty_like(q), m, delta)
+    else:
+        name = "_tutorial_tma_attn_fwd" if op == "tutorial_tma_fwd" else "_tutorial_attn_fwd"
+        launch(name, TUTORIAL_CONFIGS, config, False, q, k, v, torch.empty_like(q), m, heads // k.shape[1])
 
 
 # --------------------------------------------------------------------------------------------
@@ -460,14 +614,18 @@ def _mma_macs(instruction: str) -> int:
 
 
 def _loops(sass: list[tuple[int, str]]) -> list[tuple[int, int]]:
-    """(first, last) index ranges of the code's loops: every backward branch closes one."""
+    """(first, last) index ranges of the code's loops: every backward branch closes one, except a
+    jump back from code past an EXIT (ptxas puts the retry loops of mbarrier waits, TMA's among
+    them, after the function's end; each jumps back to where its wait resumes)."""
     labels = {text[:-1]: i for i, (_, text) in enumerate(sass) if text.endswith(":")}
     loops = []
     for i, (_, text) in enumerate(sass):
         if _opcode(text) == "BRA":
             target = re.search(r"\(?(\.L_x_\d+)\)?", text)
             if target and labels.get(target.group(1), i) < i:
-                loops.append((labels[target.group(1)], i))
+                first = labels[target.group(1)]
+                if not any(t.split()[:1] == ["EXIT"] for _, t in sass[first:i]):
+                    loops.append((first, i))
     return loops
 
 
@@ -607,8 +765,9 @@ def sweep(full: bool) -> list[tuple[Case, str]]:
             pairs.append((Case("attention_fwd", dtype, dim, causal), target))
             for gqa in (False, True) if full or target == "sm_90a" else (False,):
                 pairs.append((Case("attention_bwd", dtype, dim, causal, gqa), target))
-        for dim, causal in itertools.product((64, 128), (False, True)):
-            pairs.append((Case("tutorial_fwd", "bfloat16", dim, causal), target))
+        for op, dim, causal in itertools.product(("tutorial_fwd", "tutorial_tma_fwd", "tutorial_bwd"), (64, 128),
+                                                 (False, True)):
+            pairs.append((Case(op, "bfloat16", dim, causal), target))
         for dtype in dtypes:
             for op in ("layer_norm_fwd", "rms_norm_fwd", "layer_norm_bwd", "rms_norm_bwd"):
                 for width in (1024, 4096, 16384, 32768) if full else (1024, 4096, 32768):
@@ -716,11 +875,11 @@ def write(rows: list[dict], out: Path) -> tuple[Path, Path]:
     return json_path, md_path
 
 
-# The README shows the attention kernels and the tutorial at bf16, MHA, not causal, on sm_90a and
-# sm_80, one row per configuration; the whole table (causal, GQA, every kernel) is in static.md.
+# The README shows the attention kernels and the tutorial yardsticks at bf16, MHA, not causal, on
+# sm_90a and sm_80, one row per configuration; the whole table (causal, GQA, every kernel) is in static.md.
 def readme_rows(rows: list[dict]) -> list[dict]:
     return [r for r in rows if "error" in r or (
-        r["kernel"] in ATTENTION_KERNELS + ("_tutorial_attn_fwd",) and r["dtype"] == "bfloat16"
+        r["kernel"] in ATTENTION_KERNELS + TUTORIAL_KERNELS and r["dtype"] == "bfloat16"
         and r["case"].endswith("-full-mha") and r["target"] in ("sm_90a", "sm_80"))]
 
 

@@ -5,8 +5,10 @@ h // (Hq // Hkv): GQA, MQA). Any strides as long as the last dim is contiguous: 
 the kernels, so views into a packed qkv projection need no copy.
 
 Forward (``_attn_fwd``): one program per (query block, query head, batch) streams key blocks with an
-online softmax in the log2 domain (log2(e) is folded into the scale), and writes o (input dtype) and
-the per-row log-sum-exp (fp32, natural log). Backward recomputes P = exp(S - lse) block by block.
+online softmax in the log2 domain (log2(e) is folded into the scale, and the scale is applied once
+per row to the running max and inside each exponent's fma, never to the scores themselves), and
+writes o (input dtype) and the per-row log-sum-exp (fp32, natural log). Backward recomputes
+P = exp(S - lse) block by block.
 fp32 inputs keep the softmax offsets (running max, lse) in natural units and form every exponent
 S * scale - offset with one fma (``_probs``): with large logits the log2-domain form loses digits
 in the difference and P near 1 would be 1e-5 off; 16-bit inputs keep the cheaper log2 form.
@@ -15,6 +17,14 @@ gradient), ``_attn_bwd_dkdv`` gives each program one key block of one kv head an
 query heads of its GQA group and over query blocks, ``_attn_bwd_dq`` gives each program one query
 block and loops over key blocks. Every output element is written by exactly one program: no
 atomics, so gradients are bitwise reproducible.
+
+The streamed tiles (K and V in the forward and dQ, Q and dO in dK/dV) are read through device-side
+tensor descriptors (``tl.make_tensor_descriptor``; TMA on Hopper and newer, and Triton's interpreter
+runs the same code) wherever the tensors' base and strides are 16-byte aligned; otherwise, and on
+GPUs without TMA, through pointer loads with masks. Every accumulation happens inside ``tl.dot``
+(``acc = dot(a, b, acc * alpha)``): an accumulator defined by other instructions between warpgroup
+MMAs makes ptxas serialize them (advisory C7515). Descriptors built on the device need scratch
+memory from Triton's allocator; the launchers set one where the calling thread has none.
 
 Causal masks are aligned to the bottom-right (FlashAttention 2): query i sees keys
 j <= i + Nk - Nq. Blocks that no query of a block can see are skipped; blocks that every query of a
@@ -182,17 +192,6 @@ def _key_block(
 
 
 @triton.jit
-def _load_lse(LSE_row, offs_m, Nq, DOT_PRECISION: tl.constexpr):
-    """The saved lse as the backward's exponent offset: natural log for fp32 inputs (see _probs),
-    log2 units otherwise. Rows that see no key (lse = -inf) and padding rows read +inf, so that
-    P = exp(S * scale - lse) is exactly 0 for them instead of NaN."""
-    lse = tl.load(LSE_row + offs_m, mask=offs_m < Nq, other=float("-inf"))
-    if DOT_PRECISION != "ieee":
-        lse = lse * LOG2E
-    return tl.where(lse == float("-inf"), float("inf"), lse)
-
-
-@triton.jit
 def _probs(s, sm_scale, qk_scale, offset, DOT_PRECISION: tl.constexpr):
     """exp(s * sm_scale - offset) for raw scores s, elementwise (offset broadcast by the caller).
 
@@ -337,14 +336,20 @@ def _attn_fwd(
 
 @triton.jit
 def _attn_bwd_preprocess(
-    O, DO, DLSE, DELTA,
+    O, DO, LSE, DLSE, DELTA, OFFSET,
     stride_ob, stride_oh, stride_on,
     stride_dob, stride_doh, stride_don,
-    Hq, Nq, D,
-    HAS_DLSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    Hq, Nq, NQ_ROUNDED, D,
+    HAS_DLSE: tl.constexpr, DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """delta = rowsum(dO * O) in fp32, minus dLSE when lse has a gradient (dS = P (dP - delta)).
-    DLSE and DELTA are contiguous (B, Hq, Nq). Grid: (query blocks, Hq, B)."""
+    """The per-row values the dK/dV and dQ loops read, made once so those loops do no work on them:
+    delta = rowsum(dO * O) in fp32, minus dLSE when lse has a gradient (dS = P (dP - delta)), and
+    the exponent offset of _probs: the saved lse in log2 units (natural log for fp32 inputs), +inf
+    on rows that see no key (lse = -inf), so that their P is exactly 0 instead of NaN.
+
+    LSE and DLSE are contiguous (B, Hq, Nq); DELTA and OFFSET (B, Hq, NQ_ROUNDED), where the rows
+    from Nq up to NQ_ROUNDED (a multiple of every BLOCK_M) get delta 0 and offset +inf: the loops
+    load whole blocks without masks, and those rows add nothing. Grid: (NQ_ROUNDED / BLOCK_M, Hq, B)."""
     start_m, head, _, batch = _program_place(1, REVERSE=False, BLOCK=BLOCK_M)
     offs_r = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -354,20 +359,25 @@ def _attn_bwd_preprocess(
                     CHECK_ROWS=True, EVEN_D=False)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     offs_m = start_m + offs_r
+    real = offs_m < Nq
     if HAS_DLSE:
-        delta -= tl.load(_row_stats(DLSE, batch, head, Hq, Nq) + offs_m, mask=offs_m < Nq, other=0.0).to(tl.float32)
-    tl.store(_row_stats(DELTA, batch, head, Hq, Nq) + offs_m, delta, mask=offs_m < Nq)
+        delta -= tl.load(_row_stats(DLSE, batch, head, Hq, Nq) + offs_m, mask=real, other=0.0).to(tl.float32)
+    lse = tl.load(_row_stats(LSE, batch, head, Hq, Nq) + offs_m, mask=real, other=float("-inf"))
+    if DOT_PRECISION != "ieee":
+        lse = lse * LOG2E
+    tl.store(_row_stats(DELTA, batch, head, Hq, NQ_ROUNDED) + offs_m, delta)
+    tl.store(_row_stats(OFFSET, batch, head, Hq, NQ_ROUNDED) + offs_m, tl.where(lse == float("-inf"), float("inf"), lse))
 
 
 @triton.jit
 def _attn_bwd_dkdv_inner(
-    dk, dv, k, v, q_src, do_src, LSE_row, DELTA_row, stride_qn, stride_don, start_n, lo, hi, Nq, Nk, D,
+    dk, dv, k, v, q_src, do_src, OFFSET_row, DELTA_row, stride_qn, stride_don, start_n, lo, hi, Nq, Nk, D,
     sm_scale, qk_scale, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query blocks [lo, hi), working on transposed tiles
     (keys along rows); q and dO stream from _tile_source's. Query rows past Nq read as zero with
-    lse = +inf, hence P = 0: they add nothing."""
+    offset +inf, hence P = 0: they add nothing."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
@@ -376,8 +386,8 @@ def _attn_bwd_dkdv_inner(
                        BLOCK=BLOCK_M, HEAD_DIM=HEAD_DIM)
         do = _load_tile(do_src, start_m, Nq, stride_don, D, CHECK_ROWS=True, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
                         BLOCK=BLOCK_M, HEAD_DIM=HEAD_DIM)
-        lse = _load_lse(LSE_row, offs_m, Nq, DOT_PRECISION=DOT_PRECISION)
-        delta = tl.load(DELTA_row + offs_m, mask=offs_m < Nq, other=0.0)
+        offset = tl.load(OFFSET_row + offs_m)  # padded: see _attn_bwd_preprocess
+        delta = tl.load(DELTA_row + offs_m)
         # P^T recomputed from the saved lse: exp(S^T * scale - lse). The lse is only as good as the
         # match between these scores and the forward's, bit for bit: with logits ~100 a one-ulp
         # difference in S moves P by 1e-5. The GPU's fp32 (IEEE) dot is a sequential fma chain over
@@ -388,7 +398,7 @@ def _attn_bwd_dkdv_inner(
             qk_t = tl.trans(_dot(q, tl.trans(k), None, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION))
         else:
             qk_t = _dot(k, tl.trans(q), None, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
-        p_t = _probs(qk_t, sm_scale, qk_scale, lse[None, :], DOT_PRECISION=DOT_PRECISION)
+        p_t = _probs(qk_t, sm_scale, qk_scale, offset[None, :], DOT_PRECISION=DOT_PRECISION)
         if MASKED:  # the causal diagonal: query i sees key j iff j <= i + Nk - Nq
             p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + (Nk - Nq), p_t, 0.0)
         dv = _dot(p_t.to(do.dtype), do, dv, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
@@ -400,14 +410,14 @@ def _attn_bwd_dkdv_inner(
 
 @triton.jit(do_not_specialize=["Nq", "Nk"])  # lengths of 1 stay runtime values
 def _attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
+    Q, K, V, DO, OFFSET, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
-    Hq, Nq, Nk, D, GROUP, sm_scale, qk_scale,
+    Hq, Nq, Nk, D, GROUP, sm_scale, qk_scale, NQ_ROUNDED,
     N_CTX_Q_KEY, N_CTX_K_KEY,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -443,16 +453,16 @@ def _attn_bwd_dkdv(
                              USE_TMA=USE_TMA, BLOCK=BLOCK_M, HEAD_DIM=HEAD_DIM)
         do_src = _tile_source(_head(DO, batch, head, stride_dob, stride_doh), Nq, D, stride_don,
                               USE_TMA=USE_TMA, BLOCK=BLOCK_M, HEAD_DIM=HEAD_DIM)
-        LSE_row = _row_stats(LSE, batch, head, Hq, Nq)
-        DELTA_row = _row_stats(DELTA, batch, head, Hq, Nq)
+        OFFSET_row = _row_stats(OFFSET, batch, head, Hq, NQ_ROUNDED)
+        DELTA_row = _row_stats(DELTA, batch, head, Hq, NQ_ROUNDED)
         if CAUSAL:
             dk, dv = _attn_bwd_dkdv_inner(
-                dk, dv, k, v, q_src, do_src, LSE_row, DELTA_row, stride_qn, stride_don, start_n, masked_lo, masked_hi,
+                dk, dv, k, v, q_src, do_src, OFFSET_row, DELTA_row, stride_qn, stride_don, start_n, masked_lo, masked_hi,
                 Nq, Nk, D, sm_scale, qk_scale, MASKED=True, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
                 UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
             )
         dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, q_src, do_src, LSE_row, DELTA_row, stride_qn, stride_don, start_n, full_lo, Nq,
+            dk, dv, k, v, q_src, do_src, OFFSET_row, DELTA_row, stride_qn, stride_don, start_n, full_lo, Nq,
             Nq, Nk, D, sm_scale, qk_scale, MASKED=False, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
             UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         )
@@ -466,12 +476,12 @@ def _attn_bwd_dkdv(
 
 @triton.jit
 def _attn_bwd_dq_inner(
-    dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, lo, hi, Nq, Nk, D, sm_scale, qk_scale,
+    dq, q, do, offset, delta, k_src, v_src, stride_kn, stride_vn, start_m, lo, hi, Nq, Nk, D, sm_scale, qk_scale,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Accumulate dQ (unscaled) of one query block over the key blocks in [lo, hi). Rows that see no
-    key have lse = +inf (see _load_lse), so their P is exactly 0."""
+    key have offset = +inf (see _attn_bwd_preprocess), so their P is exactly 0."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
@@ -479,7 +489,7 @@ def _attn_bwd_dq_inner(
             q, k_src, v_src, stride_kn, stride_vn, start_n, Nk, D, MASKED=MASKED, HEAD_DIM=HEAD_DIM,
             EVEN_D=EVEN_D, USE_TMA=USE_TMA, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N,
         )
-        p = _probs(qk, sm_scale, qk_scale, lse[:, None], DOT_PRECISION=DOT_PRECISION)
+        p = _probs(qk, sm_scale, qk_scale, offset[:, None], DOT_PRECISION=DOT_PRECISION)
         if MASKED:
             p = tl.where(_visible(offs_m, start_n + offs_n, Nq, Nk, CAUSAL=CAUSAL), p, 0.0)
         dp = _dot(do, tl.trans(v), None, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
@@ -490,13 +500,13 @@ def _attn_bwd_dq_inner(
 
 @triton.jit(do_not_specialize=["Nq", "Nk"])  # lengths of 1 stay runtime values
 def _attn_bwd_dq(
-    Q, K, V, DO, LSE, DELTA, DQ,
+    Q, K, V, DO, OFFSET, DELTA, DQ,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don,
     stride_dqb, stride_dqh, stride_dqn,
-    Hq, Nq, Nk, D, GROUP, sm_scale, qk_scale,
+    Hq, Nq, Nk, D, GROUP, sm_scale, qk_scale, NQ_ROUNDED,
     N_CTX_Q_KEY, N_CTX_K_KEY,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -511,8 +521,8 @@ def _attn_bwd_dq(
                    CHECK_ROWS=True, EVEN_D=EVEN_D)
     do = _load_rows(_head(DO, batch, head, stride_dob, stride_doh), start_m, offs_r, Nq, stride_don, offs_d, D,
                     CHECK_ROWS=True, EVEN_D=EVEN_D)
-    lse = _load_lse(_row_stats(LSE, batch, head, Hq, Nq), offs_m, Nq, DOT_PRECISION=DOT_PRECISION)
-    delta = tl.load(_row_stats(DELTA, batch, head, Hq, Nq) + offs_m, mask=offs_m < Nq, other=0.0)
+    offset = tl.load(_row_stats(OFFSET, batch, head, Hq, NQ_ROUNDED) + offs_m)  # padded: see _attn_bwd_preprocess
+    delta = tl.load(_row_stats(DELTA, batch, head, Hq, NQ_ROUNDED) + offs_m)
     k_src = _tile_source(_head(K, batch, kv_head, stride_kb, stride_kh), Nk, D, stride_kn,
                          USE_TMA=USE_TMA, BLOCK=BLOCK_N, HEAD_DIM=HEAD_DIM)
     v_src = _tile_source(_head(V, batch, kv_head, stride_vb, stride_vh), Nk, D, stride_vn,
@@ -521,12 +531,12 @@ def _attn_bwd_dq(
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     full_end, masked_end = _key_ranges(start_m, Nq, Nk, CAUSAL=CAUSAL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     dq = _attn_bwd_dq_inner(
-        dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, 0, full_end, Nq, Nk, D, sm_scale,
+        dq, q, do, offset, delta, k_src, v_src, stride_kn, stride_vn, start_m, 0, full_end, Nq, Nk, D, sm_scale,
         qk_scale, MASKED=False, CAUSAL=CAUSAL, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
         UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
     dq = _attn_bwd_dq_inner(
-        dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, full_end, masked_end, Nq, Nk, D,
+        dq, q, do, offset, delta, k_src, v_src, stride_kn, stride_vn, start_m, full_end, masked_end, Nq, Nk, D,
         sm_scale, qk_scale, MASKED=True, CAUSAL=CAUSAL, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
         UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
@@ -760,10 +770,14 @@ class _Problem:
         return (self.q_heads, self.q_len, self.k_len, self.head_dim, self.q_heads // self.kv_heads, *scales,
                 next_power_of_2(self.q_len), next_power_of_2(self.k_len))
 
+    @property
+    def dot_precision(self) -> str:
+        return "ieee" if self.ieee_dots else "tf32"
+
     def constexprs(self, use_tma: bool) -> dict:
         return dict(
             CAUSAL=self.causal, HEAD_DIM=self.padded_head_dim, EVEN_D=self.head_dim == self.padded_head_dim,
-            USE_TMA=use_tma, UPCAST_DOT=triton_interpreting(), DOT_PRECISION="ieee" if self.ieee_dots else "tf32",
+            USE_TMA=use_tma, UPCAST_DOT=triton_interpreting(), DOT_PRECISION=self.dot_precision,
         )
 
 
@@ -862,26 +876,31 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, dlse=None,
     if dq.numel() == 0:
         return dq, dk.zero_(), dv.zero_()
     lse = lse.contiguous()
-    delta = torch.empty((p.batch, p.q_heads, p.q_len), device=q.device, dtype=torch.float32)
     if dlse is not None:
         dlse = dlse.contiguous()
+    # delta and the exponent offsets, padded to a multiple of every BLOCK_M (see _attn_bwd_preprocess)
+    row_multiple = max([128] + [c["BLOCK_M"] for c in (config, dkdv_config) if c])
+    nq_rounded = triton.cdiv(p.q_len, row_multiple) * row_multiple
+    delta, offset = torch.empty((2, p.batch, p.q_heads, nq_rounded), device=q.device, dtype=torch.float32)
     pre_block = 16 if triton_interpreting() else max(16, min(128, 8192 // p.padded_head_dim))
-    _attn_bwd_preprocess[(triton.cdiv(p.q_len, pre_block), p.q_heads, p.batch)](
-        o, do, dlse if dlse is not None else delta, delta, *_strides(o), *_strides(do), p.q_heads, p.q_len, p.head_dim,
-        HAS_DLSE=dlse is not None, HEAD_DIM=p.padded_head_dim, BLOCK_M=pre_block,
+    _attn_bwd_preprocess[(nq_rounded // pre_block, p.q_heads, p.batch)](
+        o, do, lse, dlse if dlse is not None else lse, delta, offset, *_strides(o), *_strides(do),
+        p.q_heads, p.q_len, nq_rounded, p.head_dim,
+        HAS_DLSE=dlse is not None, DOT_PRECISION=p.dot_precision, HEAD_DIM=p.padded_head_dim,
+        BLOCK_M=pre_block,
     )
 
-    scalars = p.scalars(p.sm_scale, p.qk_scale)
+    scalars = p.scalars(p.sm_scale, p.qk_scale, nq_rounded)
     constexprs = p.constexprs(_use_tma(tma, {"q": q, "k": k, "v": v, "do": do}))
     kernel, cfg = _pick(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, dkdv_config or config)
     kernel[lambda meta: (triton.cdiv(p.k_len, meta["BLOCK_N"]), p.kv_heads, p.batch)](
-        q, k, v, do, lse, delta, dk, dv,
+        q, k, v, do, offset, delta, dk, dv,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
         *scalars, **constexprs, **cfg,
     )
     kernel, cfg = _pick(_attn_bwd_dq, _attn_bwd_dq_tuned, config)
     kernel[lambda meta: (triton.cdiv(p.q_len, meta["BLOCK_M"]), p.q_heads, p.batch)](
-        q, k, v, do, lse, delta, dq,
+        q, k, v, do, offset, delta, dq,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
         *scalars, **constexprs, **cfg,
     )
