@@ -894,6 +894,8 @@ def main(argv=None) -> int:
     parser.add_argument("--case-json", help=argparse.SUPPRESS)  # internal: one case (JSON), rows as JSON on stdout
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)  # compile, never interpret
+    # Triton 3.9 fuses multiply-adds by default but warns that 3.10 will not: pin what GPUs run today
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     if args.case_json:
         spec = json.loads(args.case_json)
         case = Case(**{k: tuple(v) if k == "config" and v else v for k, v in spec["case"].items()})

@@ -10,8 +10,8 @@ per row to the running max and inside each exponent's fma, never to the scores t
 writes o (input dtype) and the per-row log-sum-exp (fp32, natural log). Backward recomputes
 P = exp(S - lse) block by block.
 fp32 inputs keep the softmax offsets (running max, lse) in natural units and form every exponent
-S * scale - offset with one fma (``_probs``): with large logits the log2-domain form loses digits
-in the difference and P near 1 would be 1e-5 off; 16-bit inputs keep the cheaper log2 form.
+S * scale - offset with one fma (``_probs``, which takes the offset negated: a bias): with large
+logits the log2-domain form loses digits in the difference and P near 1 would be 1e-5 off; 16-bit inputs keep the cheaper log2 form.
 Backward kernels: ``_attn_bwd_preprocess`` computes delta = rowsum(dO * O) (minus dLSE when the lse output has a
 gradient), ``_attn_bwd_dkdv`` gives each program one key block of one kv head and loops over the
 query heads of its GQA group and over query blocks, ``_attn_bwd_dq`` gives each program one query
@@ -192,20 +192,22 @@ def _key_block(
 
 
 @triton.jit
-def _probs(s, sm_scale, qk_scale, offset, DOT_PRECISION: tl.constexpr):
-    """exp(s * sm_scale - offset) for raw scores s, elementwise (offset broadcast by the caller).
+def _probs(s, sm_scale, qk_scale, bias, DOT_PRECISION: tl.constexpr):
+    """exp(s * sm_scale + bias) for raw scores s, elementwise (bias, the negated softmax offset,
+    broadcast by the caller; negated once per row rather than once per score, which the fma's own
+    negation would not always absorb).
 
-    16-bit inputs: offset is in log2 units and the exponent is one multiply-add in the log2 domain,
-    exp2(s * qk_scale - offset); P is rounded to 16 bits before its dots anyway.
-    fp32 inputs (IEEE dots): offset is in natural units and the exponent s * sm_scale - offset is
+    16-bit inputs: bias is in log2 units and the exponent is one multiply-add in the log2 domain,
+    exp2(s * qk_scale + bias); P is rounded to 16 bits before its dots anyway.
+    fp32 inputs (IEEE dots): bias is in natural units and the exponent s * sm_scale + bias is
     one fma, rounded once, before the conversion to log2 units. With large logits (|s * scale| ~
     100) the log2-domain form rounds s * qk_scale and the offset separately at magnitude ~144 and
     their difference keeps only a few correct bits beyond fp32's relative 1e-7: P near 1 (the
     dominant keys) comes out 1e-5 off, which dominates dV and dK. The fma keeps P to fp32 accuracy."""
     if DOT_PRECISION == "ieee":
-        return tl.math.exp2(tl.fma(s, sm_scale, -offset) * LOG2E)
+        return tl.math.exp2(tl.fma(s, sm_scale, bias) * LOG2E)
     else:
-        return tl.math.exp2(tl.fma(s, qk_scale, -offset))
+        return tl.math.exp2(tl.fma(s, qk_scale, bias))
 
 
 @triton.jit
@@ -259,7 +261,7 @@ def _attn_fwd_inner(
             m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_shift = m_new
-        p = _probs(qk, sm_scale, qk_scale, m_shift[:, None], DOT_PRECISION=DOT_PRECISION)
+        p = _probs(qk, sm_scale, qk_scale, -m_shift[:, None], DOT_PRECISION=DOT_PRECISION)
         if MASKED:
             p = tl.where(visible, p, 0.0)
         if DOT_PRECISION == "ieee":
@@ -336,7 +338,7 @@ def _attn_fwd(
 
 @triton.jit
 def _attn_bwd_preprocess(
-    O, DO, LSE, DLSE, DELTA, OFFSET,
+    O, DO, LSE, DLSE, DELTA, BIAS,
     stride_ob, stride_oh, stride_on,
     stride_dob, stride_doh, stride_don,
     Hq, Nq, NQ_ROUNDED, D,
@@ -344,11 +346,11 @@ def _attn_bwd_preprocess(
 ):
     """The per-row values the dK/dV and dQ loops read, made once so those loops do no work on them:
     delta = rowsum(dO * O) in fp32, minus dLSE when lse has a gradient (dS = P (dP - delta)), and
-    the exponent offset of _probs: the saved lse in log2 units (natural log for fp32 inputs), +inf
-    on rows that see no key (lse = -inf), so that their P is exactly 0 instead of NaN.
+    the exponent bias of _probs: minus the saved lse, in log2 units (natural log for fp32 inputs),
+    and -inf on rows that see no key (lse = -inf), so that their P is exactly 0 instead of NaN.
 
-    LSE and DLSE are contiguous (B, Hq, Nq); DELTA and OFFSET (B, Hq, NQ_ROUNDED), where the rows
-    from Nq up to NQ_ROUNDED (a multiple of every BLOCK_M) get delta 0 and offset +inf: the loops
+    LSE and DLSE are contiguous (B, Hq, Nq); DELTA and BIAS (B, Hq, NQ_ROUNDED), where the rows
+    from Nq up to NQ_ROUNDED (a multiple of every BLOCK_M) get delta 0 and bias -inf: the loops
     load whole blocks without masks, and those rows add nothing. Grid: (NQ_ROUNDED / BLOCK_M, Hq, B)."""
     start_m, head, _, batch = _program_place(1, REVERSE=False, BLOCK=BLOCK_M)
     offs_r = tl.arange(0, BLOCK_M)
@@ -366,18 +368,18 @@ def _attn_bwd_preprocess(
     if DOT_PRECISION != "ieee":
         lse = lse * LOG2E
     tl.store(_row_stats(DELTA, batch, head, Hq, NQ_ROUNDED) + offs_m, delta)
-    tl.store(_row_stats(OFFSET, batch, head, Hq, NQ_ROUNDED) + offs_m, tl.where(lse == float("-inf"), float("inf"), lse))
+    tl.store(_row_stats(BIAS, batch, head, Hq, NQ_ROUNDED) + offs_m, tl.where(lse == float("-inf"), lse, -lse))
 
 
 @triton.jit
 def _attn_bwd_dkdv_inner(
-    dk, dv, k, v, q_src, do_src, OFFSET_row, DELTA_row, stride_qn, stride_don, start_n, lo, hi, Nq, Nk, D,
+    dk, dv, k, v, q_src, do_src, BIAS_row, DELTA_row, stride_qn, stride_don, start_n, lo, hi, Nq, Nk, D,
     sm_scale, qk_scale, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query blocks [lo, hi), working on transposed tiles
     (keys along rows); q and dO stream from _tile_source's. Query rows past Nq read as zero with
-    offset +inf, hence P = 0: they add nothing."""
+    bias -inf, hence P = 0: they add nothing."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
@@ -386,7 +388,7 @@ def _attn_bwd_dkdv_inner(
                        BLOCK=BLOCK_M, HEAD_DIM=HEAD_DIM)
         do = _load_tile(do_src, start_m, Nq, stride_don, D, CHECK_ROWS=True, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
                         BLOCK=BLOCK_M, HEAD_DIM=HEAD_DIM)
-        offset = tl.load(OFFSET_row + offs_m)  # padded: see _attn_bwd_preprocess
+        bias = tl.load(BIAS_row + offs_m)  # padded: see _attn_bwd_preprocess
         delta = tl.load(DELTA_row + offs_m)
         # P^T recomputed from the saved lse: exp(S^T * scale - lse). The lse is only as good as the
         # match between these scores and the forward's, bit for bit: with logits ~100 a one-ulp
@@ -398,7 +400,7 @@ def _attn_bwd_dkdv_inner(
             qk_t = tl.trans(_dot(q, tl.trans(k), None, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION))
         else:
             qk_t = _dot(k, tl.trans(q), None, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
-        p_t = _probs(qk_t, sm_scale, qk_scale, offset[None, :], DOT_PRECISION=DOT_PRECISION)
+        p_t = _probs(qk_t, sm_scale, qk_scale, bias[None, :], DOT_PRECISION=DOT_PRECISION)
         if MASKED:  # the causal diagonal: query i sees key j iff j <= i + Nk - Nq
             p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + (Nk - Nq), p_t, 0.0)
         dv = _dot(p_t.to(do.dtype), do, dv, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
@@ -410,7 +412,7 @@ def _attn_bwd_dkdv_inner(
 
 @triton.jit(do_not_specialize=["Nq", "Nk"])  # lengths of 1 stay runtime values
 def _attn_bwd_dkdv(
-    Q, K, V, DO, OFFSET, DELTA, DK, DV,
+    Q, K, V, DO, BIAS, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -453,16 +455,16 @@ def _attn_bwd_dkdv(
                              USE_TMA=USE_TMA, BLOCK=BLOCK_M, HEAD_DIM=HEAD_DIM)
         do_src = _tile_source(_head(DO, batch, head, stride_dob, stride_doh), Nq, D, stride_don,
                               USE_TMA=USE_TMA, BLOCK=BLOCK_M, HEAD_DIM=HEAD_DIM)
-        OFFSET_row = _row_stats(OFFSET, batch, head, Hq, NQ_ROUNDED)
+        BIAS_row = _row_stats(BIAS, batch, head, Hq, NQ_ROUNDED)
         DELTA_row = _row_stats(DELTA, batch, head, Hq, NQ_ROUNDED)
         if CAUSAL:
             dk, dv = _attn_bwd_dkdv_inner(
-                dk, dv, k, v, q_src, do_src, OFFSET_row, DELTA_row, stride_qn, stride_don, start_n, masked_lo, masked_hi,
+                dk, dv, k, v, q_src, do_src, BIAS_row, DELTA_row, stride_qn, stride_don, start_n, masked_lo, masked_hi,
                 Nq, Nk, D, sm_scale, qk_scale, MASKED=True, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
                 UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
             )
         dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, q_src, do_src, OFFSET_row, DELTA_row, stride_qn, stride_don, start_n, full_lo, Nq,
+            dk, dv, k, v, q_src, do_src, BIAS_row, DELTA_row, stride_qn, stride_don, start_n, full_lo, Nq,
             Nq, Nk, D, sm_scale, qk_scale, MASKED=False, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
             UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         )
@@ -476,12 +478,12 @@ def _attn_bwd_dkdv(
 
 @triton.jit
 def _attn_bwd_dq_inner(
-    dq, q, do, offset, delta, k_src, v_src, stride_kn, stride_vn, start_m, lo, hi, Nq, Nk, D, sm_scale, qk_scale,
+    dq, q, do, bias, delta, k_src, v_src, stride_kn, stride_vn, start_m, lo, hi, Nq, Nk, D, sm_scale, qk_scale,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Accumulate dQ (unscaled) of one query block over the key blocks in [lo, hi). Rows that see no
-    key have offset = +inf (see _attn_bwd_preprocess), so their P is exactly 0."""
+    key have bias = -inf (see _attn_bwd_preprocess), so their P is exactly 0."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
@@ -489,7 +491,7 @@ def _attn_bwd_dq_inner(
             q, k_src, v_src, stride_kn, stride_vn, start_n, Nk, D, MASKED=MASKED, HEAD_DIM=HEAD_DIM,
             EVEN_D=EVEN_D, USE_TMA=USE_TMA, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_N=BLOCK_N,
         )
-        p = _probs(qk, sm_scale, qk_scale, offset[:, None], DOT_PRECISION=DOT_PRECISION)
+        p = _probs(qk, sm_scale, qk_scale, bias[:, None], DOT_PRECISION=DOT_PRECISION)
         if MASKED:
             p = tl.where(_visible(offs_m, start_n + offs_n, Nq, Nk, CAUSAL=CAUSAL), p, 0.0)
         dp = _dot(do, tl.trans(v), None, UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION)
@@ -500,7 +502,7 @@ def _attn_bwd_dq_inner(
 
 @triton.jit(do_not_specialize=["Nq", "Nk"])  # lengths of 1 stay runtime values
 def _attn_bwd_dq(
-    Q, K, V, DO, OFFSET, DELTA, DQ,
+    Q, K, V, DO, BIAS, DELTA, DQ,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -521,7 +523,7 @@ def _attn_bwd_dq(
                    CHECK_ROWS=True, EVEN_D=EVEN_D)
     do = _load_rows(_head(DO, batch, head, stride_dob, stride_doh), start_m, offs_r, Nq, stride_don, offs_d, D,
                     CHECK_ROWS=True, EVEN_D=EVEN_D)
-    offset = tl.load(_row_stats(OFFSET, batch, head, Hq, NQ_ROUNDED) + offs_m)  # padded: see _attn_bwd_preprocess
+    bias = tl.load(_row_stats(BIAS, batch, head, Hq, NQ_ROUNDED) + offs_m)  # padded: see _attn_bwd_preprocess
     delta = tl.load(_row_stats(DELTA, batch, head, Hq, NQ_ROUNDED) + offs_m)
     k_src = _tile_source(_head(K, batch, kv_head, stride_kb, stride_kh), Nk, D, stride_kn,
                          USE_TMA=USE_TMA, BLOCK=BLOCK_N, HEAD_DIM=HEAD_DIM)
@@ -531,12 +533,12 @@ def _attn_bwd_dq(
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     full_end, masked_end = _key_ranges(start_m, Nq, Nk, CAUSAL=CAUSAL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     dq = _attn_bwd_dq_inner(
-        dq, q, do, offset, delta, k_src, v_src, stride_kn, stride_vn, start_m, 0, full_end, Nq, Nk, D, sm_scale,
+        dq, q, do, bias, delta, k_src, v_src, stride_kn, stride_vn, start_m, 0, full_end, Nq, Nk, D, sm_scale,
         qk_scale, MASKED=False, CAUSAL=CAUSAL, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
         UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
     dq = _attn_bwd_dq_inner(
-        dq, q, do, offset, delta, k_src, v_src, stride_kn, stride_vn, start_m, full_end, masked_end, Nq, Nk, D,
+        dq, q, do, bias, delta, k_src, v_src, stride_kn, stride_vn, start_m, full_end, masked_end, Nq, Nk, D,
         sm_scale, qk_scale, MASKED=True, CAUSAL=CAUSAL, HEAD_DIM=HEAD_DIM, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
         UPCAST_DOT=UPCAST_DOT, DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
@@ -878,13 +880,13 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, dlse=None,
     lse = lse.contiguous()
     if dlse is not None:
         dlse = dlse.contiguous()
-    # delta and the exponent offsets, padded to a multiple of every BLOCK_M (see _attn_bwd_preprocess)
+    # delta and the exponent biases, padded to a multiple of every BLOCK_M (see _attn_bwd_preprocess)
     row_multiple = max([128] + [c["BLOCK_M"] for c in (config, dkdv_config) if c])
     nq_rounded = triton.cdiv(p.q_len, row_multiple) * row_multiple
-    delta, offset = torch.empty((2, p.batch, p.q_heads, nq_rounded), device=q.device, dtype=torch.float32)
+    delta, bias = torch.empty((2, p.batch, p.q_heads, nq_rounded), device=q.device, dtype=torch.float32)
     pre_block = 16 if triton_interpreting() else max(16, min(128, 8192 // p.padded_head_dim))
     _attn_bwd_preprocess[(nq_rounded // pre_block, p.q_heads, p.batch)](
-        o, do, lse, dlse if dlse is not None else lse, delta, offset, *_strides(o), *_strides(do),
+        o, do, lse, dlse if dlse is not None else lse, delta, bias, *_strides(o), *_strides(do),
         p.q_heads, p.q_len, nq_rounded, p.head_dim,
         HAS_DLSE=dlse is not None, DOT_PRECISION=p.dot_precision, HEAD_DIM=p.padded_head_dim,
         BLOCK_M=pre_block,
@@ -894,13 +896,13 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, dlse=None,
     constexprs = p.constexprs(_use_tma(tma, {"q": q, "k": k, "v": v, "do": do}))
     kernel, cfg = _pick(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, dkdv_config or config)
     kernel[lambda meta: (triton.cdiv(p.k_len, meta["BLOCK_N"]), p.kv_heads, p.batch)](
-        q, k, v, do, offset, delta, dk, dv,
+        q, k, v, do, bias, delta, dk, dv,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
         *scalars, **constexprs, **cfg,
     )
     kernel, cfg = _pick(_attn_bwd_dq, _attn_bwd_dq_tuned, config)
     kernel[lambda meta: (triton.cdiv(p.q_len, meta["BLOCK_M"]), p.q_heads, p.batch)](
-        q, k, v, do, offset, delta, dq,
+        q, k, v, do, bias, delta, dq,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
         *scalars, **constexprs, **cfg,
     )

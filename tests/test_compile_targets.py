@@ -249,3 +249,40 @@ def test_ci_cases_are_picks():
             config = case.dkdv_config if kernel == "dkdv" else case.config
             assert config in picked_configs(kernel, target, case.dtype, case.head_dim, case.causal, case.gqa), \
                 f"{case.id} on {target}: {kernel} {config} is not among the autotuner's picks"
+
+
+# Issue 11's instruction goals: each attention hot loop against the Triton tutorial's, compiled the
+# same way (bench/static.py's yardsticks: the forward by pointer loads and through tensor
+# descriptors, the backward's dK/dV and dQ loops), on sm_90a with the installed Triton, bf16, MHA,
+# not causal: the best configuration our autotuner can pick against the yardstick's best.
+YARDSTICKS = {
+    "_attn_fwd": (("tutorial_fwd", "tutorial_tma_fwd"), ("_tutorial_attn_fwd", "_tutorial_tma_attn_fwd")),
+    "_attn_bwd_dq": (("tutorial_bwd",), ("_tutorial_attn_bwd_dq",)),
+    "_attn_bwd_dkdv": (("tutorial_bwd",), ("_tutorial_attn_bwd_dkdv",)),
+}
+# dK/dV may issue up to 2% more: its TMA pipeline's barrier and phase bookkeeping costs a few
+# instructions an iteration that the yardstick's cp.async loads do not (measured 324 against 323
+# at D=64, Triton 3.9); the forward and dQ must be at or below.
+SLACK = {"_attn_fwd": 1.0, "_attn_bwd_dq": 1.0, "_attn_bwd_dkdv": 1.02}
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("kernel", list(YARDSTICKS))
+def test_hot_loop_at_or_below_the_tutorial(facts_cache, kernel, dim):
+    def best(rows, names):
+        rows = [r for r in rows if r["kernel"] in names]
+        assert rows and not any("error" in r for r in rows), rows
+        return min((r["hot_loop"]["warp_instructions_per_million_macs"], _config_text(r)) for r in rows)
+
+    op = "attention_fwd" if kernel == "_attn_fwd" else "attention_bwd"
+    ours = best(_facts(facts_cache, Case(op, "bfloat16", dim), "sm_90a"), (kernel,))
+    yard_ops, yard_kernels = YARDSTICKS[kernel]
+    tutorial = best([r for yard in yard_ops for r in _facts(facts_cache, Case(yard, "bfloat16", dim), "sm_90a")],
+                    yard_kernels)
+    assert ours[0] <= SLACK[kernel] * tutorial[0], \
+        f"{kernel} D={dim}: {ours[0]} warp instructions per million multiply-adds ({ours[1]}) against the tutorial's {tutorial[0]} ({tutorial[1]})"
+
+
+def _config_text(row: dict) -> str:
+    c = row["config"]
+    return f"M{c['BLOCK_M']} N{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']}"
