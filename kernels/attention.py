@@ -569,8 +569,12 @@ def _configs(shapes):
 #   with 64 query rows in fwd/dQ (both warpgroups recompute S and dP: 1.5x / 1.67x the work), dK/dV
 #   key tiles below 64 rows (BLOCK_N = 32: wgmma needs M >= 64, mma.sync instead) and 8-warp dK/dV
 #   tiles of 64 key rows (M16/M32 N64 w8: 1.5x). In: the large tiles that fit 227 KiB, such as
-#   fwd M128 N128 w8 s3 (224 KiB at D=128, no spills), dQ M128 N128 w8 s3 (D=64), and dK/dV
-#   M16 N128 w8 (no spills at D=128 with GQA, where the other dK/dV tiles spill).
+#   fwd M128 N128 w8 s3 (225 KiB at D=128, no spills), dQ M128 N128 w8 s3 (D 64/128), dK/dV
+#   M64 N128 w8 (the fewest instructions per multiply-add; two stages leave registers and shared
+#   memory to spare) and M16 N128 w8 (no spills at D=128 with GQA, where the larger tiles spill).
+#   Warp specialization is not among them: tl.range(warp_specialize=True) left the forward loop
+#   unchanged at 8 warps (the same SASS, no register reallocation) and failed in Triton 3.9's
+#   NVGPUWarpSpecialization pass at 4 warps, on sm_90a.
 # - A100: the configurations measured before the Hopper list; those that spill are in _SPILLS.
 _SHAPES = {
     "fwd": {
@@ -584,39 +588,53 @@ _SHAPES = {
              (64, 64, 4, 3), (64, 32, 4, 4), (64, 128, 8, 2), (64, 32, 8, 2)],
     },
     "dkdv": {
-        90: [(32, 128, 8, 3), (64, 128, 8, 3), (16, 128, 8, 3), (32, 64, 4, 4)],
+        90: [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (16, 128, 8, 3), (32, 64, 4, 4)],
         80: [(32, 128, 8, 3), (64, 128, 8, 3), (16, 64, 8, 3), (32, 64, 8, 2),
              (32, 64, 4, 4), (16, 32, 4, 2), (32, 32, 8, 2), (64, 32, 4, 3)],
     },
 }
 
 # The pruning facts: where a configuration spills registers, read from ptxas -v on the compiled
-# kernel (`python -m bench static`, Triton 3.9, bf16; fp16 taken as the same; sm_80 measured for MHA
-# only, its entries applied to GQA too; sm_90 D=256 for fwd MHA and the backward with GQA, not
-# causal), never from timing. (family, kernel, (BLOCK_M, BLOCK_N, num_warps)) -> the cases that
-# spill as (padded head dims, causal, GQA), None = either; D=256 is assumed to spill wherever D=128
-# does. Spill bytes (stores/loads) in the comments.
+# kernel (bf16; fp16 taken as the same), never from timing: every configuration of the lists above at
+# head dims 64, 128 and 256, causal and not, MHA and GQA 4:1 (fwd and dQ do not depend on GQA), on
+# Triton 3.6 and 3.9, compiled for sm_90a and sm_80 through the launchers (bench/static.py's
+# stand-in driver), after the kernels moved to tensor descriptors and in-MMA accumulation (issue 11).
+# An entry lists the cases where either Triton version spills: (family, kernel, (BLOCK_M, BLOCK_N,
+# num_warps)) -> [(padded head dims, causal, GQA)], None = either; the comments give the range of
+# spill-store bytes over those cases. A configuration not listed spilled nowhere.
 _SPILLS = {
-    (90, "dkdv", (64, 128, 8)): [((64,), True, True),  # 76/76
-                                 ((128, 256), None, None)],  # 200/176 .. 416/672
-    (90, "dkdv", (32, 128, 8)): [((128, 256), None, True)],  # 8/8 full, 128/128 causal
-    (90, "dkdv", (32, 64, 4)): [((128, 256), None, None)],  # 12/12 .. 404/408 (Triton 3.6 too)
-    (90, "fwd", (64, 128, 4)): [((128, 256), None, None)],  # 24/24 full, 16/16 causal
-    (90, "fwd", (64, 64, 4)): [((256,), None, None)],  # 92/232
-    (90, "dq", (64, 32, 4)): [((256,), None, None)],  # 4/4
     # D=256: dK and dV's accumulators alone take 256 registers a thread in every Hopper dK/dV tile;
-    # all spill (2048/1536 here), so the pruning falls back to those that fit.
-    (90, "dkdv", (16, 128, 8)): [((256,), None, None)],
-    (90, "dq", (128, 128, 8)): [((128, 256), None, None)],  # 4/8 .. 12/28 (s2; s3 is over 227 KiB)
-    (80, "fwd", (128, 32, 8)): [((64,), True, None)],  # 4/4
-    (80, "fwd", (64, 128, 4)): [((64,), True, None)],  # 4/4
-    (80, "fwd", (64, 64, 4)): [((128, 256), True, None)],  # 4/4
-    (80, "dq", (64, 128, 8)): [((64,), None, None), ((128, 256), True, None)],  # 36/64; 4/4
-    (80, "dq", (128, 64, 8)): [((128, 256), None, None)],  # 24/56 .. 68/108
-    (80, "dq", (64, 64, 4)): [((128, 256), None, None)],  # 8/4 .. 32/32
-    (80, "dkdv", (32, 128, 8)): [((128, 256), None, None)],  # 8/8 .. 20/36
-    (80, "dkdv", (64, 128, 8)): [((128, 256), None, None)],  # 28/28 .. 76/108
-    (80, "dkdv", (32, 64, 4)): [((128, 256), True, None)],  # 8/4
+    # all spill (2 KiB and more), so the pruning falls back to those that fit.
+    (90, "dkdv", (64, 128, 8)): [((128,), None, True), ((128,), True, False), ((256,), None, None)],  # 8..3328
+    (90, "dkdv", (32, 128, 8)): [((128,), True, True), ((256,), None, None)],  # 20 (3.6); 2 KiB+ at 256
+    (90, "dkdv", (32, 64, 4)): [((128,), True, True), ((256,), None, None)],  # 4..48; 2 KiB+ at 256
+    (90, "dkdv", (16, 128, 8)): [((256,), None, None)],  # 2 KiB+
+    (90, "dq", (128, 128, 8)): [((256,), None, None)],  # 196..820 (s3 is over 227 KiB anyway)
+    (90, "dq", (128, 64, 8)): [((256,), None, None)],  # 84..108 (3.6)
+    (90, "dq", (64, 64, 4)): [((256,), None, None)],  # 8..108
+    (90, "dq", (64, 32, 4)): [((256,), True, None)],  # 28 (3.6)
+    (90, "fwd", (128, 128, 8)): [((256,), None, None)],  # 4..36 (3.6)
+    (90, "fwd", (64, 128, 4)): [((256,), True, None)],  # 36 (3.6)
+    (80, "dkdv", (64, 128, 8)): [((64, 128, 256), None, None)],  # 8..5084
+    (80, "dkdv", (32, 128, 8)): [((64,), None, True), ((128, 256), None, None)],  # 4..6392
+    (80, "dkdv", (32, 64, 4)): [((64,), None, True), ((64,), True, False), ((128, 256), None, None)],  # 8..17520
+    (80, "dkdv", (32, 64, 8)): [((64,), True, True), ((256,), None, True), ((256,), True, False)],  # 8..188
+    (80, "dkdv", (64, 32, 4)): [((64,), True, True), ((128, 256), None, None)],  # 8..924
+    (80, "dkdv", (16, 64, 8)): [((256,), True, True)],  # 76..100
+    (80, "dkdv", (16, 32, 4)): [((256,), True, None)],  # 4..172
+    (80, "dq", (128, 64, 8)): [((128, 256), None, None)],  # 24..212
+    (80, "dq", (128, 32, 8)): [((256,), None, None)],  # 48..180
+    (80, "dq", (64, 128, 8)): [((64, 256), None, None), ((128,), True, None)],  # 4..44
+    (80, "dq", (64, 64, 4)): [((128, 256), None, None)],  # 8..288
+    (80, "dq", (64, 64, 8)): [((256,), True, None)],  # 8..24
+    (80, "dq", (64, 32, 4)): [((256,), True, None)],  # 64..72
+    (80, "fwd", (128, 128, 8)): [((128, 256), None, None)],  # 28..704
+    (80, "fwd", (128, 64, 8)): [((256,), None, None)],  # 16..136
+    (80, "fwd", (128, 32, 8)): [((64,), True, None), ((256,), None, None)],  # 8..124
+    (80, "fwd", (64, 128, 4)): [((64, 128, 256), None, None)],  # 4..944
+    (80, "fwd", (64, 64, 4)): [((128,), True, None), ((256,), None, None)],  # 4..132
+    (80, "fwd", (64, 32, 8)): [((64,), True, None), ((128,), False, None)],  # 8
+    (80, "fwd", (64, 32, 4)): [((256,), None, None)],  # 4..40
 }
 # Shared memory per block where the driver cannot say (opt-in maximum, bytes).
 _SMEM_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
