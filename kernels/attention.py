@@ -679,20 +679,25 @@ def _shape(config) -> tuple:
     return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
 
 
-def _pruner(kernel: str, fp32_config):
+def _fp32_config(kernel: str, head_dim: int):
+    """The one configuration of ``kernel`` for fp32 inputs at this padded head dim (_FP32_SHAPES)."""
+    shapes = _FP32_SHAPES[kernel]
+    return _configs([shapes[min(d for d in shapes if d >= head_dim)]])[0]
+
+
+def _pruner(kernel: str):
     """The autotuner's early_config_prune for ``kernel``: the target family's list, within its
     shared memory, without the configurations _SPILLS lists for this head dim, causality and GQA
     (unknown ones count as spilling). Never empty: if every configuration spills, those that fit are
-    kept, and if none fits, ``fp32_config``. fp32 (IEEE dots, a correctness path rather than a fast
-    one) gets one small configuration: big fp32 tiles take minutes to compile (measured with ptxas for
-    sm_90, Triton 3.6 and 3.9)."""
+    kept, and if none fits, the fp32 one (small enough for any head dim). fp32 (IEEE dots, a
+    correctness path rather than a fast one) gets its one configuration of _FP32_SHAPES."""
 
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
         head_dim = args["HEAD_DIM"]
         elem = args["Q"].element_size()
         if elem >= 4:
-            return [fp32_config]
+            return [_fp32_config(kernel, head_dim)]
         family = _target_family()
         wanted = set(_SHAPES[kernel][family])
         limit = _smem_limit(family)
@@ -707,7 +712,7 @@ def _pruner(kernel: str, fp32_config):
                 continue
             fitting.append(config)
         keep = [c for c in fitting if not _spills(family, kernel, c, head_dim, causal, gqa)]
-        return keep or fitting or [fp32_config]
+        return keep or fitting or [_fp32_config(kernel, head_dim)]
 
     return prune
 
@@ -717,12 +722,18 @@ def _pruner(kernel: str, fp32_config):
 _FWD_CONFIGS, _DQ_CONFIGS, _DKDV_CONFIGS = (
     _configs(dict.fromkeys(_SHAPES[k][90] + _SHAPES[k][80])) for k in ("fwd", "dq", "dkdv"))
 
-# fp32: shared memory at D=256 is 136 KiB (fwd), 200 KiB (dQ), 132 KiB (dK/dV) on sm_90.
-_FP32_QUERY_CONFIG = _configs([(64, 32, 4, 2)])[0]
-_FP32_KEY_CONFIG = _configs([(32, 32, 4, 2)])[0]
-_FWD_PRUNE = _pruner("fwd", _FP32_QUERY_CONFIG)
-_DQ_PRUNE = _pruner("dq", _FP32_QUERY_CONFIG)
-_DKDV_PRUNE = _pruner("dkdv", _FP32_KEY_CONFIG)
+# fp32 inputs take IEEE dots, which compile to FFMA loops, not tensor-core MMAs: every product of a
+# tile sits in registers, so fp32 gets the largest tiles ptxas compiles without spilling, per padded
+# head dim (up to the key), from ptxas -v on sm_90a (Triton 3.9; bench/static.py). Larger tiles
+# spill kilobytes, and from D=128 on ptxas gives up allocating (32 registers and a stack of several
+# KiB): the old M64 N32 w4 did both. At D=256 no fwd or dQ tile of these kernels avoids spilling;
+# M16 N16 w8 spills least (424-448 B a thread, against 4-90 KiB for the others).
+_FP32_SHAPES = {
+    "fwd": {64: (16, 32, 4, 2), 256: (16, 16, 8, 2)},
+    "dq": {64: (16, 32, 4, 2), 256: (16, 16, 8, 2)},
+    "dkdv": {64: (32, 32, 4, 2), 256: (32, 16, 8, 2)},
+}
+_FWD_PRUNE, _DQ_PRUNE, _DKDV_PRUNE = (_pruner(k) for k in ("fwd", "dq", "dkdv"))
 
 _attn_fwd_tuned = triton.autotune(
     configs=_FWD_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _FWD_PRUNE}

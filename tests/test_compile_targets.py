@@ -52,11 +52,15 @@ CI_CASES = [
     Case("swiglu_bwd", "bfloat16", width=4096),
     Case("rope", "bfloat16", 128),
 ]
-# On sm_90a only (Hopper's own picks): the largest forward tile, and dK/dV with GQA at D=128, where
-# every dK/dV tile but M16 N128 w8 spills.
+# On sm_90a only (Hopper's own picks): the largest forward tile, dK/dV with GQA at D=128, where the
+# larger dK/dV tiles spill, the dK/dV tile with the fewest instructions per multiply-add, and fp32
+# (FFMA dots, the small tiles of _FP32_SHAPES).
 CI_SM90_CASES = [
     Case("attention_fwd", "bfloat16", 128, causal=True, config=(128, 128, 8, 3)),
     Case("attention_bwd", "bfloat16", 128, causal=True, gqa=True, config=(128, 32, 8, 3), dkdv_config=(16, 128, 8, 3)),
+    Case("attention_bwd", "bfloat16", 128, config=(128, 64, 8, 3), dkdv_config=(64, 128, 8, 2)),
+    Case("attention_fwd", "float32", 128, causal=True, config=(16, 16, 8, 2)),
+    Case("attention_bwd", "float32", 128, gqa=True, config=(16, 16, 8, 2), dkdv_config=(32, 16, 8, 2)),
 ]
 CI_PAIRS = [(c, t) for c in CI_CASES for t in ("sm_90a", "sm_80")] + [(c, "sm_90a") for c in CI_SM90_CASES]
 
@@ -127,11 +131,8 @@ def known_failure(case: Case, target: str, kernel: str, prop: str) -> str | None
     pruning then keeps those that fit). fp16 is assumed to behave as bf16, and the fp32 entries
     (full set only) follow the issue's report, not a run of ours."""
     sm90_attention = target == "sm_90a" and kernel in MMA_KERNELS
-    if case.dtype == "float32" and kernel in MMA_KERNELS:
-        if prop == "no_spills":
-            return "fp32 attention spills (issue 11 part 4)"
-        if prop in ("hgmma", "not_serialized"):
-            return "fp32 (IEEE) dots are not wgmma"
+    if case.dtype == "float32" and kernel in ("_attn_fwd", "_attn_bwd_dq") and case.head_dim == 256 and prop == "no_spills":
+        return "fp32 D=256 fwd/dQ: every tile spills (the least, M16 N16 w8, 424-448 B; kernels/attention.py _FP32_SHAPES)"
     if prop == "no_spills" and sm90_attention and kernel == "_attn_bwd_dkdv" and case.head_dim == 256:
         return "D=256 dK/dV: the dK and dV accumulators alone need 256 registers a thread in every wgmma tile"
     return None
@@ -149,6 +150,9 @@ def _params():
                 if kernel in MMA_KERNELS and target != "sm_90a" and prop not in ("fits", "copy_engine"):
                     continue
                 if kernel not in MMA_KERNELS and prop in ("hgmma", "not_serialized", "work_once", "copy_engine"):
+                    continue
+                # fp32 takes IEEE dots, FFMA loops rather than MMAs: there is no MMA to check.
+                if case.dtype == "float32" and prop in ("hgmma", "not_serialized", "work_once"):
                     continue
                 marks = [pytest.mark.compile_targets_full] if full else []
                 reason = known_failure(case, target, kernel, prop)
