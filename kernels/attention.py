@@ -723,15 +723,16 @@ _FWD_CONFIGS, _DQ_CONFIGS, _DKDV_CONFIGS = (
     _configs(dict.fromkeys(_SHAPES[k][90] + _SHAPES[k][80])) for k in ("fwd", "dq", "dkdv"))
 
 # fp32 inputs take IEEE dots, which compile to FFMA loops, not tensor-core MMAs: every product of a
-# tile sits in registers, so fp32 gets the largest tiles ptxas compiles without spilling, per padded
-# head dim (up to the key), from ptxas -v on sm_90a (Triton 3.9; bench/static.py). Larger tiles
-# spill kilobytes, and from D=128 on ptxas gives up allocating (32 registers and a stack of several
-# KiB): the old M64 N32 w4 did both. At D=256 no fwd or dQ tile of these kernels avoids spilling;
-# M16 N16 w8 spills least (424-448 B a thread, against 4-90 KiB for the others).
+# tile sits in registers, so fp32 gets small tiles, per padded head dim (up to the key), chosen from
+# ptxas -v over D 64/128/256, causal and not, MHA and GQA, sm_90a and sm_80, Triton 3.6 and 3.9
+# (bench/static.py). Larger tiles spill kilobytes, and from D=128 on ptxas gives up allocating (32
+# registers and a stack of several KiB): the old M64 N32 w4 did both. These spill nothing in most
+# cases and at most 44 B a thread at D <= 128; at D=256 no fwd or dQ tile of these kernels avoids
+# spilling and M16 N16 w8 spills least (376-448 B, against 4-90 KiB for the others).
 _FP32_SHAPES = {
     "fwd": {64: (16, 32, 4, 2), 256: (16, 16, 8, 2)},
     "dq": {64: (16, 32, 4, 2), 256: (16, 16, 8, 2)},
-    "dkdv": {64: (32, 32, 4, 2), 256: (32, 16, 8, 2)},
+    "dkdv": {256: (32, 16, 8, 2)},
 }
 _FWD_PRUNE, _DQ_PRUNE, _DKDV_PRUNE = (_pruner(k) for k in ("fwd", "dq", "dkdv"))
 
