@@ -569,7 +569,7 @@ def _configs(shapes):
 #   with 64 query rows in fwd/dQ (both warpgroups recompute S and dP: 1.5x / 1.67x the work), dK/dV
 #   key tiles below 64 rows (BLOCK_N = 32: wgmma needs M >= 64, mma.sync instead) and 8-warp dK/dV
 #   tiles of 64 key rows (M16/M32 N64 w8: 1.5x). In: the large tiles that fit 227 KiB, such as
-#   fwd M128 N128 w8 s3 (225 KiB at D=128, no spills), dQ M128 N128 w8 s3 (D 64/128), dK/dV
+#   fwd M128 N128 w8 s3 (225 KiB at D=128, no spills), dQ M128 N128 w8 (s2: 193 KiB at D=128), dK/dV
 #   M64 N128 w8 (the fewest instructions per multiply-add; two stages leave registers and shared
 #   memory to spare) and M16 N128 w8 (no spills at D=128 with GQA, where the larger tiles spill).
 #   Warp specialization is not among them: tl.range(warp_specialize=True) left the forward loop
@@ -583,7 +583,7 @@ _SHAPES = {
              (64, 64, 8, 3), (64, 128, 4, 3), (64, 32, 4, 2), (64, 32, 8, 2)],
     },
     "dq": {
-        90: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)],
+        90: [(128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)],
         80: [(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 8, 3), (64, 32, 8, 3),
              (64, 64, 4, 3), (64, 32, 4, 4), (64, 128, 8, 2), (64, 32, 8, 2)],
     },
