@@ -583,7 +583,8 @@ _SHAPES = {
              (64, 64, 8, 3), (64, 128, 4, 3), (64, 32, 4, 2), (64, 32, 8, 2)],
     },
     "dq": {
-        90: [(128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)],
+        90: [(128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4),
+             (64, 16, 4, 3)],
         80: [(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 8, 3), (64, 32, 8, 3),
              (64, 64, 4, 3), (64, 32, 4, 4), (64, 128, 8, 2), (64, 32, 8, 2)],
     },
@@ -600,8 +601,9 @@ _SHAPES = {
 # Triton 3.6 and 3.9, compiled for sm_90a and sm_80 through the launchers (bench/static.py's
 # stand-in driver), after the kernels moved to tensor descriptors and in-MMA accumulation (issue 11).
 # An entry lists the cases where either Triton version spills: (family, kernel, (BLOCK_M, BLOCK_N,
-# num_warps)) -> [(padded head dims, causal, GQA)], None = either; the comments give the range of
-# spill-store bytes over those cases. A configuration not listed spilled nowhere.
+# num_warps)) -> [(padded head dims, causal, GQA)], None = either, and a fourth element, the Triton
+# versions, where only some spill; the comments give the range of spill-store bytes over those
+# cases. A configuration not listed spilled nowhere.
 _SPILLS = {
     # D=256: dK and dV's accumulators alone take 256 registers a thread in every Hopper dK/dV tile;
     # all spill (2 KiB and more), so the pruning falls back to those that fit.
@@ -612,7 +614,8 @@ _SPILLS = {
     (90, "dq", (128, 128, 8)): [((256,), None, None)],  # 196..820 (s3 is over 227 KiB anyway)
     (90, "dq", (128, 64, 8)): [((256,), None, None)],  # 84..108 (3.6)
     (90, "dq", (64, 64, 4)): [((256,), None, None)],  # 8..108
-    (90, "dq", (64, 32, 4)): [((256,), True, None)],  # 28 (3.6)
+    (90, "dq", (64, 32, 4)): [((256,), None, None, "3.6")],  # 16..44 (3.9: none, 758 instructions / M MAC)
+    (90, "dq", (128, 32, 8)): [((256,), None, None, "3.6")],  # 16..40 (3.9: none)
     (90, "fwd", (128, 128, 8)): [((256,), None, None)],  # 4..36 (3.6)
     (90, "fwd", (64, 128, 4)): [((256,), True, None)],  # 36 (3.6)
     (80, "dkdv", (64, 128, 8)): [((64, 128, 256), None, None)],  # 8..5084
@@ -671,8 +674,10 @@ def _smem_estimate(config, head_dim: int, elem: int, kernel: str) -> int:
 
 def _spills(family: int, kernel: str, config, head_dim: int, causal, gqa) -> bool:
     blocks = (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps)
+    triton_version = ".".join(triton.__version__.split(".")[:2])
     return any(head_dim in dims and (c is None or causal is None or c == causal) and (g is None or gqa is None or g == gqa)
-               for dims, c, g in _SPILLS.get((family, kernel, blocks), ()))
+               and (not versions or triton_version in versions)
+               for dims, c, g, *versions in _SPILLS.get((family, kernel, blocks), ()))
 
 
 def _shape(config) -> tuple:
@@ -914,7 +919,8 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, dlse=None,
     row_multiple = max([128] + [c["BLOCK_M"] for c in (config, dkdv_config) if c])
     nq_rounded = triton.cdiv(p.q_len, row_multiple) * row_multiple
     delta, bias = torch.empty((2, p.batch, p.q_heads, nq_rounded), device=q.device, dtype=torch.float32)
-    pre_block = 16 if triton_interpreting() else max(16, min(128, 8192 // p.padded_head_dim))
+    # 4096 values of o and of dO a program: at 8192 Triton 3.6 spilled (D=128, 4 warps)
+    pre_block = 16 if triton_interpreting() else max(16, min(128, 4096 // p.padded_head_dim))
     _attn_bwd_preprocess[(nq_rounded // pre_block, p.q_heads, p.batch)](
         o, do, lse, dlse if dlse is not None else lse, delta, bias, *_strides(o), *_strides(do),
         p.q_heads, p.q_len, nq_rounded, p.head_dim,
