@@ -11,7 +11,8 @@ writes o (input dtype) and the per-row log-sum-exp (fp32, natural log). Backward
 P = exp(S - lse) block by block.
 fp32 inputs keep the softmax offsets (running max, lse) in natural units and form every exponent
 S * scale - offset with one fma (``_probs``, which takes the offset negated: a bias): with large
-logits the log2-domain form loses digits in the difference and P near 1 would be 1e-5 off; 16-bit inputs keep the cheaper log2 form.
+logits the log2-domain form loses digits in the difference and P near 1 would be 1e-5 off; 16-bit
+inputs keep the cheaper log2 form.
 Backward kernels: ``_attn_bwd_preprocess`` computes delta = rowsum(dO * O) (minus dLSE when the lse output has a
 gradient), ``_attn_bwd_dkdv`` gives each program one key block of one kv head and loops over the
 query heads of its GQA group and over query blocks, ``_attn_bwd_dq`` gives each program one query
@@ -732,8 +733,9 @@ _FWD_CONFIGS, _DQ_CONFIGS, _DKDV_CONFIGS = (
 # ptxas -v over D 64/128/256, causal and not, MHA and GQA, sm_90a and sm_80, Triton 3.6 and 3.9
 # (bench/static.py). Larger tiles spill kilobytes, and from D=128 on ptxas gives up allocating (32
 # registers and a stack of several KiB): the old M64 N32 w4 did both. These spill nothing in most
-# cases and at most 44 B a thread at D <= 128; at D=256 no fwd or dQ tile of these kernels avoids
-# spilling and M16 N16 w8 spills least (376-448 B, against 4-90 KiB for the others).
+# cases and stay within 64 B a thread at D <= 128 (the compile-target tests' budget); at D=256 no
+# fwd or dQ tile of these kernels avoids spilling and M16 N16 w8 spills least (376-448 B, against
+# 4-90 KiB for the others).
 _FP32_SHAPES = {
     "fwd": {64: (16, 32, 4, 2), 256: (16, 16, 8, 2)},
     "dq": {64: (16, 32, 4, 2), 256: (16, 16, 8, 2)},
@@ -831,7 +833,7 @@ def _tma_refusal(named: dict) -> str | None:
         elem = t.element_size()
         if t.data_ptr() % 16:
             return f"{name}'s data pointer is not 16-byte aligned"
-        batch, heads, rows, _ = t.shape
+        batch, heads = t.shape[:2]
         strides = [t.stride(2)] + [st for st, size in ((t.stride(0), batch), (t.stride(1), heads)) if size > 1]
         if any(st * elem % 16 for st in strides):
             return f"{name}'s strides {t.stride()} are not all multiples of 16 bytes"

@@ -38,7 +38,7 @@ import zlib
 
 import pytest
 
-from bench.static import ATTENTION_KERNELS, Case, run_in_subprocess
+from bench.static import ATTENTION_KERNELS, Case, _config_text, run_in_subprocess
 
 FULL = os.environ.get("FUSED_REMAT_COMPILE_ALL") == "1"
 PROPERTIES = ("fits", "no_spills", "few_spills", "hgmma", "not_serialized", "work_once", "copy_engine")
@@ -289,7 +289,7 @@ def test_hot_loop_at_or_below_the_tutorial(facts_cache, kernel, dim):
     def best(rows, names):
         rows = [r for r in rows if r["kernel"] in names]
         assert rows and not any("error" in r for r in rows), rows
-        return min((r["hot_loop"]["warp_instructions_per_million_macs"], _config_text(r)) for r in rows)
+        return min((r["hot_loop"]["warp_instructions_per_million_macs"], _config_text(r["config"])) for r in rows)
 
     op = "attention_fwd" if kernel == "_attn_fwd" else "attention_bwd"
     ours = best(_facts(facts_cache, Case(op, "bfloat16", dim), "sm_90a"), (kernel,))
@@ -298,8 +298,3 @@ def test_hot_loop_at_or_below_the_tutorial(facts_cache, kernel, dim):
                     yard_kernels)
     assert ours[0] <= SLACK[kernel] * tutorial[0], \
         f"{kernel} D={dim}: {ours[0]} warp instructions per million multiply-adds ({ours[1]}) against the tutorial's {tutorial[0]} ({tutorial[1]})"
-
-
-def _config_text(row: dict) -> str:
-    c = row["config"]
-    return f"M{c['BLOCK_M']} N{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']}"
