@@ -1,7 +1,10 @@
-"""The one direction of imports the design relies on, checked on the source: kernels below the op
-library, the training application and the integrations above it, all as plain import statements."""
+"""The layout docs/design.md describes, checked on the source: the one direction of imports (kernels
+below the op library, the training application and the integrations above it, all as plain import
+statements), and its Layout section against the files git tracks."""
 
 import ast
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -61,3 +64,45 @@ def test_the_library_reaches_the_kernels_by_plain_imports():
 def test_kernel_limits_import_without_triton():
     code = "import sys, fused_remat.kernels.limits; assert 'triton' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# docs/design.md's Layout section: one bullet per path, the path first, in backticks.
+# ------------------------------------------------------------------------------------------------
+
+DESIGN = REPO / "docs" / "design.md"
+# Folders whose files the Layout lists one by one: (folder, file suffix or "" for every file).
+LISTED_PER_FILE = (("fused_remat/", ".py"), ("fused_remat/training/", ""), ("fused_remat/integrations/", ""),
+                   ("kernels/", ""), ("bench/", ".py"), ("tests/", ".py"))
+
+
+def _layout_paths() -> list[str]:
+    text = DESIGN.read_text()
+    match = re.search(r"^## Layout\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert match, f"{DESIGN.relative_to(REPO)} has no '## Layout' section"
+    return re.findall(r"^- `([^`]+)`", match.group(1), re.M)
+
+
+def _tracked_files() -> list[str]:
+    if not (REPO / ".git").exists() or shutil.which("git") is None:
+        pytest.skip("not a git checkout: nothing to compare the layout with")
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    return [name for name in listed.decode().split("\0") if name]
+
+
+def test_every_path_the_layout_names_exists():
+    paths = _layout_paths()
+    assert paths, "the Layout section lists no paths"
+    missing = [p for p in paths if not (REPO / p).exists()]
+    assert not missing, f"docs/design.md's Layout names paths that do not exist: {missing}"
+    assert len(paths) == len(set(paths)), "the Layout lists a path twice"
+
+
+def test_the_layout_lists_every_tracked_top_level_entry_and_code_file():
+    listed = set(_layout_paths())
+    tracked = _tracked_files()
+    top = {name.split("/")[0] + ("/" if "/" in name else "") for name in tracked}
+    per_file = {name for name in tracked for folder, suffix in LISTED_PER_FILE
+                if name.startswith(folder) and "/" not in name[len(folder):] and name.endswith(suffix)}
+    missing = sorted((top | per_file) - listed)
+    assert not missing, f"tracked but not in docs/design.md's Layout: {missing}"
