@@ -779,21 +779,6 @@ def sweep(full: bool) -> list[tuple[Case, str]]:
     return pairs
 
 
-def launcher_configs(kernel: str, dtype: str, head_dim: int) -> list[tuple]:
-    """The attention configurations the launcher's autotuner offers (after its pruning) for one
-    kernel ("fwd", "dq", "dkdv"), dtype and head dim, as (BLOCK_M, BLOCK_N, num_warps, num_stages).
-    Read from kernels/attention.py's lists and prune functions, so it follows them."""
-    import torch
-
-    from fused_remat.kernels import attention
-
-    configs = getattr(attention, f"_{kernel.upper()}_CONFIGS")
-    prune = getattr(attention, f"_{kernel.upper()}_PRUNE")
-    q = torch.empty(1, 1, 1, head_dim, device="meta", dtype=getattr(torch, dtype))
-    kept = prune(configs, {"Q": q, "HEAD_DIM": max(16, 1 << (head_dim - 1).bit_length())})
-    return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept]
-
-
 def can_compile(target: str) -> bool:
     """Whether the installed Triton and its ptxas compile for ``target`` (sm_100a needs a recent one)."""
     rows = compile_case(Case("gelu_fwd", "bfloat16", width=1024), target)

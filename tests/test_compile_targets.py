@@ -124,10 +124,6 @@ def _kernels(case: Case) -> tuple[str, ...]:
     }[case.op]
 
 
-def _config_of(case: Case, kernel: str) -> tuple | None:
-    return case.dkdv_config or case.config if kernel == "_attn_bwd_dkdv" else case.config
-
-
 def known_failure(case: Case, target: str, kernel: str, prop: str) -> str | None:
     """Why a goal is not met today (issue 11), or None where it must hold. Spills, HMMA fallbacks and
     repeated matrix work are not here: the attention autotuner's pruning leaves out, per target, every
