@@ -15,6 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench.harness import REPO, Result
+from fused_remat.training.reporting import pyplot, save_figure
 
 RESULTS = REPO / "bench" / "results"
 README = REPO / "README.md"
@@ -113,18 +114,6 @@ def _series(results: list[Result], x_key: str, group_keys: tuple[str, ...], valu
     return series
 
 
-def pyplot():
-    """matplotlib.pyplot on the Agg backend (files only), or None when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
-
-
 def shared_params(results: list[Result], skip: tuple[str, ...] = ()) -> str:
     """The params every result has with the same value ("dtype=bfloat16, tokens=16384"), for a
     figure's title: what the data says was measured, not what a caller typed."""
@@ -183,13 +172,6 @@ def plot(folder: Path, name: str, title: str, results: list[Result], x_key: str,
     measured = shared_params(results, skip=(x_key, *group_keys))
     fig.suptitle(title + (f"\n{measured}" if measured else ""), fontsize=10, wrap=True)
     return save_figure(fig, folder / f"{name}.png")
-
-
-def save_figure(fig, path: Path) -> Path:
-    """Writes ``fig`` to ``path`` with everything in it (titles, labels, legends) inside the image."""
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    pyplot().close(fig)
-    return path
 
 
 MARK_START, MARK_END = "<!-- results:start -->", "<!-- results:end -->"

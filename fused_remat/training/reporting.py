@@ -1,4 +1,5 @@
-"""What a training run shows and leaves behind: the progress line, ``metrics.jsonl``, the plot."""
+"""What a training run shows and leaves behind: the progress line, ``metrics.jsonl``, the plot
+(and the matplotlib set-up the benchmark plots share: ``pyplot``, ``save_figure``)."""
 
 from __future__ import annotations
 
@@ -79,14 +80,31 @@ class Progress:
             self.stream.flush()
 
 
-def plot_metrics(metrics_path: Path, png_path: Path) -> Path | None:
-    """Training and validation loss, and peak memory, against the step; None without matplotlib."""
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only), or None when matplotlib is not installed.
+    The one matplotlib set-up of the project: the training plot here, the benchmark plots (bench/)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Writes ``fig`` to ``path`` with everything in it (titles, labels, legends) inside the image,
+    and closes it."""
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    pyplot().close(fig)
+    return path
+
+
+def plot_metrics(metrics_path: Path, png_path: Path) -> Path | None:
+    """Training and validation loss, and peak memory, against the step; None without matplotlib."""
+    plt = pyplot()
+    if plt is None:
         return None
     records = read_metrics(metrics_path)
     if not records:
@@ -102,6 +120,4 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> Path | None:
     memory_axis.plot(steps, [r["peak_memory"] / 2**30 for r in records])
     memory_axis.set(xlabel="step", ylabel="GiB", title="peak memory (CUDA allocated; on CPU the process's RSS)")
     figure.tight_layout()
-    figure.savefig(png_path, dpi=120)
-    plt.close(figure)
-    return png_path
+    return save_figure(figure, png_path)
