@@ -35,10 +35,13 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from pathlib import Path
 
 import pytest
 
-from bench.static import ATTENTION_KERNELS, Case, _config_text, run_in_subprocess
+from bench.static import (ATTENTION_KERNELS, DEFAULT_OUT, Case, _config_text, markdown_document, overview_rows,
+                          run_in_subprocess, write)
+from bench.static import main as static_main
 
 FULL = os.environ.get("FUSED_REMAT_COMPILE_ALL") == "1"
 PROPERTIES = ("fits", "no_spills", "few_spills", "hgmma", "not_serialized", "work_once", "copy_engine")
@@ -294,3 +297,41 @@ def test_hot_loop_at_or_below_the_tutorial(facts_cache, kernel, dim):
                     yard_kernels)
     assert ours[0] <= SLACK[kernel] * tutorial[0], \
         f"{kernel} D={dim}: {ours[0]} warp instructions per million multiply-adds ({ours[1]}) against the tutorial's {tutorial[0]} ({tutorial[1]})"
+
+
+def _recording_writes(monkeypatch) -> list:
+    """Every path Path.write_text writes from now on (the writes still happen)."""
+    written, write_text = [], Path.write_text
+
+    def record(self, *args, **kwargs):
+        written.append(self)
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", record)
+    return written
+
+
+def test_static_md_is_rendered_from_static_json():
+    """The committed table is what the committed facts render to: an attention overview, then every row."""
+    payload = json.loads((DEFAULT_OUT / "static.json").read_text())
+    text = (DEFAULT_OUT / "static.md").read_text()
+    assert text == markdown_document(payload), "static.md is stale: python -m bench static --markdown-only"
+    overview, everything = text.split("\n## Every kernel\n")
+    assert overview.count("\n| sm_") == len(overview_rows(payload["rows"])) > 0
+    assert everything.count("\n| sm_") == len(payload["rows"])
+
+
+def test_static_writes_its_folder_and_nothing_else(tmp_path, monkeypatch):
+    """`python -m bench static` writes static.json and static.md (here through ``write`` with one
+    committed row), and ``--markdown-only`` rewrites static.md from static.json; never the README."""
+    row = json.loads((DEFAULT_OUT / "static.json").read_text())["rows"][0]
+    written = _recording_writes(monkeypatch)
+    write([row], tmp_path)
+    assert sorted(written) == [tmp_path / "static.json", tmp_path / "static.md"]
+    (tmp_path / "static.md").unlink()
+    written.clear()
+    assert static_main(["--markdown-only", "--out", str(tmp_path)]) == 0
+    assert written == [tmp_path / "static.md"]
+    payload = json.loads((tmp_path / "static.json").read_text())
+    assert payload["rows"] == [row]
+    assert (tmp_path / "static.md").read_text() == markdown_document(payload)
