@@ -2,10 +2,13 @@
 
 With CUDA the kernels compile for the GPU; without it they run on the CPU in Triton's interpreter
 (slow, so the demo's shapes are small there). For each op it prints the largest error against a
-float64 reference and the bytes autograd keeps for backward, ours beside eager PyTorch's; then
-the TransformerBlock's bytes kept per token under each remat policy beside the reference block's.
+float64 reference, relative to the reference's largest magnitude (for the gradients: the largest
+over the op's inputs), ours beside eager PyTorch's in the same dtype, and the bytes autograd keeps
+for backward, ours beside eager PyTorch's; then the TransformerBlock's bytes kept per token under
+each remat policy beside the reference block's.
 """
 
+import argparse
 import os
 import sys
 import time
@@ -106,27 +109,45 @@ def block_memory_table(device, dtype=torch.bfloat16) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def _relative_error(value: torch.Tensor, reference64: torch.Tensor) -> float:
+    """max |value - reference| over max |reference|: the error on the reference's scale."""
+    scale = max(reference64.abs().max().item(), 1e-6)
+    return (value.double() - reference64).abs().max().item() / scale
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m fused_remat", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the demo's random inputs (default: 0)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    """The demo (the only action): --help and bad arguments end in ``parse_args``, before any work."""
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows, hidden = (8192, 4096) if device.type == "cuda" else (64, 256)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU, Triton interpreter"
     print(f"fused_remat demo on {where}: {rows} rows x {hidden}, {str(dtype).removeprefix('torch.')}\n")
-    print(f"{'op':<20} {'max |err| y':>12} {'max |err| grads':>16} {'saved (ours)':>14} {'saved (eager)':>14}")
+    print(f"{'op':<20} {'error y':>10} {'(eager)':>10} {'error grads':>12} {'(eager)':>10} {'saved':>16} {'(eager)':>16}")
     started = time.perf_counter()
     for name, (ours_fn, eager_fn, reference_fn, inputs) in _demo_cases(device, dtype, rows, hidden).items():
         parameters = [t for t in inputs if t.dim() == 1]
         ours, ours_bytes = _saved_bytes(ours_fn, inputs, parameters)
-        _, eager_bytes = _saved_bytes(eager_fn, inputs, parameters)
+        eager, eager_bytes = _saved_bytes(eager_fn, inputs, parameters)
         dy = torch.randn_like(ours)
-        grads = torch.autograd.grad(ours, inputs, dy)
+        grads, eager_grads = (torch.autograd.grad(out, inputs, dy) for out in (ours, eager))
         inputs64 = [t.detach().double().requires_grad_() for t in inputs]
         ref = reference_fn(*inputs64)
         grads64 = torch.autograd.grad(ref, inputs64, dy.double())
-        y_error = (ours.double() - ref).abs().max().item()
-        grad_error = max((g.double() - g64).abs().max().item() for g, g64 in zip(grads, grads64))
-        print(f"{name:<20} {y_error:>12.2e} {grad_error:>16.2e} {ours_bytes / 2**20:>11.2f} MiB {eager_bytes / 2**20:>10.2f} MiB")
-    print(f"\n({time.perf_counter() - started:.1f} s; saved = bytes autograd keeps for backward, parameters left out)")
+        errors = [_relative_error(ours, ref), _relative_error(eager, ref),
+                  *(max(_relative_error(g, g64) for g, g64 in zip(gs, grads64)) for gs in (grads, eager_grads))]
+        print(f"{name:<20} {errors[0]:>10.2e} {errors[1]:>10.2e} {errors[2]:>12.2e} {errors[3]:>10.2e} "
+              f"{ours_bytes:>14,} B {eager_bytes:>14,} B")
+    print(f"\n({time.perf_counter() - started:.1f} s; error = max |value - float64 reference| / max |reference|; "
+          "saved = bytes autograd keeps for backward, parameters left out)")
     print("\nTransformerBlock, bf16: bytes kept for backward per token per layer (h = model dim)\n")
     print(block_memory_table(device))
     return 0
