@@ -218,11 +218,20 @@ def test_autocast_with_fp32_parameters(device, triton_backend):
 
 def test_every_parameter_gets_a_gradient(device, triton_backend):
     config = _config(norm="layernorm", activation="swiglu", kv_heads=1, rope=True)
-    block = _fused_block(_reference_block(config, device), config, "cheap")
-    block(torch.randn(2, 7, DIM, device=device)).square().sum().backward()
+    """.backward() fills every parameter's .grad with the reference block's gradient (same state
+    dict), within the error rule against float64."""
+    ref = _reference_block(config, device)
+    block = _fused_block(ref, config, "cheap")
+    x = torch.randn(2, 7, DIM, device=device)
+    dy = torch.randn_like(x)
+    block(x).backward(dy)
+    _, grads_same = _run(ref, x, dy)
+    _, grads64 = _run(copy.deepcopy(ref).double(), x.double(), dy.double())
+    assert {name for name, _ in block.named_parameters()} == grads64.keys() - {"x"}
     for name, param in block.named_parameters():
         assert param.grad is not None and param.grad.abs().sum() > 0, name
 
+        assert_error_rule(f"d{name}", param.grad, grads_same[name], grads64[name], torch.float32)
 
 def test_frozen_parameters_get_no_gradient_and_the_rest_still_match(device, triton_backend):
     config = _config()
