@@ -217,9 +217,9 @@ def test_autocast_with_fp32_parameters(device, triton_backend):
 
 
 def test_every_parameter_gets_a_gradient(device, triton_backend):
-    config = _config(norm="layernorm", activation="swiglu", kv_heads=1, rope=True)
     """.backward() fills every parameter's .grad with the reference block's gradient (same state
     dict), within the error rule against float64."""
+    config = _config(norm="layernorm", activation="swiglu", kv_heads=1, rope=True)
     ref = _reference_block(config, device)
     block = _fused_block(ref, config, "cheap")
     x = torch.randn(2, 7, DIM, device=device)
@@ -230,8 +230,8 @@ def test_every_parameter_gets_a_gradient(device, triton_backend):
     assert {name for name, _ in block.named_parameters()} == grads64.keys() - {"x"}
     for name, param in block.named_parameters():
         assert param.grad is not None and param.grad.abs().sum() > 0, name
-
         assert_error_rule(f"d{name}", param.grad, grads_same[name], grads64[name], torch.float32)
+
 
 def test_frozen_parameters_get_no_gradient_and_the_rest_still_match(device, triton_backend):
     config = _config()
