@@ -14,9 +14,9 @@ cached for the session, shared by xdist workers. Per compiled kernel, separate t
 - ``copy_engine``: the attention kernels stream their tiles by TMA on sm_90a (tensor descriptors)
   and without it on sm_80, which has none (pointer loads, cp.async).
 
-The attention goals (no spills, HGMMA, no C7515, work once, TMA) are issue 11's, for sm_90a; on
-sm_80 the attention kernels are checked to compile, fit and use no TMA, and every other kernel also
-for no spills.
+The attention goals (no spills, HGMMA, no C7515, work once, TMA) hold on sm_90a, the target the
+attention kernels are tuned for; on sm_80 the attention kernels are checked to compile, fit and use
+no TMA, and every other kernel also for no spills.
 
 Goals today's kernels do not meet are strict xfails with the reason (``known_failure``): the day
 a kernel meets one, its test fails as XPASS and the entry must go. Spills, HMMA and repeated work
@@ -128,12 +128,12 @@ def _kernels(case: Case) -> tuple[str, ...]:
 
 
 def known_failure(case: Case, target: str, kernel: str, prop: str) -> str | None:
-    """Why a goal is not met today (issue 11), or None where it must hold. Spills, HMMA fallbacks and
+    """Why a goal is not met today, or None where it must hold. Spills, HMMA fallbacks and
     repeated matrix work are not here: the attention autotuner's pruning leaves out, per target, every
     configuration that shows them (kernels/attention.py, _SHAPES and _SPILLS), so every configuration
     it can pick is asserted to have none, but for dK/dV at D=256, where no tile avoids spilling (the
     pruning then keeps those that fit). fp16 is assumed to behave as bf16, and the fp32 entries
-    (full set only) follow the issue's report, not a run of ours."""
+    (full set only) follow earlier measurements, not a run of these tests."""
     sm90_attention = target == "sm_90a" and kernel in MMA_KERNELS
     if prop == "no_spills" and sm90_attention and kernel == "_attn_bwd_dkdv" and case.head_dim == 256:
         return "D=256 dK/dV: the dK and dV accumulators alone need 256 registers a thread in every wgmma tile"
@@ -147,7 +147,7 @@ def _params():
     for case, target, full in cases:
         for kernel in _kernels(case):
             for prop in PROPERTIES:
-                # The issue's goals for attention are on sm_90a; on sm_80 its kernels must compile
+                # The attention goals are for sm_90a; on sm_80 the attention kernels must compile
                 # and fit (their spills and repeated work are in the static table, not asserted).
                 if kernel in MMA_KERNELS and target != "sm_90a" and prop not in ("fits", "copy_engine"):
                     continue
@@ -267,10 +267,11 @@ def test_ci_cases_are_picks():
                 f"{case.id} on {target}: {kernel} {config} is not among the autotuner's picks"
 
 
-# Issue 11's instruction goals: each attention hot loop against the Triton tutorial's, compiled the
-# same way (bench/static.py's yardsticks: the forward by pointer loads and through tensor
-# descriptors, the backward's dK/dV and dQ loops), on sm_90a with the installed Triton, bf16, MHA,
-# not causal: the best configuration our autotuner can pick against the yardstick's best.
+# The instruction goal: each attention hot loop issues no more warp instructions per multiply-add
+# than the Triton tutorial's, compiled the same way (bench/static.py's yardsticks: the forward by
+# pointer loads and through tensor descriptors, the backward's dK/dV and dQ loops), on sm_90a with
+# the installed Triton, bf16, MHA, not causal: the best configuration our autotuner can pick
+# against the yardstick's best.
 YARDSTICKS = {
     "_attn_fwd": (("tutorial_fwd", "tutorial_tma_fwd"), ("_tutorial_attn_fwd", "_tutorial_tma_attn_fwd")),
     "_attn_bwd_dq": (("tutorial_bwd",), ("_tutorial_attn_bwd_dq",)),
