@@ -6,15 +6,11 @@ from q, k and the log-sum-exp (P = exp(q k^T * scale - lse)) while they compute 
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 
 from . import custom_ops, reference
 from .backend import use_triton
-from .checks import check_same_device, check_same_dtype, check_tensor
-from .kernels.limits import MAX_HEAD_DIM
+from .kernels.limits import check_attention_args
 
 _OP = "attention"
 
@@ -47,45 +43,6 @@ class _Attention(torch.autograd.Function):
         return custom_ops.first_order_only(_OP, dq, dk, dv, None, None)
 
 
-def _check_attention_args(q, k, v, scale) -> float:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(_OP, name, t)
-    check_same_device(_OP, "q", q, k=k, v=v)
-    check_same_dtype(_OP, "q", q, k=k, v=v)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ValueError(f"{_OP}: {name} must be 4-D (B, H, N, D), got shape {tuple(t.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"{_OP}: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape (B, Hkv, Nk, D)")
-    batch, q_heads, q_len, head_dim = q.shape
-    kv_batch, kv_heads, k_len, kv_dim = k.shape
-    if kv_batch != batch:
-        raise ValueError(f"{_OP}: batch size of k/v ({kv_batch}) does not match q ({batch})")
-    if kv_dim != head_dim:
-        raise ValueError(f"{_OP}: head dim D of k/v ({kv_dim}) does not match q ({head_dim})")
-    if kv_heads < 1 or q_heads % kv_heads:
-        raise ValueError(
-            f"{_OP}: q heads Hq={q_heads} must be a multiple of the k/v heads Hkv={kv_heads} (GQA/MQA)"
-        )
-    if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"{_OP}: head dim D={head_dim} of q, k, v must be in 1..{MAX_HEAD_DIM}")
-    if q_len == 0:
-        raise ValueError(f"{_OP}: q has no query positions (Nq=0, shape {tuple(q.shape)})")
-    if k_len == 0:
-        raise ValueError(f"{_OP}: k and v have no key positions (Nk=0, shape {tuple(k.shape)})")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1:
-            raise ValueError(
-                f"{_OP}: {name} must be contiguous in its last dim (stride(-1) == 1), got strides {t.stride()}; "
-                f"other dims may have any strides"
-            )
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
-        raise ValueError(f"{_OP}: scale must be a finite real number or None, got {scale!r}")
-    return float(scale)
-
-
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -112,7 +69,7 @@ def attention(
 
     For backward only q, k, v, o and lse are saved; P is recomputed from lse.
     """
-    scale = _check_attention_args(q, k, v, scale)
+    scale = check_attention_args(_OP, q, k, v, scale)
     causal = bool(causal)
     if use_triton(_OP, q.device):
         o, lse = _Attention.apply(q, k, v, causal, scale)

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from . import custom_ops
-from .attention import _check_attention_args
+from .kernels.limits import check_attention_args
 
 _OP = "ring_attention"
 
@@ -227,7 +227,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     group must call it with the same shapes, ``causal`` and ``scale``. Runs the Triton kernels
     (CUDA, or the interpreter on CPU); the transport is whatever the group's backend is (NCCL, gloo).
     """
-    scale = _check_attention_args(q, k, v, scale)
+    scale = check_attention_args(_OP, q, k, v, scale)
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"{_OP}: q has {q.shape[2]} local positions but k/v have {k.shape[2]}; each rank holds "
                          f"the same tokens of q, k and v")

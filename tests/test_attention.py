@@ -425,6 +425,16 @@ def test_bad_scale():
         fused_remat.attention(**_bad(), scale=float("nan"))
 
 
+@pytest.mark.parametrize("make,error,match", BAD_INPUTS[::4], ids=[m for _, _, m in BAD_INPUTS[::4]])
+def test_ring_attention_rejects_bad_inputs_in_the_same_words(make, error, match):
+    """One check owns attention's arguments: ring attention raises what the public op raises, under
+    its own name, before it needs a process group."""
+    from fused_remat.context_parallel import ring_attention
+
+    with pytest.raises(error, match=r"^ring_attention: .*" + match):
+        ring_attention(**make())
+
+
 @pytest.mark.parametrize("dtype", [F16, BF16, F32], ids=str)
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 256])
 def test_gpu_autotune_pruning_leaves_configs(dtype, head_dim):
