@@ -282,23 +282,23 @@ def _run_case(case: Case) -> None:
         norm.norm_fwd(x, w, None, 1e-6, rms=True, residual=torch.empty_like(x))
     elif case.op == "layer_norm_bwd":
         norm.norm_bwd(torch.empty_like(x), x, w, w, stats, stats, rms=False, has_bias=True,
-                      residual_grad=torch.empty_like(x), return_output=True)
+                      residual_grad=torch.empty_like(x), rebuild_output=True)
     elif case.op == "rms_norm_bwd":
         norm.norm_bwd(torch.empty_like(x), x, w, None, None, stats, rms=True, has_bias=False,
-                      residual_grad=torch.empty_like(x), return_output=True)
+                      residual_grad=torch.empty_like(x), rebuild_output=True)
     elif case.op == "gelu_fwd":
         activations.gelu_fwd(x, "tanh")
     elif case.op == "gelu_bwd":
-        activations.gelu_bwd(torch.empty_like(x), x, "none", return_output=True)
+        activations.gelu_bwd(torch.empty_like(x), x, "none", rebuild_output=True)
     elif case.op == "swiglu_fwd":
         activations.swiglu_fwd(x, torch.empty_like(x))
     elif case.op == "swiglu_bwd":
-        activations.swiglu_bwd(torch.empty_like(x), x, torch.empty_like(x), return_output=True)
+        activations.swiglu_bwd(torch.empty_like(x), x, torch.empty_like(x), rebuild_output=True)
     elif case.op == "rope":
         heads = 24  # q and k heads of a packed qkv buffer (16 + 8), rotated in place
         qkv = torch.empty(4, 2048, heads + 8, case.head_dim, **meta)
         freqs = torch.empty(case.head_dim // 2, device="meta", dtype=torch.float32)
-        rope.rotary_embedding_(qkv[:, :, :heads], freqs)
+        rope.rope_(qkv[:, :, :heads], freqs)
     else:
         raise ValueError(f"unknown op {case.op!r}")
 

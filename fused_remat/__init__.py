@@ -9,7 +9,8 @@ TRITON_INTERPRET=1, otherwise the plain-PyTorch reference in ``fused_remat.refer
 - ``linear_cross_entropy(hidden, weight, targets, *, ignore_index=-100, chunk_tokens=None)``: the LM
   head and its loss in row chunks, never holding the (tokens x vocab) logits
 
-and the block they make, ``TransformerBlock(dim, n_heads, ..., remat="cheap")``, a drop-in for the
+and the block they make, ``TransformerBlock(dim, n_heads, ..., remat="cheap")`` (the policies:
+``Remat``, ``fused_remat.remat``), a drop-in for the
 plain-PyTorch ``fused_remat.reference.TransformerBlock`` with the same parameters; the language
 model built from it, ``LanguageModel(ModelConfig(...), remat=...)`` (``fused_remat.model``) and
 its remat planner (``fused_remat.planner``).
@@ -24,9 +25,10 @@ never imported from here.
 from . import memory, reference
 from .activations import gelu, swiglu
 from .attention import attention
-from .block import REMAT_POLICIES, TransformerBlock
+from .block import TransformerBlock
 from .loss import linear_cross_entropy
 from .model import LanguageModel, ModelConfig
 from .norms import layer_norm, rms_norm
+from .remat import Remat
 
-__all__ = ["LanguageModel", "ModelConfig", "REMAT_POLICIES", "TransformerBlock", "attention", "gelu", "layer_norm", "linear_cross_entropy", "memory", "reference", "rms_norm", "swiglu"]
+__all__ = ["LanguageModel", "ModelConfig", "Remat", "TransformerBlock", "attention", "gelu", "layer_norm", "linear_cross_entropy", "memory", "reference", "rms_norm", "swiglu"]

@@ -94,13 +94,13 @@ def _block_bytes_per_token(block, device, dtype, lengths=(8, 24)) -> float:
 def block_memory_table(device, dtype=torch.bfloat16) -> str:
     """Markdown table: bytes kept for backward on the device per token per layer, each policy
     against eager."""
-    lines = ["| block | eager reference | " + " | ".join(f"remat={p}" for p in fused_remat.REMAT_POLICIES) + " |",
-             "|---|---|" + "---|" * len(fused_remat.REMAT_POLICIES)]
+    lines = ["| block | eager reference | " + " | ".join(f"remat={p}" for p in fused_remat.Remat) + " |",
+             "|---|---|" + "---|" * len(fused_remat.Remat)]
     for name, (dim, heads, kv_heads, kwargs) in BLOCK_SHAPES.items():
         ref = reference.TransformerBlock(dim, heads, n_kv_heads=kv_heads, device=device, dtype=dtype, **kwargs)
         eager = _block_bytes_per_token(ref, device, dtype)
         cells = [f"{eager:,.0f} B ({eager / dim:.1f}h)"]
-        for policy in fused_remat.REMAT_POLICIES:
+        for policy in fused_remat.Remat:
             ours = fused_remat.TransformerBlock(dim, heads, n_kv_heads=kv_heads, remat=policy, device=device, dtype=dtype, **kwargs)
             ours.load_state_dict(ref.state_dict())
             kept = _block_bytes_per_token(ours, device, dtype)

@@ -5,19 +5,11 @@
 
 One autograd Function runs the whole block on Triton kernels (norms, RoPE, attention, activations)
 and cuBLAS matrix products; its forward and backward are each one custom operator, so that
-torch.compile cannot change what is kept. What each policy (``remat``) keeps for backward is
-written once, in ``KEPT_FOR_BACKWARD``, which the planner also prices:
-
-    none   x, norm1 out, qkv, attention out, lse, h, norm2 out, fc1 out, activation out, statistics
-    cheap  x, qkv, attention out, lse, h, fc1 out, statistics (default)
-    full   x
-    offload  x, in pinned host memory (``fused_remat.offload``)
-
-``cheap`` rebuilds the two norm outputs inside the norm backward kernels and the activation output
-inside the activation backward kernel, exactly where the linear weight gradients need them.
-``full`` replays the forward up to fc1 from x at the start of backward, then runs ``cheap``'s
-backward. ``offload`` is ``full`` with x copied to host memory on a side stream during forward and
-back one layer ahead during backward. Nothing of size N x N is ever kept.
+torch.compile cannot change what is kept. What each policy keeps for backward, and whether its
+backward replays the forward, is the ``Remat`` member's business (``fused_remat.remat``): the
+forward keeps ``remat.kept()``, the backward replays when ``remat.replays`` and rebuilds the norm
+and activation outputs inside their backward kernels when ``remat.rebuilds_outputs``. Nothing of
+size N x N is ever kept.
 """
 
 from __future__ import annotations
@@ -29,17 +21,15 @@ import torch.nn.functional as F
 
 from . import context_parallel, custom_ops, offload, reference
 from .backend import SUPPORTED_DTYPES, use_triton
+from .remat import COMPUTE, FP32, KEPT_FOR_BACKWARD, RESIDUAL, Kept, Remat
 
-REMAT_POLICIES = ("none", "cheap", "full", "offload")
-# Policies whose kept tensors live in host memory, not on the device; each runs, on the device, as
-# the policy it names.
-HOST_RESIDENT = {"offload": "full"}
 _OP = "TransformerBlock"
 
 
 @dataclass(frozen=True)
-class _Geometry:
-    """What one call of the block Function needs besides tensors."""
+class _BlockCall:
+    """What one call of the block Function needs besides tensors: the sizes, the block's settings,
+    the policy, the compute dtype and the context-parallel process group's name."""
 
     batch: int
     seq: int
@@ -53,10 +43,9 @@ class _Geometry:
     causal: bool
     eps: float
     rope_theta: float | None
-    remat: str
+    remat: Remat
     compute_dtype: torch.dtype
     context_parallel: str = ""  # the context-parallel process group's name; "" for one process
-    offload: bool = False  # x kept in host memory (the Function's business; the custom ops never see it)
 
     @property
     def tokens(self) -> int:
@@ -67,16 +56,17 @@ class _Geometry:
         return "rmsnorm" if self.rms else "layernorm"
 
     def op_args(self) -> tuple:
-        """The geometry as the block custom ops take it (``from_op_args`` reverses it)."""
+        """The call as the block custom ops take it (``from_op_args`` reverses it): an operator's
+        schema takes the policy by name."""
         sizes = [self.batch, self.seq, self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim,
                  int(self.rms), int(self.causal)]
-        return sizes, self.eps, self.rope_theta, self.activation, self.remat, self.compute_dtype, self.context_parallel
+        return sizes, self.eps, self.rope_theta, self.activation, self.remat.value, self.compute_dtype, self.context_parallel
 
     @classmethod
-    def from_op_args(cls, sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel) -> _Geometry:
+    def from_op_args(cls, sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel) -> _BlockCall:
         batch, seq, dim, n_heads, n_kv_heads, head_dim, ffn_dim, rms, causal = sizes
         return cls(batch, seq, dim, n_heads, n_kv_heads, head_dim, ffn_dim, bool(rms), activation, bool(causal), eps,
-                   rope_theta, remat, compute_dtype, context_parallel)
+                   rope_theta, Remat(remat), compute_dtype, context_parallel)
 
     def context_parallel_group(self):
         """The process group the sequence is split over, or None."""
@@ -123,44 +113,10 @@ class _Activations:
     a: torch.Tensor | None = None  # activation output
 
 
-RESIDUAL, COMPUTE, FP32 = "residual", "compute", "fp32"
-
-
-@dataclass(frozen=True)
-class Kept:
-    """One tensor the block can keep for backward: its width in elements per token (a key of
-    ``block_widths``), what its elements are (the residual dtype, the compute dtype or fp32) and
-    the policies that keep it."""
-
-    name: str
-    width: str
-    dtype: str
-    policies: tuple[str, ...]
-
-
-# DESIGN.md's memory contract, the one place it is written: the Function's forward saves exactly
-# these (x first, then the rest in this order) and the planner prices policies from them. A new
-# policy or a new kept tensor is one edit here.
-KEPT_FOR_BACKWARD = (
-    Kept("x", "dim", RESIDUAL, ("none", "cheap", "full", "offload")),
-    Kept("qkv", "qkv", COMPUTE, ("none", "cheap")),
-    Kept("o", "dim", COMPUTE, ("none", "cheap")),
-    Kept("lse", "heads", FP32, ("none", "cheap")),
-    Kept("h", "dim", RESIDUAL, ("none", "cheap")),
-    Kept("u", "pre_activation", COMPUTE, ("none", "cheap")),
-    Kept("mean1", "mean", FP32, ("none", "cheap")),
-    Kept("rstd1", "rstd", FP32, ("none", "cheap")),
-    Kept("mean2", "mean", FP32, ("none", "cheap")),
-    Kept("rstd2", "rstd", FP32, ("none", "cheap")),
-    Kept("y1", "dim", COMPUTE, ("none",)),
-    Kept("y2", "dim", COMPUTE, ("none",)),
-    Kept("a", "ffn", COMPUTE, ("none",)),
-)
-
-
 def block_widths(dim: int, n_heads: int, n_kv_heads: int | None, ffn_dim: int | None, norm: str,
                  activation: str) -> dict[str, int]:
-    """Elements per token of each kind of tensor the block keeps, for one block configuration."""
+    """Elements per token of each kind of tensor the block keeps (``Kept.width_key``), for one block
+    configuration."""
     head_dim = dim // n_heads
     ffn = reference.default_ffn_dim(dim, activation) if ffn_dim is None else ffn_dim
     return dict(
@@ -169,55 +125,42 @@ def block_widths(dim: int, n_heads: int, n_kv_heads: int | None, ffn_dim: int | 
     )
 
 
-def kept_bytes_per_token(policy: str, widths: dict[str, int], residual_bytes: int, compute_bytes: int,
-                         memory: str = "device") -> int:
-    """Bytes the block keeps for backward per token under ``policy`` in ``memory`` ("device" or
-    "host"): x and h in the residual dtype (the parameters' dtype, fp32 master weights under
-    autocast), the matmul and attention outputs in the compute dtype, statistics in fp32."""
-    TransformerBlock.check_remat(policy)
-    if memory not in ("device", "host"):
-        raise ValueError(f"memory must be 'device' or 'host', got {memory!r}")
-    if (memory == "host") != (policy in HOST_RESIDENT):
-        return 0
-    size = {RESIDUAL: residual_bytes, COMPUTE: compute_bytes, FP32: 4}
-    return sum(widths[k.width] * size[k.dtype] for k in KEPT_FOR_BACKWARD if policy in k.policies)
-
-
-def _rotate_qk_(qkv: torch.Tensor, g: _Geometry, inverse: bool) -> None:
-    """Rotary embedding of the q and k heads of a packed qkv (or dqkv) buffer, in place."""
+def _rope_qk_(qkv: torch.Tensor, g: _BlockCall, inverse: bool) -> None:
+    """RoPE on the q and k heads of a packed qkv (or, inverse, dqkv) buffer, in place."""
     # D/2 frequencies, computed per call rather than cached: a cache would be invisible to torch.compile.
-    inv_freq = reference.rotary_inverse_frequencies(g.head_dim, g.rope_theta, qkv.device)
+    inv_freq = reference.rope_inverse_frequencies(g.head_dim, g.rope_theta, qkv.device)
     group = g.context_parallel_group()
     chunk_starts = None if group is None else list(context_parallel.local_chunk_starts(g.seq, group))
-    custom_ops.rotary_qk_(qkv, inv_freq, g.batch, g.n_heads, g.n_kv_heads, inverse, chunk_starts)
+    custom_ops.rope_qk_(qkv, inv_freq, g.batch, g.n_heads, g.n_kv_heads, inverse, chunk_starts)
 
 
-def _norm_forward(x, weights, g: _Geometry, residual=None):
+def _norm_forward(x, weights, g: _BlockCall, residual=None):
     """(y in the compute dtype, mean, rstd, h = x + residual or None)."""
     weight, bias = weights
     y, mean, rstd, h = custom_ops.norm_fwd(x, weight, bias, residual, g.eps, g.rms, g.compute_dtype)
-    return y, mean, rstd, custom_ops.present(h)
+    return y, mean, rstd, custom_ops.none_if_empty(h)
 
 
-def _activation_forward(u: torch.Tensor, g: _Geometry) -> torch.Tensor:
+def _activation_forward(u: torch.Tensor, g: _BlockCall) -> torch.Tensor:
     if g.activation == "swiglu":
         return custom_ops.swiglu_fwd(u[:, :g.ffn_dim], u[:, g.ffn_dim:])
     return custom_ops.gelu_fwd(u, _approximation(g))
 
 
-def _approximation(g: _Geometry) -> str:
+def _approximation(g: _BlockCall) -> str:
     return "tanh" if g.activation == "gelu_tanh" else "none"
 
 
-def _forward_pass(x: torch.Tensor, w: _Weights, g: _Geometry, keep_outputs: bool, finish: bool):
+def _forward_pass(x: torch.Tensor, w: _Weights, g: _BlockCall, finish: bool):
     """Runs the block on x (T, dim). Returns (activations, y (T, dim) or None).
 
-    ``keep_outputs`` holds on to norm and activation outputs (the ``none`` policy); ``finish=False``
-    stops after fc1, which is all a backward replay needs."""
+    The norm and activation outputs are held on to where the policy keeps them (``none``);
+    ``finish=False`` stops after fc1, which is all a backward replay needs."""
+    keep_outputs = not g.remat.rebuilds_outputs
     y1, mean1, rstd1, _ = _norm_forward(x, w.norm1, g)
     qkv = F.linear(y1, w.qkv, w.qkv_bias)
     if g.rope_theta is not None:
-        _rotate_qk_(qkv, g, inverse=False)
+        _rope_qk_(qkv, g, inverse=False)
     group = g.context_parallel_group()
     if group is None:
         o, lse = custom_ops.attention_packed_fwd(qkv, g.batch, g.n_heads, g.n_kv_heads, g.causal, g.head_dim**-0.5)
@@ -254,33 +197,39 @@ def _bias_grad(needed: bool, grad_out: torch.Tensor, param: torch.Tensor | None)
 _SLOTS = tuple(k for k in KEPT_FOR_BACKWARD if k.name != "x")
 
 
+def _slots_kept(remat: Remat) -> list[bool]:
+    """Which of _SLOTS ``remat`` keeps."""
+    return [k.name in remat.keeps for k in _SLOTS]
+
+
 @torch.library.custom_op("fused_remat::block_fwd", mutates_args=())
-def _block_fwd(x: torch.Tensor, params: list[torch.Tensor], present: list[bool], sizes: list[int], eps: float,
+def _block_fwd(x: torch.Tensor, params: list[torch.Tensor], has_param: list[bool], sizes: list[int], eps: float,
                rope_theta: float | None, activation: str, remat: str, compute_dtype: torch.dtype,
                context_parallel: str) -> list[torch.Tensor]:
     """[y (T, dim), then each of _SLOTS: the activation if ``remat`` keeps it, else empty] for x (T, dim).
 
-    ``params`` holds the block's parameters that exist (``present`` says which of _PARAMETERS)."""
-    g = _Geometry.from_op_args(sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel)
+    ``params`` holds the block's parameters that exist (``has_param`` says which of _PARAMETERS)."""
+    g = _BlockCall.from_op_args(sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel)
     with torch.autocast(x.device.type, enabled=False):
-        weights = _Weights(_with_absent(params, present), compute_dtype)
-        acts, y = _forward_pass(x, weights, g, keep_outputs=remat == "none", finish=True)
-    return [y, *(getattr(acts, k.name) if remat in k.policies else x.new_empty(0) for k in _SLOTS)]
+        weights = _Weights(_with_absent(params, has_param), compute_dtype)
+        acts, y = _forward_pass(x, weights, g, finish=True)
+    return [y, *(getattr(acts, k.name) if keeps else x.new_empty(0) for k, keeps in zip(_SLOTS, _slots_kept(g.remat)))]
 
 
 @_block_fwd.register_fake
-def _(x, params, present, sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel):
-    g = _Geometry.from_op_args(sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel)
-    return [torch.empty_like(x), *(_kept_like(k, g, x) if remat in k.policies else x.new_empty(0) for k in _SLOTS)]
+def _(x, params, has_param, sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel):
+    g = _BlockCall.from_op_args(sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel)
+    return [torch.empty_like(x),
+            *(_kept_like(k, g, x) if keeps else x.new_empty(0) for k, keeps in zip(_SLOTS, _slots_kept(g.remat)))]
 
 
-def _kept_like(kept: Kept, g: _Geometry, x: torch.Tensor) -> torch.Tensor:
+def _kept_like(kept: Kept, g: _BlockCall, x: torch.Tensor) -> torch.Tensor:
     """An uninitialized tensor of the shape and dtype the forward gives the kept activation."""
-    width = block_widths(g.dim, g.n_heads, g.n_kv_heads, g.ffn_dim, g.norm, g.activation)[kept.width]
+    width = block_widths(g.dim, g.n_heads, g.n_kv_heads, g.ffn_dim, g.norm, g.activation)[kept.width_key]
     dtype = {RESIDUAL: x.dtype, COMPUTE: g.compute_dtype, FP32: torch.float32}[kept.dtype]
-    if kept.width == "heads":
+    if kept.width_key == "heads":
         shape = (g.batch, g.n_heads, g.seq)
-    elif kept.width in ("mean", "rstd"):
+    elif kept.width_key in ("mean", "rstd"):
         shape = (g.tokens * width,)
     else:
         shape = (g.tokens, width)
@@ -289,82 +238,83 @@ def _kept_like(kept: Kept, g: _Geometry, x: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("fused_remat::block_bwd", mutates_args=())
 def _block_bwd(dy: torch.Tensor, x: torch.Tensor, kept: list[torch.Tensor], params: list[torch.Tensor],
-               present: list[bool], needs: list[bool], sizes: list[int], eps: float, rope_theta: float | None,
+               has_param: list[bool], needs: list[bool], sizes: list[int], eps: float, rope_theta: float | None,
                activation: str, remat: str, compute_dtype: torch.dtype, context_parallel: str) -> list[torch.Tensor]:
     """[dx, then the gradient of each of ``params`` (empty where ``needs`` is False)] from dy (T, dim),
     x and the ``_SLOTS`` the forward returned."""
-    g = _Geometry.from_op_args(sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel)
-    named = dict(zip(_PARAMETERS, _with_absent(params, present)))
-    needed = dict(zip((name for name, has in zip(_PARAMETERS, present) if has), needs))
+    g = _BlockCall.from_op_args(sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel)
+    named = dict(zip(_PARAMETERS, _with_absent(params, has_param)))
+    needed = dict(zip((name for name, has in zip(_PARAMETERS, has_param) if has), needs))
     with torch.autocast(dy.device.type, enabled=False):
         w = _Weights(list(named.values()), compute_dtype)
-        if remat == "full":
-            # The replay: the same kernels on the same x give bitwise the same activations.
-            acts, _ = _forward_pass(x, w, g, keep_outputs=False, finish=False)
+        if g.remat.replays:
+            # The same kernels on the same x give bitwise the same activations.
+            acts, _ = _forward_pass(x, w, g, finish=False)
         else:
-            acts = _Activations(**{k.name: t for k, t in zip(_SLOTS, kept) if remat in k.policies})
+            acts = _Activations(**{k.name: t for k, t, keeps in zip(_SLOTS, kept, _slots_kept(g.remat)) if keeps})
         needs = {name: needed.get(name, False) for name in _PARAMETERS}
         grads = _backward_pass(dy.contiguous(), x, acts, w, g, needs, named)
     return [grads["x"], *(grads.get(name, x.new_empty(0)) for name in needed)]
 
 
 @_block_bwd.register_fake
-def _(dy, x, kept, params, present, needs, sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel):
+def _(dy, x, kept, params, has_param, needs, sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel):
     return [torch.empty_like(x), *(torch.empty_like(p) if need else x.new_empty(0) for p, need in zip(params, needs))]
 
 
-def _with_absent(params, present) -> list[torch.Tensor | None]:
+def _with_absent(params, has_param) -> list[torch.Tensor | None]:
     """All of _PARAMETERS in order, None for those the block does not have (no bias)."""
     given = iter(params)
-    return [next(given) if has else None for has in present]
+    return [next(given) if has else None for has in has_param]
 
 
 class _BlockFunction(torch.autograd.Function):
     """The block's autograd: the two custom operators above, and what is kept between them."""
 
     @staticmethod
-    def forward(x, g: _Geometry, *params):
-        present = [p is not None for p in params]
-        return tuple(_block_fwd(x, [p for p in params if p is not None], present, *g.op_args()))
+    def forward(x, g: _BlockCall, *params):
+        has_param = [p is not None for p in params]
+        return tuple(_block_fwd(x, [p for p in params if p is not None], has_param, *g.op_args()))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, g, *params = inputs
         # Everything kept for backward, in one place: x (or, offloaded, its host copy), the policy's
-        # activations (KEPT_FOR_BACKWARD), and the parameters as themselves (no copies; under
+        # activations (``remat.kept()``), and the parameters as themselves (no copies; under
         # autocast backward casts them again).
-        ctx.host_copy = offload.HostCopy(x) if g.offload else None
+        ctx.host_copy = offload.HostCopy(x) if g.remat.host_resident else None
         ctx.save_for_backward(x if ctx.host_copy is None else ctx.host_copy.host,
-                              *(t for k, t in zip(_SLOTS, output[1:]) if g.remat in k.policies),
+                              *(t for t, keeps in zip(output[1:], _slots_kept(g.remat)) if keeps),
                               *(p for p in params if p is not None))
-        ctx.geometry, ctx.present = g, [p is not None for p in params]
+        ctx.call, ctx.has_param = g, [p is not None for p in params]
         ctx.mark_non_differentiable(*output[1:])
 
     @staticmethod
     def backward(ctx, dy, *_):
-        g: _Geometry = ctx.geometry
+        g: _BlockCall = ctx.call
         x, *saved = ctx.saved_tensors
         if ctx.host_copy is not None:
             x = ctx.host_copy.fetch()
-        n_kept = sum(g.remat in k.policies for k in _SLOTS)
-        kept_tensors, params = iter(saved[:n_kept]), saved[n_kept:]
-        kept = [next(kept_tensors) if g.remat in k.policies else x.new_empty(0) for k in _SLOTS]
-        needs = [need for need, has in zip(ctx.needs_input_grad[2:], ctx.present) if has]
-        dx, *dparams = _block_bwd(dy, x, kept, params, ctx.present, needs, *g.op_args())
+        slots_kept = _slots_kept(g.remat)
+        kept_tensors, params = iter(saved[:sum(slots_kept)]), saved[sum(slots_kept):]
+        kept = [next(kept_tensors) if keeps else x.new_empty(0) for keeps in slots_kept]
+        needs = [need for need, has in zip(ctx.needs_input_grad[2:], ctx.has_param) if has]
+        dx, *dparams = _block_bwd(dy, x, kept, params, ctx.has_param, needs, *g.op_args())
         dparams = iter(d if need else None for d, need in zip(dparams, needs))
-        return custom_ops.first_order_only(_OP, dx, None, *(next(dparams) if has else None for has in ctx.present))
+        return custom_ops.first_order_only(_OP, dx, None, *(next(dparams) if has else None for has in ctx.has_param))
 
 
-def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _Geometry, needs: dict, named: dict) -> dict:
+def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, needs: dict, named: dict) -> dict:
     """Gradients of the block from dy (T, dim), in the order the forward ran, reversed.
 
-    Where a policy did not keep a norm or activation output, the backward kernel that computes that
-    op's input gradient also writes it, and it lives only until the weight gradient that needs it."""
+    Where a policy did not keep a norm or activation output (``remat.rebuilds_outputs``), the
+    backward kernel that computes that op's input gradient also writes it, and it lives only until
+    the weight gradient that needs it."""
     grads = {}
+    rebuild = g.remat.rebuilds_outputs
     dz = dy.to(g.compute_dtype)
     grads["fc2.bias"] = _bias_grad(needs["fc2.bias"], dz, named["fc2.bias"])
     da = dz @ w.fc2
-    rebuild = acts.a is None
     if g.activation == "swiglu":
         du, rebuilt = custom_ops.swiglu_packed_bwd(da, acts.u, rebuild)
     else:
@@ -375,7 +325,7 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _Geometry, needs: 
 
     grads["fc1.bias"] = _bias_grad(needs["fc1.bias"], du, named["fc1.bias"])
     dh, grads["norm2.weight"], grads["norm2.bias"], rebuilt = _norm_backward(du @ w.fc1, acts.h, w.norm2, acts.mean2,
-                                                                             acts.rstd2, dy, acts.y2 is None, g)
+                                                                             acts.rstd2, dy, rebuild, g)
     grads["fc1.weight"] = _weight_grad(needs["fc1.weight"], du, acts.y2 if rebuilt is None else rebuilt, named["fc1.weight"])
     del du, rebuilt
 
@@ -396,21 +346,21 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _Geometry, needs: 
             packed.copy_(grad)
     del d_attn
     if g.rope_theta is not None:
-        _rotate_qk_(dqkv, g, inverse=True)
+        _rope_qk_(dqkv, g, inverse=True)
 
     grads["qkv.bias"] = _bias_grad(needs["qkv.bias"], dqkv, named["qkv.bias"])
     grads["x"], grads["norm1.weight"], grads["norm1.bias"], rebuilt = _norm_backward(dqkv @ w.qkv, x, w.norm1, acts.mean1,
-                                                                                     acts.rstd1, dh, acts.y1 is None, g)
+                                                                                     acts.rstd1, dh, rebuild, g)
     grads["qkv.weight"] = _weight_grad(needs["qkv.weight"], dqkv, acts.y1 if rebuilt is None else rebuilt, named["qkv.weight"])
     return {name: grad for name, grad in grads.items() if name == "x" or needs[name]}
 
 
-def _norm_backward(dy, x, weights, mean, rstd, residual_grad, rebuild: bool, g: _Geometry):
+def _norm_backward(dy, x, weights, mean, rstd, residual_grad, rebuild: bool, g: _BlockCall):
     """(dx + residual_grad, dweight, dbias or None, the rebuilt norm output or None)."""
     weight, bias = weights
     dx, dw, db, rebuilt = custom_ops.norm_bwd(dy, x, weight, bias, mean, rstd, residual_grad, g.rms, bias is not None,
                                               rebuild, g.compute_dtype)
-    return dx, dw, custom_ops.present(db), custom_ops.present(rebuilt)
+    return dx, dw, custom_ops.none_if_empty(db), custom_ops.none_if_empty(rebuilt)
 
 
 _eager_apply = None
@@ -434,12 +384,13 @@ class TransformerBlock(reference.TransformerBlock):
         y = h + fc2(act(fc1(norm2(h))))
 
     Same constructor, parameters and function as ``fused_remat.reference.TransformerBlock`` (load
-    either's state dict into the other), plus ``remat``: ``"cheap"`` (default) keeps x, qkv, the
-    attention output and log-sum-exp, h, the fc1 output and the norm statistics, and rebuilds norm
-    and activation outputs inside the backward kernels; ``"none"`` also keeps those (what an eager
-    block keeps); ``"full"`` keeps only x and replays the forward in backward; ``"offload"`` is
-    ``full`` with x in pinned host memory, copied there and back on a side stream
-    (``fused_remat.offload``; under torch.compile the block then runs eagerly, a graph break).
+    either's state dict into the other), plus ``remat``, a ``Remat`` or its name (settable between
+    steps): ``"cheap"`` (default) keeps x, qkv, the attention output and log-sum-exp, h, the fc1
+    output and the norm statistics, and rebuilds norm and activation outputs inside the backward
+    kernels; ``"none"`` also keeps those (what an eager block keeps); ``"full"`` keeps only x and
+    replays the forward in backward; ``"offload"`` is ``full`` with x in pinned host memory, copied
+    there and back on a side stream (``fused_remat.offload``; under torch.compile the block then
+    runs eagerly, a graph break).
 
     x: (B, N, dim) in fp16, bf16 or fp32, the parameters' dtype — or any float parameters under
     ``torch.autocast``, which runs the matmuls and attention in the autocast dtype while x, h and y
@@ -452,19 +403,18 @@ class TransformerBlock(reference.TransformerBlock):
     what it keeps without it, for the local tokens; ``full``'s replay re-runs the ring in backward.
     """
 
-    REMAT_POLICIES = REMAT_POLICIES
-    CHECKPOINTED = ("full", "offload")  # on the reference path (CPU without the interpreter)
+    SUPPORTED_REMAT = tuple(Remat)
 
     def __init__(self, dim: int, n_heads: int, *, n_kv_heads: int | None = None, ffn_dim: int | None = None,
                  norm: str = "layernorm", activation: str = "gelu", bias: bool = True, causal: bool = True,
-                 eps: float = 1e-5, rope_theta: float | None = None, remat: str = "cheap", device=None, dtype=None):
+                 eps: float = 1e-5, rope_theta: float | None = None, remat: Remat | str = Remat.CHEAP, device=None, dtype=None):
         super().__init__(dim, n_heads, n_kv_heads=n_kv_heads, ffn_dim=ffn_dim, norm=norm, activation=activation,
                          bias=bias, causal=causal, eps=eps, rope_theta=rope_theta, remat=remat, device=device,
                          dtype=dtype)
         self.context_parallel = None
 
     @classmethod
-    def from_reference(cls, block: reference.TransformerBlock, remat: str = "cheap") -> TransformerBlock:
+    def from_reference(cls, block: reference.TransformerBlock, remat: Remat | str = Remat.CHEAP) -> TransformerBlock:
         """The fused twin of ``block``: same configuration, and the same parameter storage (no copy;
         build the optimizer after swapping)."""
         config = block.config()
@@ -484,16 +434,15 @@ class TransformerBlock(reference.TransformerBlock):
         if not use_triton(_OP, x.device):
             return super().forward(x)  # the reference math; ``full`` and ``offload`` through torch.utils.checkpoint
         params = [self._parameter(name) for name in _PARAMETERS]
-        geometry = _Geometry(
+        call = _BlockCall(
             batch=x.shape[0], seq=x.shape[1], dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
-            head_dim=self.head_dim, ffn_dim=self.ffn_dim, rms=self.norm_kind == "rmsnorm",
+            head_dim=self.head_dim, ffn_dim=self.ffn_dim, rms=self.norm == "rmsnorm",
             activation=self.activation, causal=self.causal, eps=self.eps, rope_theta=self.rope_theta,
-            remat=HOST_RESIDENT.get(self.remat, self.remat), compute_dtype=self._compute_dtype(x, params),
+            remat=self.remat, compute_dtype=self._compute_dtype(x, params),
             context_parallel="" if self.context_parallel is None else self.context_parallel.group_name,
-            offload=self.remat in HOST_RESIDENT,
         )
-        apply = _eager_block_function() if geometry.offload else _BlockFunction.apply
-        y, *_ = apply(x.reshape(geometry.tokens, self.dim).contiguous(), geometry, *params)
+        apply = _eager_block_function() if call.remat.host_resident else _BlockFunction.apply
+        y, *_ = apply(x.reshape(call.tokens, self.dim).contiguous(), call, *params)
         return y.view(x.shape)
 
     def _parameter(self, name: str) -> torch.nn.Parameter | None:

@@ -7,7 +7,7 @@ only these, so ``torch.compile(..., fullgraph=True)`` traces them without a grap
 
 A custom operator returns tensors only, never None and never a view of an input: an output that
 a call does not produce (the mean of an RMSNorm, a bias gradient without bias, an output not asked
-for) comes back as an empty tensor, which ``present`` turns back into None.
+for) comes back as an empty tensor, which ``none_if_empty`` turns back into None.
 
 Launchers are imported inside each implementation: importing fused_remat must not import triton.
 """
@@ -35,7 +35,7 @@ def _like(t: Tensor) -> Tensor:
     return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
-def present(t: Tensor) -> Tensor | None:
+def none_if_empty(t: Tensor) -> Tensor | None:
     """None for the empty stand-in of an output that was not produced."""
     return None if t.numel() == 0 else t
 
@@ -93,19 +93,19 @@ def _(x, weight, bias, residual, eps, rms, out_dtype):
 
 @_op("norm_bwd")
 def norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, mean: Tensor, rstd: Tensor,
-             residual_grad: Tensor | None, rms: bool, has_bias: bool, return_output: bool,
+             residual_grad: Tensor | None, rms: bool, has_bias: bool, rebuild_output: bool,
              out_dtype: torch.dtype | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dx, dweight, dbias (empty without bias), rebuilt y (empty unless return_output))."""
+    """(dx, dweight, dbias (empty without bias), rebuilt y (empty unless rebuild_output))."""
     from .kernels.norm import norm_bwd as launch
 
     dx, dw, db, y = launch(dy, x, weight, bias, mean, rstd, rms=rms, has_bias=has_bias, residual_grad=residual_grad,
-                           return_output=return_output, out_dtype=out_dtype)
+                           rebuild_output=rebuild_output, out_dtype=out_dtype)
     return dx, dw, _or_absent(db, dw), _or_absent(y, x)
 
 
 @norm_bwd.register_fake
-def _(dy, x, weight, bias, mean, rstd, residual_grad, rms, has_bias, return_output, out_dtype):
-    y = x.new_empty(x.shape, dtype=out_dtype or x.dtype) if return_output else _absent(x)
+def _(dy, x, weight, bias, mean, rstd, residual_grad, rms, has_bias, rebuild_output, out_dtype):
+    y = x.new_empty(x.shape, dtype=out_dtype or x.dtype) if rebuild_output else _absent(x)
     db = torch.empty_like(weight) if has_bias else _absent(weight)
     return _like(x), torch.empty_like(weight), db, y
 
@@ -191,20 +191,20 @@ def _(do, qkv, o, lse, batch, n_heads, n_kv_heads, causal, scale):
     return torch.empty_like(qkv)
 
 
-@_op("rotary_qk_", mutates_args=("qkv",))
-def rotary_qk_(qkv: Tensor, inv_freq: Tensor, batch: int, n_heads: int, n_kv_heads: int, inverse: bool,
+@_op("rope_qk_", mutates_args=("qkv",))
+def rope_qk_(qkv: Tensor, inv_freq: Tensor, batch: int, n_heads: int, n_kv_heads: int, inverse: bool,
                chunk_starts: list[int] | None = None) -> None:
     """Rotary embedding (positions 0..N-1, or two chunks from ``chunk_starts``, see
-    kernels.rope.rotary_embedding_) of the q and k heads of a packed qkv or dqkv, in place."""
-    from .kernels.rope import rotary_embedding_
+    kernels.rope.rope_) of the q and k heads of a packed qkv or dqkv, in place."""
+    from .kernels.rope import rope_
 
     head_dim = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
     heads = qkv.view(batch, qkv.shape[0] // batch, n_heads + 2 * n_kv_heads, head_dim)
-    rotary_embedding_(heads[:, :, :n_heads + n_kv_heads], inv_freq, inverse=inverse,
+    rope_(heads[:, :, :n_heads + n_kv_heads], inv_freq, inverse=inverse,
                       chunk_starts=None if chunk_starts is None else tuple(chunk_starts))
 
 
-@rotary_qk_.register_fake
+@rope_qk_.register_fake
 def _(qkv, inv_freq, batch, n_heads, n_kv_heads, inverse, chunk_starts=None):
     return None
 
@@ -227,17 +227,17 @@ def _(x, approximate):
 
 
 @_op("gelu_bwd")
-def gelu_bwd(dy: Tensor, x: Tensor, approximate: str, return_output: bool) -> tuple[Tensor, Tensor]:
-    """(dx, rebuilt y (empty unless return_output))."""
+def gelu_bwd(dy: Tensor, x: Tensor, approximate: str, rebuild_output: bool) -> tuple[Tensor, Tensor]:
+    """(dx, rebuilt y (empty unless rebuild_output))."""
     from .kernels.activations import gelu_bwd as launch
 
-    dx, y = launch(dy, x, approximate, return_output=return_output)
+    dx, y = launch(dy, x, approximate, rebuild_output=rebuild_output)
     return dx, _or_absent(y, x)
 
 
 @gelu_bwd.register_fake
-def _(dy, x, approximate, return_output):
-    return _like(x), _like(x) if return_output else _absent(x)
+def _(dy, x, approximate, rebuild_output):
+    return _like(x), _like(x) if rebuild_output else _absent(x)
 
 
 @_op("swiglu_fwd")
@@ -253,32 +253,32 @@ def _(gate, up):
 
 
 @_op("swiglu_bwd")
-def swiglu_bwd(dy: Tensor, gate: Tensor, up: Tensor, return_output: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(dgate, dup, rebuilt y (empty unless return_output))."""
+def swiglu_bwd(dy: Tensor, gate: Tensor, up: Tensor, rebuild_output: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dgate, dup, rebuilt y (empty unless rebuild_output))."""
     from .kernels.activations import swiglu_bwd as launch
 
-    dgate, dup, y = launch(dy, gate, up, return_output=return_output)
+    dgate, dup, y = launch(dy, gate, up, rebuild_output=rebuild_output)
     return dgate, dup, _or_absent(y, gate)
 
 
 @swiglu_bwd.register_fake
-def _(dy, gate, up, return_output):
-    return _like(gate), _like(gate), _like(gate) if return_output else _absent(gate)
+def _(dy, gate, up, rebuild_output):
+    return _like(gate), _like(gate), _like(gate) if rebuild_output else _absent(gate)
 
 
 @_op("swiglu_packed_bwd")
-def swiglu_packed_bwd(dy: Tensor, u: Tensor, return_output: bool) -> tuple[Tensor, Tensor]:
+def swiglu_packed_bwd(dy: Tensor, u: Tensor, rebuild_output: bool) -> tuple[Tensor, Tensor]:
     """For u = [gate | up] (M, 2F): (du = [dgate | dup] (M, 2F), rebuilt y (empty unless asked))."""
     from .kernels.activations import swiglu_bwd as launch
 
     half = u.shape[1] // 2
     du = torch.empty_like(u)
-    _, _, y = launch(dy, u[:, :half], u[:, half:], return_output=return_output, dgate=du[:, :half], dup=du[:, half:])
+    _, _, y = launch(dy, u[:, :half], u[:, half:], rebuild_output=rebuild_output, dgate=du[:, :half], dup=du[:, half:])
     return du, _or_absent(y, u)
 
 
 @swiglu_packed_bwd.register_fake
-def _(dy, u, return_output):
-    y = u.new_empty(u.shape[0], u.shape[1] // 2) if return_output else _absent(u)
+def _(dy, u, rebuild_output):
+    y = u.new_empty(u.shape[0], u.shape[1] // 2) if rebuild_output else _absent(u)
     return torch.empty_like(u), y
 

@@ -4,7 +4,7 @@
     x = block_i(x)                  for each layer, each with its own remat policy
     loss = cross_entropy(head(norm(x)), targets)   in chunks of tokens, never all logits at once
 
-``block_impl="fused"`` runs our block (remat ``none``/``cheap``/``full`` per layer);
+``block_impl="fused"`` runs our block (remat ``none``/``cheap``/``full``/``offload`` per layer);
 ``block_impl="reference"`` runs the plain-PyTorch twin, eagerly (``none``) or under
 ``torch.utils.checkpoint`` (``full``): the baselines the benchmarks and ``--find-max-seq-len``
 compare against. Both share parameter names, so one state dict loads into either.
@@ -26,6 +26,7 @@ from . import reference
 from .block import TransformerBlock
 from .loss import linear_cross_entropy
 from .norms import layer_norm, rms_norm
+from .remat import Remat, parse_per_layer
 
 BLOCK_CLASSES = {"fused": TransformerBlock, "reference": reference.TransformerBlock}
 BLOCK_IMPLS = tuple(BLOCK_CLASSES)
@@ -86,14 +87,13 @@ def preset(name: str, **overrides) -> ModelConfig:
     return dataclasses.replace(PRESETS[name], **{k: v for k, v in overrides.items() if v is not None})
 
 
-def resolve_policies(remat: str | Sequence[str], n_layers: int, block_impl: str = "fused") -> list[str]:
-    """One policy for every layer, or a list with one per layer, checked against the block kind."""
+def resolve_policies(remat: str | Sequence[str], n_layers: int, block_impl: str = "fused", *,
+                     owner: str = "remat") -> list[Remat]:
+    """One policy for every layer, or one per layer (a sequence or a comma list), parsed and checked
+    against what the block kind supports; errors name ``owner``."""
     if block_impl not in BLOCK_CLASSES:
         raise ValueError(f"block_impl must be one of {BLOCK_IMPLS}, got {block_impl!r}")
-    policies = [remat] * n_layers if isinstance(remat, str) else list(remat)
-    if len(policies) != n_layers:
-        raise ValueError(f"remat: got {len(policies)} policies for {n_layers} layers")
-    return [BLOCK_CLASSES[block_impl].check_remat(policy) for policy in policies]
+    return parse_per_layer(remat, n_layers, BLOCK_CLASSES[block_impl].SUPPORTED_REMAT, owner=owner)
 
 
 class LanguageModel(nn.Module):
@@ -110,7 +110,7 @@ class LanguageModel(nn.Module):
     share: their sum over the group is the gradient of that mean.
     """
 
-    def __init__(self, config: ModelConfig, remat: str | Sequence[str] = "cheap", *, block_impl: str = "fused",
+    def __init__(self, config: ModelConfig, remat: Remat | str | Sequence[Remat | str] = Remat.CHEAP, *, block_impl: str = "fused",
                  context_parallel=None, device=None, dtype=None):
         super().__init__()
         if context_parallel is not None and block_impl != "fused":
@@ -135,10 +135,10 @@ class LanguageModel(nn.Module):
             self.reset_parameters()
 
     @property
-    def remat(self) -> list[str]:
+    def remat(self) -> list[Remat]:
         return [block.remat for block in self.blocks]
 
-    def set_remat(self, remat: str | Sequence[str]) -> None:
+    def set_remat(self, remat: Remat | str | Sequence[Remat | str]) -> None:
         """Change the policies between steps (validated before any block changes)."""
         for block, policy in zip(self.blocks, resolve_policies(remat, self.config.n_layers, self.block_impl)):
             block.remat = policy

@@ -66,7 +66,7 @@ class _NormFunction(torch.autograd.Function):
         dx, dweight, dbias, _ = custom_ops.norm_bwd(_rows(dy), x_rows, weight.contiguous(), None, mean, rstd, None,
                                                     ctx.rms, ctx.has_bias, False, None)
         return custom_ops.first_order_only("rms_norm" if ctx.rms else "layer_norm", dx.view(dy.shape), dweight,
-                                           custom_ops.present(dbias), None, None)
+                                           custom_ops.none_if_empty(dbias), None, None)
 
 
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -1,6 +1,6 @@
 """The remat planner: which layers run ``full`` and which ``cheap`` so that activations fit a budget.
 
-Per layer, DESIGN.md's memory contract gives the bytes each policy keeps for backward, and a cost
+Per layer, the memory contract (``fused_remat.remat``, docs/design.md) gives the bytes each policy keeps for backward, and a cost
 model gives the extra compute each policy adds to the layer's training step: ``cheap`` rebuilds
 only element-wise intermediates inside kernels that run anyway (no extra matrix products), while
 ``full`` replays the forward up to fc1 (a quarter to a third of the layer's step). Either the FLOP model
@@ -32,11 +32,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .block import TransformerBlock, block_widths, kept_bytes_per_token
+from .block import TransformerBlock, block_widths
 from .flops import ATTENTION_BACKWARD_FACTOR, attention_flops
 from .model import ModelConfig
+from .remat import Remat, kept_bytes_per_token
 
-PLANNED_POLICIES = ("cheap", "full", "offload")
+PLANNED_POLICIES = (Remat.CHEAP, Remat.FULL, Remat.OFFLOAD)
 _FP32 = 4
 
 # Stated assumptions, used where nothing was measured (no GPU): not measurements.
@@ -66,9 +67,9 @@ def _widths(config: ModelConfig) -> dict[str, int]:
     return block_widths(config.dim, config.n_heads, config.n_kv_heads, config.ffn_dim, config.norm, config.activation)
 
 
-def layer_bytes_per_token(config: ModelConfig, policy: str, precision: Precision, memory: str = "device") -> int:
+def layer_bytes_per_token(config: ModelConfig, policy: Remat, precision: Precision, memory: str = "device") -> int:
     """Bytes one fused block keeps for backward per token under ``policy`` in ``memory`` ("device"
-    or "host"; the block's own table, ``fused_remat.block.KEPT_FOR_BACKWARD``)."""
+    or "host"; the block's own table, ``fused_remat.remat.KEPT_FOR_BACKWARD``)."""
     return kept_bytes_per_token(policy, _widths(config), precision.residual_bytes, precision.compute_bytes, memory)
 
 
@@ -85,7 +86,7 @@ def layer_step_flops(config: ModelConfig, batch: int, seq_len: int) -> tuple[flo
     """(forward FLOPs up to fc1, forward FLOPs, FLOPs of one training step) of one layer.
 
     Matmuls cost 2 FLOPs per multiply-add forward and twice that backward; attention is
-    4 B H N^2 D forward (half, causal) and 2.5x that backward (DESIGN.md)."""
+    4 B H N^2 D forward (half, causal) and 2.5x that backward (docs/design.md)."""
     widths = _widths(config)
     tokens = batch * seq_len
     qkv_out_fc1 = 2 * tokens * config.dim * (widths["qkv"] + widths["dim"] + widths["pre_activation"])
@@ -111,7 +112,7 @@ def copy_seconds(config: ModelConfig, batch: int, seq_len: int, precision: Preci
 
 def flop_policy_costs(config: ModelConfig, batch: int, seq_len: int, precision: Precision | None = None,
                       host_bandwidth: float = ASSUMED_HOST_BANDWIDTH,
-                      device_flops: float = ASSUMED_DEVICE_FLOPS) -> dict[str, float]:
+                      device_flops: float = ASSUMED_DEVICE_FLOPS) -> dict[Remat, float]:
     """Extra compute of each policy as a fraction of the layer's training step (FLOP model); for
     ``offload``, seconds from the FLOPs at ``device_flops`` against copies at ``host_bandwidth``
     (both assumptions unless measured; bf16 autocast over fp32 weights unless ``precision``)."""
@@ -119,12 +120,12 @@ def flop_policy_costs(config: ModelConfig, batch: int, seq_len: int, precision: 
     replay, forward, step = layer_step_flops(config, batch, seq_len)
     full = replay / step
     copy = copy_seconds(config, batch, seq_len, precision, host_bandwidth)
-    return {"none": 0.0, "cheap": 0.0, "full": full,
-            "offload": offload_cost(full, step / device_flops, forward / device_flops, copy)}
+    return {Remat.NONE: 0.0, Remat.CHEAP: 0.0, Remat.FULL: full,
+            Remat.OFFLOAD: offload_cost(full, step / device_flops, forward / device_flops, copy)}
 
 
 def measure_policy_costs(config: ModelConfig, batch: int, seq_len: int, precision: Precision,
-                         device: torch.device, repeats: int = 5) -> dict[str, float]:
+                         device: torch.device, repeats: int = 5) -> dict[Remat, float]:
     """Extra time of each policy over ``none``, as a fraction, from timing one block's forward and
     backward on ``device`` (median of ``repeats`` after a warm-up). ``offload``'s is ``full``'s
     plus the copies' exposed part, from the measured forward and step times and the host link's
@@ -134,7 +135,7 @@ def measure_policy_costs(config: ModelConfig, batch: int, seq_len: int, precisio
     x = torch.randn(batch, seq_len, config.dim, device=device, dtype=precision.residual, requires_grad=True)
     autocast = precision.compute != precision.residual
     times, forward_times = {}, {}
-    for policy in ("none", "cheap", "full"):
+    for policy in (Remat.NONE, Remat.CHEAP, Remat.FULL):
         block.remat = policy
         samples, forward_samples = [], []
         for _ in range(repeats + 1):
@@ -146,9 +147,9 @@ def measure_policy_costs(config: ModelConfig, batch: int, seq_len: int, precisio
             samples.append(_now(device) - start)
         times[policy] = sorted(samples[1:])[repeats // 2]
         forward_times[policy] = sorted(forward_samples[1:])[repeats // 2]
-    costs = {policy: max(0.0, t / times["none"] - 1.0) for policy, t in times.items()}
+    costs = {policy: max(0.0, t / times[Remat.NONE] - 1.0) for policy, t in times.items()}
     copy = copy_seconds(config, batch, seq_len, precision, measure_host_bandwidth(device))
-    costs["offload"] = offload_cost(costs["full"], times["none"], forward_times["none"], copy)
+    costs[Remat.OFFLOAD] = offload_cost(costs[Remat.FULL], times[Remat.NONE], forward_times[Remat.NONE], copy)
     return costs
 
 
@@ -178,7 +179,7 @@ def _now(device: torch.device) -> float:
 
 @dataclass
 class RematPlan:
-    policies: list[str]
+    policies: list[Remat]
     layer_bytes: list[int]  # on the device
     layer_host_bytes: list[int]  # offloaded to host memory
     fixed_bytes: int
@@ -222,11 +223,12 @@ def _mib(nbytes: int) -> str:
 
 
 def plan_remat(config: ModelConfig, batch: int, seq_len: int, precision: Precision, budget: int | None,
-               costs: dict[str, float] | None = None, cost_source: str = "FLOP model",
-               candidates: tuple[str, ...] = PLANNED_POLICIES) -> RematPlan:
+               costs: dict[Remat, float] | None = None, cost_source: str = "FLOP model",
+               candidates: tuple[Remat, ...] = PLANNED_POLICIES, owner: str = "budget") -> RematPlan:
     """The per-layer policies with the least extra compute whose predicted activation bytes (layers
     plus the embedding, final norm and loss) stay within ``budget``; ``budget=None`` plans the
-    cheapest policies outright. Raises ValueError when even the smallest plan does not fit."""
+    cheapest policies outright. Raises ValueError naming ``owner`` (the budget's argument or flag)
+    when even the smallest plan does not fit."""
     tokens = batch * seq_len
     costs = flop_policy_costs(config, batch, seq_len, precision) if costs is None else costs
     per_layer = {p: layer_bytes_per_token(config, p, precision) * tokens for p in candidates}
@@ -244,7 +246,7 @@ def plan_remat(config: ModelConfig, batch: int, seq_len: int, precision: Precisi
             best = (key, counts)
     if best is None:
         smallest = fixed + layers * min(per_layer.values())
-        raise ValueError(f"budget: {_mib(budget)} is below the smallest plan's {_mib(smallest)} "
+        raise ValueError(f"{owner}: {_mib(budget)} is below the smallest plan's {_mib(smallest)} "
                          f"({tokens:,} tokens, {layers} layers); shorten the sequences or the batch")
     # Most expensive policy first (``offload`` and ``full`` on the earliest layers), as the module docstring explains.
     order = sorted(zip(candidates, best[1]), key=lambda item: -costs[item[0]])
@@ -252,8 +254,8 @@ def plan_remat(config: ModelConfig, batch: int, seq_len: int, precision: Precisi
     return explain_policies(config, batch, seq_len, precision, policies, costs, cost_source, budget)
 
 
-def explain_policies(config: ModelConfig, batch: int, seq_len: int, precision: Precision, policies: list[str],
-                     costs: dict[str, float] | None = None, cost_source: str = "FLOP model",
+def explain_policies(config: ModelConfig, batch: int, seq_len: int, precision: Precision, policies: list[Remat],
+                     costs: dict[Remat, float] | None = None, cost_source: str = "FLOP model",
                      budget: int | None = None) -> RematPlan:
     """The plan table for given per-layer policies: predicted bytes and extra compute of each."""
     tokens = batch * seq_len
@@ -261,7 +263,7 @@ def explain_policies(config: ModelConfig, batch: int, seq_len: int, precision: P
     layer_flops = layer_step_flops(config, batch, seq_len)[2]
     step = config.n_layers * layer_flops + 6 * tokens * config.dim * config.vocab_size
     return RematPlan(
-        policies=list(policies), layer_bytes=[layer_bytes_per_token(config, p, precision) * tokens for p in policies],
+        policies=[Remat.parse(p, owner="policies") for p in policies], layer_bytes=[layer_bytes_per_token(config, p, precision) * tokens for p in policies],
         layer_host_bytes=[layer_bytes_per_token(config, p, precision, "host") * tokens for p in policies],
         fixed_bytes=head_bytes(config, tokens, precision), layer_extra=[costs[p] for p in policies], step_flops=step,
         layer_step_flops=layer_flops, budget=budget, cost_source=cost_source, tokens=tokens,

@@ -14,6 +14,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .kernels.limits import MAX_HEAD_DIM
+from .remat import Remat
 
 
 def _statistics_dtype(x: torch.Tensor) -> torch.dtype:
@@ -76,13 +77,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     return out
 
 
-def rotary_inverse_frequencies(head_dim: int, theta: float, device=None) -> torch.Tensor:
+def rope_inverse_frequencies(head_dim: int, theta: float, device=None) -> torch.Tensor:
     """theta^(-2i/D) for i < D/2, computed in float64 and rounded once to fp32 (what the kernel reads)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim
     return (1.0 / theta**exponents).to(torch.float32)
 
 
-def rotary_embedding(x: torch.Tensor, theta: float, *, inverse: bool = False) -> torch.Tensor:
+def rope(x: torch.Tensor, theta: float, *, inverse: bool = False) -> torch.Tensor:
     """Rotary position embedding of x (B, N, H, D), positions 0..N-1 along dim 1.
 
     Half-split pairing (element i rotates with element i + D/2), as Hugging Face's LLaMA: per pair,
@@ -92,7 +93,7 @@ def rotary_embedding(x: torch.Tensor, theta: float, *, inverse: bool = False) ->
     """
     compute = _statistics_dtype(x)
     head_dim = x.shape[-1]
-    inv_freq = rotary_inverse_frequencies(head_dim, theta, x.device).to(compute)
+    inv_freq = rope_inverse_frequencies(head_dim, theta, x.device).to(compute)
     positions = torch.arange(x.shape[1], device=x.device, dtype=compute)
     angles = positions[:, None] * inv_freq[None, :]
     cos = torch.cos(angles)[None, :, None, :]
@@ -127,7 +128,7 @@ class TransformerBlock(nn.Module):
     x: (B, N, dim) -> (B, N, dim). Attention has ``n_heads`` query heads of dim // n_heads and
     ``n_kv_heads`` key/value heads (GQA when fewer), through F.scaled_dot_product_attention; the
     qkv projection packs [q heads | k heads | v heads] along its output. With ``rope_theta`` set,
-    q and k get rotary embeddings (``rotary_embedding``). ``activation="swiglu"`` makes fc1 the
+    q and k get rotary embeddings (``rope``). ``activation="swiglu"`` makes fc1 the
     packed [gate | up] projection of width 2 * ffn_dim and computes silu(gate) * up; fc2 is the down
     projection. ffn_dim defaults to 4 * dim (GELU) or LLaMA's rounded 8/3 * dim (SwiGLU). ``bias``
     switches the linear and LayerNorm biases (RMSNorm has none).
@@ -137,19 +138,18 @@ class TransformerBlock(nn.Module):
     around the block, which keeps only x), settable between steps like the fused block's.
     """
 
-    REMAT_POLICIES = ("none", "full")
-    CHECKPOINTED = ("full",)  # the policies that run under torch.utils.checkpoint
+    SUPPORTED_REMAT = (Remat.NONE, Remat.FULL)
 
     def __init__(self, dim: int, n_heads: int, *, n_kv_heads: int | None = None, ffn_dim: int | None = None,
                  norm: str = "layernorm", activation: str = "gelu", bias: bool = True, causal: bool = True,
-                 eps: float = 1e-5, rope_theta: float | None = None, remat: str = "none", device=None, dtype=None):
+                 eps: float = 1e-5, rope_theta: float | None = None, remat: Remat | str = Remat.NONE, device=None, dtype=None):
         super().__init__()
         self.remat = remat
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         _check_block_config(dim, n_heads, n_kv_heads, ffn_dim, norm, activation, eps, rope_theta)
         self.dim, self.n_heads, self.n_kv_heads = dim, n_heads, n_kv_heads
         self.head_dim = dim // n_heads
-        self.norm_kind, self.activation, self.causal, self.eps = norm, activation, bool(causal), float(eps)
+        self.norm, self.activation, self.causal, self.eps = norm, activation, bool(causal), float(eps)
         self.rope_theta = None if rope_theta is None else float(rope_theta)
         self.has_bias = bool(bias)
         self.ffn_dim = default_ffn_dim(dim, activation) if ffn_dim is None else ffn_dim
@@ -161,28 +161,21 @@ class TransformerBlock(nn.Module):
         self.fc1 = nn.Linear(dim, 2 * self.ffn_dim if activation == "swiglu" else self.ffn_dim, bias=bias, **factory)
         self.fc2 = nn.Linear(self.ffn_dim, dim, bias=bias, **factory)
 
-    @classmethod
-    def check_remat(cls, policy) -> str:
-        """``policy`` if this block class takes it, else a ValueError naming the choices."""
-        if not isinstance(policy, str) or policy not in cls.REMAT_POLICIES:
-            raise ValueError(f"{cls.__name__}: remat must be one of {cls.REMAT_POLICIES}, got {policy!r}")
-        return policy
-
     @property
-    def remat(self) -> str:
+    def remat(self) -> Remat:
         return self._remat
 
     @remat.setter
-    def remat(self, policy: str) -> None:
-        self._remat = self.check_remat(policy)
+    def remat(self, policy: Remat | str) -> None:
+        self._remat = Remat.parse(policy, self.SUPPORTED_REMAT, owner=f"{type(self).__name__}: remat")
 
     def _make_norm(self, bias: bool, factory: dict) -> nn.Module:
-        if self.norm_kind == "rmsnorm":
+        if self.norm == "rmsnorm":
             return nn.RMSNorm(self.dim, eps=self.eps, **factory)
         return nn.LayerNorm(self.dim, eps=self.eps, bias=bias, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.remat in self.CHECKPOINTED and torch.is_grad_enabled():
+        if self.remat.replays and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(self._eager, x, use_reentrant=False)
         return self._eager(x)
 
@@ -195,7 +188,7 @@ class TransformerBlock(nn.Module):
         heads = self.qkv(y).view(batch, seq, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
         q, k, v = heads.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)
         if self.rope_theta is not None:
-            q, k = rotary_embedding(q, self.rope_theta), rotary_embedding(k, self.rope_theta)
+            q, k = rope(q, self.rope_theta), rope(k, self.rope_theta)
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             is_causal=self.causal, enable_gqa=self.n_kv_heads != self.n_heads,
@@ -211,13 +204,13 @@ class TransformerBlock(nn.Module):
     def config(self) -> dict:
         """The constructor's keyword arguments that rebuild this block (any block class of either twin)."""
         return dict(dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, ffn_dim=self.ffn_dim,
-                    norm=self.norm_kind, activation=self.activation, bias=self.has_bias, causal=self.causal,
+                    norm=self.norm, activation=self.activation, bias=self.has_bias, causal=self.causal,
                     eps=self.eps, rope_theta=self.rope_theta)
 
     def extra_repr(self) -> str:
-        rope = "" if self.rope_theta is None else f", rope_theta={self.rope_theta:g}"
+        rope_text = "" if self.rope_theta is None else f", rope_theta={self.rope_theta:g}"
         return (f"dim={self.dim}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, ffn_dim={self.ffn_dim}, "
-                f"norm={self.norm_kind!r}, activation={self.activation!r}, causal={self.causal}{rope}")
+                f"norm={self.norm!r}, activation={self.activation!r}, causal={self.causal}{rope_text}")
 
 
 def _check_block_config(dim, n_heads, n_kv_heads, ffn_dim, norm, activation, eps, rope_theta) -> None:

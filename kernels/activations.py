@@ -68,26 +68,27 @@ def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 @triton.jit
 def _gelu(
     X, DY, DX, Y, M, N, stride_x, stride_dy, stride_dx, stride_y,
-    APPROXIMATE_TANH: tl.constexpr, BACKWARD: tl.constexpr, WRITE_Y: tl.constexpr,
+    APPROXIMATE_TANH: tl.constexpr, BACKWARD: tl.constexpr, REBUILD_OUTPUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Forward (WRITE_Y only): y = gelu(x). Backward: dx = dy * gelu'(x), and y too when WRITE_Y."""
+    """Forward: y = gelu(x). Backward: dx = dy * gelu'(x), and y too when REBUILD_OUTPUT."""
     rows, cols, mask = _tile(M, N, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     x = load_tile(X, stride_x, rows, cols, mask)
     y, derivative = _gelu_and_derivative(x, APPROXIMATE_TANH=APPROXIMATE_TANH)
     if BACKWARD:
         dy = load_tile(DY, stride_dy, rows, cols, mask)
         store_tile(DX, stride_dx, rows, cols, mask, dy * derivative)
-    if WRITE_Y:
+    if not BACKWARD or REBUILD_OUTPUT:
         store_tile(Y, stride_y, rows, cols, mask, y)
 
 
 @triton.jit
 def _swiglu(
     GATE, UP, DY, DGATE, DUP, Y, M, N, stride_gate, stride_up, stride_dy, stride_dgate, stride_dup, stride_y,
-    BACKWARD: tl.constexpr, WRITE_Y: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BACKWARD: tl.constexpr, REBUILD_OUTPUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """y = silu(g) u; d/dgate = u * s * (1 + g (1 - s)) with s = sigmoid(g); d/dup = silu(g)."""
+    """y = silu(g) u; d/dgate = u * s * (1 + g (1 - s)) with s = sigmoid(g); d/dup = silu(g).
+    Forward: y. Backward: the gradients, and y too when REBUILD_OUTPUT."""
     rows, cols, mask = _tile(M, N, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     gate = load_tile(GATE, stride_gate, rows, cols, mask)
     up = load_tile(UP, stride_up, rows, cols, mask)
@@ -97,7 +98,7 @@ def _swiglu(
         dy = load_tile(DY, stride_dy, rows, cols, mask)
         store_tile(DGATE, stride_dgate, rows, cols, mask, dy * up * sig * (1.0 + gate * (1.0 - sig)))
         store_tile(DUP, stride_dup, rows, cols, mask, dy * silu)
-    if WRITE_Y:
+    if not BACKWARD or REBUILD_OUTPUT:
         store_tile(Y, stride_y, rows, cols, mask, silu * up)
 
 
@@ -181,23 +182,23 @@ def gelu_fwd(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     y, y_rows = _output("gelu_fwd", "y", None, x)
     if x.numel():
         x_rows = _input_rows(x)
-        _launch(_gelu, [x_rows, x_rows, y_rows, y_rows], APPROXIMATE_TANH=tanh, BACKWARD=False, WRITE_Y=True)
+        _launch(_gelu, [x_rows, x_rows, y_rows, y_rows], APPROXIMATE_TANH=tanh, BACKWARD=False, REBUILD_OUTPUT=False)
     return y
 
 
 def gelu_bwd(
-    dy: torch.Tensor, x: torch.Tensor, approximate: str = "none", return_output: bool = False
+    dy: torch.Tensor, x: torch.Tensor, approximate: str = "none", rebuild_output: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(dx, y): dx = dy * gelu'(x), recomputing gelu' from x; with ``return_output`` the same pass also
+    """(dx, y): dx = dy * gelu'(x), recomputing gelu' from x; with ``rebuild_output`` the same pass also
     writes y = gelu(x), bitwise what gelu_fwd gives (else None). Outputs contiguous, in x's shape."""
     tanh = _check_approximation(approximate)
     _check_shapes("gelu_bwd", "x", x, dy=dy)
     dx, dx_rows = _output("gelu_bwd", "dx", None, x)
-    y, y_rows = _output("gelu_bwd", "y", None, x) if return_output else (None, dx_rows)
+    y, y_rows = _output("gelu_bwd", "y", None, x) if rebuild_output else (None, dx_rows)
     if x.numel():
         _launch(
             _gelu, [_input_rows(x), _input_rows(dy), dx_rows, y_rows],
-            APPROXIMATE_TANH=tanh, BACKWARD=True, WRITE_Y=return_output,
+            APPROXIMATE_TANH=tanh, BACKWARD=True, REBUILD_OUTPUT=rebuild_output,
         )
     return dx, y
 
@@ -208,7 +209,7 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     y, y_rows = _output("swiglu_fwd", "y", None, gate)
     if gate.numel():
         gate_rows, up_rows = _input_rows(gate), _input_rows(up)
-        _launch(_swiglu, [gate_rows, up_rows, gate_rows, y_rows, y_rows, y_rows], BACKWARD=False, WRITE_Y=True)
+        _launch(_swiglu, [gate_rows, up_rows, gate_rows, y_rows, y_rows, y_rows], BACKWARD=False, REBUILD_OUTPUT=False)
     return y
 
 
@@ -216,12 +217,12 @@ def swiglu_bwd(
     dy: torch.Tensor,
     gate: torch.Tensor,
     up: torch.Tensor,
-    return_output: bool = False,
+    rebuild_output: bool = False,
     *,
     dgate: torch.Tensor | None = None,
     dup: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(dgate, dup, y): the gradients, plus the recomputed y = silu(gate) * up when ``return_output``
+    """(dgate, dup, y): the gradients, plus the recomputed y = silu(gate) * up when ``rebuild_output``
     (else None), bitwise what swiglu_fwd gives.
 
     ``dgate`` / ``dup``, when given, are written in place and returned: gate's shape and dtype, rows
@@ -231,10 +232,10 @@ def swiglu_bwd(
     _check_shapes("swiglu_bwd", "gate", gate, up=up, dy=dy)
     dgate, dgate_rows = _output("swiglu_bwd", "dgate", dgate, gate)
     dup, dup_rows = _output("swiglu_bwd", "dup", dup, gate)
-    y, y_rows = _output("swiglu_bwd", "y", None, gate) if return_output else (None, dgate_rows)
+    y, y_rows = _output("swiglu_bwd", "y", None, gate) if rebuild_output else (None, dgate_rows)
     if gate.numel():
         _launch(
             _swiglu, [_input_rows(gate), _input_rows(up), _input_rows(dy), dgate_rows, dup_rows, y_rows],
-            BACKWARD=True, WRITE_Y=return_output,
+            BACKWARD=True, REBUILD_OUTPUT=rebuild_output,
         )
     return dgate, dup, y

@@ -125,7 +125,7 @@ def _load_bwd_tile(X, DY, W, rows64, col, col_mask, mask, mean, rstd, stride_x, 
 @triton.jit
 def _finish_rows(
     x_hat, dy, w, c1, c2, rstd, B, DRES, DX, Y, rows64, col, col_mask, mask, stride_dres, stride_dx, stride_y,
-    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DRES: tl.constexpr, WRITE_Y: tl.constexpr,
+    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DRES: tl.constexpr, REBUILD_OUTPUT: tl.constexpr,
 ):
     """Store one tile of dx = rstd * (w*dy - x_hat * c1 - c2) (no c2 for RMSNorm) plus the residual
     gradient and, when asked, the rebuilt output."""
@@ -137,7 +137,7 @@ def _finish_rows(
     if HAS_DRES:
         dx += load_tile(DRES, stride_dres, rows64, col, mask)
     store_tile(DX, stride_dx, rows64, col, mask, dx)
-    if WRITE_Y:
+    if REBUILD_OUTPUT:
         store_tile(Y, stride_y, rows64, col, mask, _scale_shift(x_hat, w, B, col, col_mask, HAS_BIAS=HAS_BIAS))
 
 
@@ -145,12 +145,12 @@ def _finish_rows(
 def _norm_bwd(
     X, W, B, DY, DRES, DX, Y, MEAN, RSTD, DW_PARTIAL, DB_PARTIAL,
     M, N, stride_x, stride_dy, stride_dres, stride_dx, stride_y,
-    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DRES: tl.constexpr, WRITE_Y: tl.constexpr,
+    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DRES: tl.constexpr, REBUILD_OUTPUT: tl.constexpr,
     SINGLE_PASS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dx = rstd * (w*dy - x_hat * mean(x_hat*w*dy) - mean(w*dy)), the last term for LayerNorm only.
 
-    HAS_DRES adds a residual branch's gradient into dx. WRITE_Y also writes the rebuilt forward
+    HAS_DRES adds a residual branch's gradient into dx. REBUILD_OUTPUT also writes the rebuilt forward
     output x_hat * w + b, for the weight gradient of the linear layer the norm feeds.
     Program p owns row blocks p, p + P, p + 2P, ... and row p of the partial buffers."""
     pid = tl.program_id(0)
@@ -178,7 +178,7 @@ def _norm_bwd(
             c2 = tl.sum(w_dy, axis=1) / N
             _finish_rows(
                 x_hat, dy, w, c1, c2, rstd, B, DRES, DX, Y, rows64, cols, col_mask, mask, stride_dres, stride_dx,
-                stride_y, IS_RMS=IS_RMS, HAS_BIAS=HAS_BIAS, HAS_DRES=HAS_DRES, WRITE_Y=WRITE_Y,
+                stride_y, IS_RMS=IS_RMS, HAS_BIAS=HAS_BIAS, HAS_DRES=HAS_DRES, REBUILD_OUTPUT=REBUILD_OUTPUT,
             )
             dw_acc += tl.sum(dy * x_hat, axis=0)
             if HAS_BIAS:
@@ -203,7 +203,7 @@ def _norm_bwd(
                 x_hat, dy, w = _load_bwd_tile(X, DY, W, rows64, col, col_mask, mask, mean, rstd, stride_x, stride_dy)
                 _finish_rows(
                     x_hat, dy, w, c1, c2, rstd, B, DRES, DX, Y, rows64, col, col_mask, mask, stride_dres, stride_dx,
-                    stride_y, IS_RMS=IS_RMS, HAS_BIAS=HAS_BIAS, HAS_DRES=HAS_DRES, WRITE_Y=WRITE_Y,
+                    stride_y, IS_RMS=IS_RMS, HAS_BIAS=HAS_BIAS, HAS_DRES=HAS_DRES, REBUILD_OUTPUT=REBUILD_OUTPUT,
                 )
                 dw = tl.load(partial_row + col, mask=col_mask, other=0.0)
                 tl.store(partial_row + col, dw + tl.sum(dy * x_hat, axis=0), mask=col_mask)
@@ -278,11 +278,11 @@ def norm_fwd(x, weight, bias, eps, *, rms: bool, residual=None, out_dtype=None):
 
 
 def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, has_bias: bool, residual_grad=None,
-             return_output: bool = False, out_dtype=None):
+             rebuild_output: bool = False, out_dtype=None):
     """Gradients of norm_fwd from dy (like x, any float dtype) and the saved x, mean, rstd.
 
     ``residual_grad`` (like x) is added into dx: the gradient reaching a pre-norm block's residual
-    stream. ``return_output`` also writes the rebuilt y = x_hat * w + b in ``out_dtype`` (default
+    stream. ``rebuild_output`` also writes the rebuilt y = x_hat * w + b in ``out_dtype`` (default
     x's dtype), for the next linear layer's weight gradient, in the same pass.
     Returns (dx in x's dtype, dweight and dbias in weight's dtype (dbias None without bias), y or None).
     """
@@ -291,7 +291,7 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, has_bias: bool, resi
     if residual_grad is not None:
         _check_rows("residual_grad", residual_grad, x)
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
-    y = torch.empty(x.shape, device=x.device, dtype=out_dtype or x.dtype) if return_output else None
+    y = torch.empty(x.shape, device=x.device, dtype=out_dtype or x.dtype) if rebuild_output else None
     single_pass, block_m, block_n, num_warps = _tiling(cols, "backward")
     programs = persistent_program_count(x.device, triton.cdiv(rows, block_m))
     dw_partial = torch.zeros((programs, cols), device=x.device, dtype=torch.float32)
@@ -299,38 +299,13 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, has_bias: bool, resi
     if rows > 0:
         _norm_bwd[(programs,)](
             x, weight, bias if bias is not None else weight, dy,
-            residual_grad if residual_grad is not None else dy, dx, y if return_output else dx,
+            residual_grad if residual_grad is not None else dy, dx, y if rebuild_output else dx,
             mean if not rms else rstd, rstd, dw_partial, db_partial,
             rows, cols, x.stride(0), dy.stride(0), residual_grad.stride(0) if residual_grad is not None else 0,
-            dx.stride(0), y.stride(0) if return_output else 0,
-            IS_RMS=rms, HAS_BIAS=has_bias, HAS_DRES=residual_grad is not None, WRITE_Y=return_output,
+            dx.stride(0), y.stride(0) if rebuild_output else 0,
+            IS_RMS=rms, HAS_BIAS=has_bias, HAS_DRES=residual_grad is not None, REBUILD_OUTPUT=rebuild_output,
             SINGLE_PASS=single_pass, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )
     dw = dw_partial.sum(dim=0).to(weight.dtype)
     db = db_partial.sum(dim=0).to(weight.dtype) if has_bias else None
     return dx, dw, db, y
-
-
-def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float):
-    """x: (M, N) with unit column stride; weight, bias: (N,). Returns y (M, N) in x's dtype and the
-    fp32 per-row mean and rstd (M,)."""
-    y, mean, rstd, _ = norm_fwd(x, weight, bias, eps, rms=False)
-    return y, mean, rstd
-
-
-def layer_norm_bwd(dy, x, weight, mean, rstd, has_bias: bool):
-    """Returns dx (x's dtype), dweight and dbias (weight's dtype; dbias None without bias)."""
-    dx, dw, db, _ = norm_bwd(dy, x, weight, None, mean, rstd, rms=False, has_bias=has_bias)
-    return dx, dw, db
-
-
-def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float):
-    """x: (M, N) with unit column stride; weight: (N,). Returns y (M, N) and the fp32 rstd (M,)."""
-    y, _, rstd, _ = norm_fwd(x, weight, None, eps, rms=True)
-    return y, rstd
-
-
-def rms_norm_bwd(dy, x, weight, rstd):
-    """Returns dx (x's dtype) and dweight (weight's dtype)."""
-    dx, dw, _, _ = norm_bwd(dy, x, weight, None, None, rstd, rms=True, has_bias=False)
-    return dx, dw

@@ -5,7 +5,7 @@ projection (``qkv.view(B, N, Hq + 2 * Hkv, D)[:, :, :Hq + Hkv]``), so the rotate
 the projected ones and never exist as a second tensor; backward applies the inverse rotation (the
 transpose) to dq and dk in place the same way.
 
-Math as ``fused_remat.reference.rotary_embedding``: half-split pairs (i, i + D/2), angle =
+Math as ``fused_remat.reference.rope``: half-split pairs (i, i + D/2), angle =
 float32(position) * inv_freq[i] as one fp32 product (bitwise the reference's angle), cos and sin in
 fp32, (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin); ``inverse`` negates sin.
 
@@ -49,7 +49,7 @@ def _cos_sin(angle):
 
 
 @triton.jit
-def _rotary_embedding(
+def _rope(
     X, INV_FREQ,
     n_tokens, seq_len, n_heads, half,
     split, first_start, second_start,
@@ -90,14 +90,14 @@ def _rotary_embedding(
 
 def _check(x: torch.Tensor, inv_freq: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
-        raise ValueError(f"rotary_embedding_ takes x of shape (B, N, H, D), got {getattr(x, 'shape', type(x))}")
+        raise ValueError(f"rope_ takes x of shape (B, N, H, D), got {getattr(x, 'shape', type(x))}")
     if x.dtype not in DTYPES:
-        raise ValueError(f"rotary_embedding_: x dtype must be one of {DTYPES}, got {x.dtype}")
+        raise ValueError(f"rope_: x dtype must be one of {DTYPES}, got {x.dtype}")
     head_dim = x.shape[-1]
     if head_dim % 2 or not 2 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"rotary_embedding_: head dim D={head_dim} must be even and in 2..{MAX_HEAD_DIM}")
+        raise ValueError(f"rope_: head dim D={head_dim} must be even and in 2..{MAX_HEAD_DIM}")
     if x.stride(-1) != 1:
-        raise ValueError(f"rotary_embedding_: x must have a contiguous last dim, got strides {x.stride()}")
+        raise ValueError(f"rope_: x must have a contiguous last dim, got strides {x.stride()}")
     got = (
         f"{inv_freq.dtype} {tuple(inv_freq.shape)} on {inv_freq.device}"
         if isinstance(inv_freq, torch.Tensor) else type(inv_freq).__name__
@@ -107,7 +107,7 @@ def _check(x: torch.Tensor, inv_freq: torch.Tensor) -> None:
         or not inv_freq.is_contiguous() or inv_freq.device != x.device
     ):
         raise ValueError(
-            f"rotary_embedding_: inv_freq must be a contiguous float32 tensor of shape ({head_dim // 2},) "
+            f"rope_: inv_freq must be a contiguous float32 tensor of shape ({head_dim // 2},) "
             f"on {x.device} for D={head_dim}, got {got}"
         )
 
@@ -121,7 +121,7 @@ def _blocks(n_tokens: int, n_heads: int, half: int) -> tuple[int, int, int]:
     return block_t, block_h, block_half
 
 
-def rotary_embedding_(x: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False,
+def rope_(x: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False,
                       chunk_starts: tuple[int, int] | None = None) -> torch.Tensor:
     """Rotate x (B, N, H, D) in place by the rotary embedding of positions 0..N-1 and return x.
 
@@ -129,7 +129,7 @@ def rotary_embedding_(x: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = F
     first.. and the last N/2 at second..: a context-parallel rank's two zigzag chunks.
 
     x: fp32/fp16/bf16, any strides with a contiguous last dim (e.g. the q,k heads of a packed qkv
-    buffer). inv_freq: contiguous fp32 (D/2,), as ``reference.rotary_inverse_frequencies``.
+    buffer). inv_freq: contiguous fp32 (D/2,), as ``reference.rope_inverse_frequencies``.
     ``inverse=True`` rotates by the opposite angles: the transpose, which maps dq, dk back.
     """
     _check(x, inv_freq)
@@ -141,7 +141,7 @@ def rotary_embedding_(x: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = F
     block_t, block_h, block_half = _blocks(n_tokens, n_heads, half)
     grid = (triton.cdiv(n_tokens, block_t), triton.cdiv(n_heads, block_h))
     split, first_start, second_start = (seq_len, 0, 0) if chunk_starts is None else (seq_len // 2, *chunk_starts)
-    _rotary_embedding[grid](
+    _rope[grid](
         x, inv_freq,
         n_tokens, seq_len, n_heads, half,
         split, first_start, second_start,

@@ -67,7 +67,7 @@ def test_swiglu_matches_references(dtype, shape, device, triton_backend):
 def test_swiglu_backward_rebuilds_output_in_the_same_pass(dtype, device):
     gate, up = (torch.randn(5, 333, device=device).to(dtype) for _ in range(2))
     dy = torch.randn(5, 333, device=device).to(dtype)
-    dgate, dup, rebuilt = swiglu_bwd(dy, gate, up, return_output=True)
+    dgate, dup, rebuilt = swiglu_bwd(dy, gate, up, rebuild_output=True)
     assert torch.equal(rebuilt, swiglu_fwd(gate, up))
     plain_dgate, plain_dup, nothing = swiglu_bwd(dy, gate, up)
     assert nothing is None and torch.equal(plain_dgate, dgate) and torch.equal(plain_dup, dup)
@@ -150,7 +150,7 @@ def _halves(rows, cols, dtype, device):
 def test_gelu_on_row_strided_views(approximate, dtype, shape, device):
     x, dy = _padded(*shape, dtype, device), _padded(*shape, dtype, device, pad=12)
     y = gelu_fwd(x, approximate)
-    dx, rebuilt = gelu_bwd(dy, x, approximate, return_output=True)
+    dx, rebuilt = gelu_bwd(dy, x, approximate, rebuild_output=True)
     assert y.is_contiguous() and dx.is_contiguous() and y.shape == dx.shape == shape
     gelu = functools.partial(F.gelu, approximate=approximate)
     _assert_matches_references("gelu", gelu, [x], dy, [y, dx], ["y", "dx"], dtype)
@@ -165,7 +165,7 @@ def test_swiglu_on_column_halves(dtype, shape, device):
     dy = _padded(rows, cols, dtype, device)
     grads = torch.full((rows, 2 * cols), float("nan"), dtype=dtype, device=device)
     y = swiglu_fwd(gate, up)
-    dgate, dup, rebuilt = swiglu_bwd(dy, gate, up, return_output=True, dgate=grads[:, :cols], dup=grads[:, cols:])
+    dgate, dup, rebuilt = swiglu_bwd(dy, gate, up, rebuild_output=True, dgate=grads[:, :cols], dup=grads[:, cols:])
     assert dgate.data_ptr() == grads.data_ptr() and dup.data_ptr() == grads[:, cols:].data_ptr()
     assert dgate.stride() == dup.stride() == (2 * cols, 1)
     assert not grads.isnan().any(), "every element of the preallocated gradient buffer is written"
@@ -178,7 +178,7 @@ def test_swiglu_on_column_halves(dtype, shape, device):
 def test_gelu_backward_rebuilds_output_in_the_same_pass(approximate, dtype, device):
     x = _spread((2, 3, 333), dtype, device).detach()
     dy = torch.randn_like(x)
-    dx, rebuilt = gelu_bwd(dy, x, approximate, return_output=True)
+    dx, rebuilt = gelu_bwd(dy, x, approximate, rebuild_output=True)
     assert torch.equal(rebuilt, gelu_fwd(x, approximate))
     plain_dx, nothing = gelu_bwd(dy, x, approximate)
     assert nothing is None and torch.equal(plain_dx, dx)
@@ -232,7 +232,7 @@ def test_strided_inputs_reach_the_kernel_uncopied(spies, device):
 def test_any_shape_comes_back_contiguous_in_that_shape(device):
     x = torch.randn(4, 3, 6, device=device).permute(2, 0, 1)
     dy = torch.randn(6, 4, 3, device=device)
-    dx, y = gelu_bwd(dy, x, return_output=True)
+    dx, y = gelu_bwd(dy, x, rebuild_output=True)
     assert dx.shape == y.shape == x.shape and dx.is_contiguous() and y.is_contiguous()
     assert torch.equal(y, gelu_fwd(x.contiguous()))
     scalar = torch.tensor(1.5, device=device)
@@ -242,8 +242,8 @@ def test_any_shape_comes_back_contiguous_in_that_shape(device):
 @pytest.mark.parametrize("shape", [(0, 8), (3, 0), (0,)], ids=str)
 def test_empty_inputs_launch_nothing(shape, spies, device):
     x = torch.randn(shape, device=device)
-    dx, y = gelu_bwd(x, x, return_output=True)
-    dgate, dup, y2 = swiglu_bwd(x, x, x, return_output=True)
+    dx, y = gelu_bwd(x, x, rebuild_output=True)
+    dgate, dup, y2 = swiglu_bwd(x, x, x, rebuild_output=True)
     given = torch.empty(shape, device=device)
     assert swiglu_bwd(x, x, x, dgate=given)[0] is given
     assert all(t.shape == shape for t in (gelu_fwd(x), dx, y, swiglu_fwd(x, x), dgate, dup, y2))
@@ -276,7 +276,7 @@ def test_row_offsets_past_2_to_the_31(device):
     big = torch.zeros(2, 2**31 + 64, dtype=torch.float16, device=device)
     x = big[:, :256]
     x.normal_()
-    dx, y = gelu_bwd(x, x, return_output=True)
+    dx, y = gelu_bwd(x, x, rebuild_output=True)
     ref = F.gelu(x.float())
     assert torch.allclose(y.float(), ref, atol=1e-2, rtol=1e-2)
     assert torch.equal(y, gelu_fwd(x))

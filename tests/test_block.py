@@ -8,8 +8,9 @@ import torch
 
 import fused_remat
 from fused_remat import reference
-from fused_remat.block import block_widths, kept_bytes_per_token
+from fused_remat.block import block_widths
 from fused_remat.memory import saved_memory
+from fused_remat.remat import kept_bytes_per_token
 from numerics import assert_error_rule
 
 POLICIES = ("none", "cheap", "full")
@@ -147,7 +148,7 @@ def test_the_block_table_is_design_md_contract():
     assert kept == {"none": 32 * h + 4 * heads + 16, "cheap": 20 * h + 4 * heads + 16, "full": 2 * h}
     # Under autocast x and h stay in fp32: two more bytes each, and only those.
     assert kept_bytes_per_token("cheap", widths, residual_bytes=4, compute_bytes=2) == kept["cheap"] + 2 * 2 * h
-    with pytest.raises(ValueError, match="remat must be one of"):
+    with pytest.raises(ValueError, match="policy must be one of"):
         kept_bytes_per_token("some", widths, 2, 2)
 
 

@@ -11,9 +11,10 @@ from torch.func import functional_call
 
 import fused_remat
 from fused_remat import custom_ops
-from fused_remat.block import HOST_RESIDENT, block_widths, kept_bytes_per_token
+from fused_remat.block import block_widths
 from fused_remat.memory import saved_memory
 from fused_remat.model import LanguageModel, ModelConfig
+from fused_remat.remat import Remat, kept_bytes_per_token
 
 DIM, HEADS, KV_HEADS, FFN = 32, 4, 2, 48
 
@@ -71,7 +72,7 @@ def test_ops_compile_without_graph_breaks_and_match_eager(name, device, triton_b
 
 
 # An offloaded block runs eagerly under compile, by design (tests/test_offload.py).
-@pytest.mark.parametrize("remat", [p for p in fused_remat.REMAT_POLICIES if p not in HOST_RESIDENT])
+@pytest.mark.parametrize("remat", [p for p in Remat if not p.host_resident])
 def test_block_compiles_whole_and_keeps_its_policy(remat, device, triton_backend):
     block = _block(device, remat)
     compiled = torch.compile(block, fullgraph=True)
@@ -144,7 +145,7 @@ def test_custom_ops_fake_implementations_agree_with_the_kernels(device, triton_b
         (custom_ops.attention_packed_fwd, (qkv, 2, HEADS, KV_HEADS, True, 0.25)),
         (custom_ops.attention_packed_bwd, (torch.randn_like(o_packed), qkv, o_packed, lse_packed, 2, HEADS, KV_HEADS,
                                            True, 0.25)),
-        (custom_ops.rotary_qk_, (qkv.clone(), torch.rand(8, device=device), 2, HEADS, KV_HEADS, False)),
+        (custom_ops.rope_qk_, (qkv.clone(), torch.rand(8, device=device), 2, HEADS, KV_HEADS, False)),
         (custom_ops.gelu_bwd, (u.clone(), u, "none", True)),
         (custom_ops.swiglu_packed_bwd, (rows.new_ones(6, FFN), u, True)),
     ]

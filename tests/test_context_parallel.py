@@ -243,15 +243,15 @@ def test_find_max_seq_len_answers_per_rank_for_context_parallel(tmp_path, triton
 
 def test_rope_at_zigzag_positions_matches_the_full_sequence_sharded(triton_backend):
     """What each rank's block does to its q and k: the rotation of the full sequence, then sharded."""
-    from fused_remat.kernels.rope import rotary_embedding_
+    from fused_remat.kernels.rope import rope_
 
     seq, world, head_dim, theta = 24, 3, 16, 10000.0
     x = torch.randn(2, seq, 3, head_dim)
-    expected = reference.rotary_embedding(x.double(), theta)
-    inv_freq = reference.rotary_inverse_frequencies(head_dim, theta)
+    expected = reference.rope(x.double(), theta)
+    inv_freq = reference.rope_inverse_frequencies(head_dim, theta)
     for rank in range(world):
         local = zigzag_shard(x, rank, world)
-        rotary_embedding_(local, inv_freq, chunk_starts=zigzag_positions(seq, rank, world))
+        rope_(local, inv_freq, chunk_starts=zigzag_positions(seq, rank, world))
         torch.testing.assert_close(local.double(), zigzag_shard(expected, rank, world), rtol=0, atol=1e-5)
 
 

@@ -200,7 +200,7 @@ def test_fused_residual_norm_matches_references(rms, dtype, leading, hidden, dev
     y, mean, rstd, h = norm_fwd(x, weight, bias, 1e-6 if rms else 1e-5, rms=rms, residual=residual)
     dx, dw, db, rebuilt = norm_bwd(
         dy, h, weight, bias, mean, rstd, rms=rms, has_bias=bias is not None,
-        residual_grad=residual_grad, return_output=True,
+        residual_grad=residual_grad, rebuild_output=True,
     )
     assert torch.equal(rebuilt, y), "backward must rebuild exactly the forward's output"
 
@@ -236,5 +236,5 @@ def test_norm_output_dtype_differs_from_input(rms, device):
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y, expected, rtol=2**-8, atol=0)  # within one bf16 rounding
     dx, _, _, rebuilt = norm_bwd(torch.randn_like(y), x, weight, None, mean, rstd, rms=rms, has_bias=False,
-                                 return_output=True, out_dtype=torch.bfloat16)
+                                 rebuild_output=True, out_dtype=torch.bfloat16)
     assert dx.dtype == torch.float32 and torch.equal(rebuilt, y)

@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from fused_remat import TransformerBlock, reference
-from fused_remat.block import block_widths, kept_bytes_per_token
+from fused_remat.block import block_widths
 from fused_remat.memory import saved_memory
 from fused_remat.model import LanguageModel, ModelConfig, preset
 from fused_remat.offload import HostCopy, is_host_copy
 from fused_remat.planner import (
     ASSUMED_HOST_BANDWIDTH, Precision, copy_seconds, explain_policies, flop_policy_costs, plan_remat,
 )
+from fused_remat.remat import kept_bytes_per_token
 
 CONFIG = ModelConfig(vocab_size=120, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=48)
 AUTOCAST_BF16 = Precision(torch.float32, torch.bfloat16)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fused_remat import reference
-from fused_remat.kernels.rope import rotary_embedding_
+from fused_remat.kernels.rope import rope_
 from numerics import assert_error_rule
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -23,8 +23,8 @@ SHAPES = [
 
 def _check_against_references(name, ours, x, theta, inverse, dtype):
     """ours = rotation of x (taken before the in-place call) under the error rule."""
-    same = reference.rotary_embedding(x, theta, inverse=inverse)
-    ref64 = reference.rotary_embedding(x.double(), theta, inverse=inverse)
+    same = reference.rope(x, theta, inverse=inverse)
+    ref64 = reference.rope(x.double(), theta, inverse=inverse)
     assert ours.dtype == dtype
     assert_error_rule(name, ours, same, ref64, dtype)
 
@@ -36,8 +36,8 @@ def test_matches_references(shape, dtype, inverse, device):
     theta = 10000.0
     x = torch.randn(shape, device=device).to(dtype)
     original = x.clone()
-    out = rotary_embedding_(x, reference.rotary_inverse_frequencies(shape[-1], theta, device), inverse=inverse)
-    assert out is x, "rotary_embedding_ must return its (rotated in place) input"
+    out = rope_(x, reference.rope_inverse_frequencies(shape[-1], theta, device), inverse=inverse)
+    assert out is x, "rope_ must return its (rotated in place) input"
     _check_against_references("rope", x, original, theta, inverse, dtype)
 
 
@@ -46,7 +46,7 @@ def test_matches_references(shape, dtype, inverse, device):
 def test_theta(theta, dtype, device):
     x = torch.randn(2, 130, 2, 64, device=device).to(dtype)
     original = x.clone()
-    rotary_embedding_(x, reference.rotary_inverse_frequencies(64, theta, device))
+    rope_(x, reference.rope_inverse_frequencies(64, theta, device))
     _check_against_references(f"rope theta={theta:g}", x, original, theta, False, dtype)
 
 
@@ -59,7 +59,7 @@ def test_packed_qkv_view(dtype, device):
     before = qkv.clone().view(batch, seq, q_heads + 2 * kv_heads, head_dim)
     qk = qkv.view(batch, seq, q_heads + 2 * kv_heads, head_dim)[:, :, : q_heads + kv_heads]
     assert not qk.is_contiguous()
-    out = rotary_embedding_(qk, reference.rotary_inverse_frequencies(head_dim, theta, device))
+    out = rope_(qk, reference.rope_inverse_frequencies(head_dim, theta, device))
     assert out is qk
     after = qkv.view(batch, seq, q_heads + 2 * kv_heads, head_dim)
     split = q_heads + kv_heads
@@ -71,8 +71,8 @@ def test_packed_qkv_view(dtype, device):
 def test_inverse_undoes_forward(dtype, device):
     x = torch.randn(3, 130, 3, 80, device=device).to(dtype)
     original = x.clone()
-    inv_freq = reference.rotary_inverse_frequencies(80, 10000.0, device)
-    rotary_embedding_(rotary_embedding_(x, inv_freq), inv_freq, inverse=True)
+    inv_freq = reference.rope_inverse_frequencies(80, 10000.0, device)
+    rope_(rope_(x, inv_freq), inv_freq, inverse=True)
     # Rotation is norm-preserving: two rotations, each rounded once to the dtype, move an element by
     # about two ulps of the largest element; fp32 must come back to within a few fp32 ulps.
     ulps = {torch.float32: 8, torch.float16: 4, torch.bfloat16: 4}[dtype]
@@ -84,11 +84,11 @@ def test_inverse_undoes_forward(dtype, device):
 def test_inverse_is_transpose(device):
     """<rope(x), g> == <x, rope_inverse(g)>: the inverse is the backward of the forward."""
     shape, theta = (2, 130, 3, 96), 500000.0
-    inv_freq = reference.rotary_inverse_frequencies(shape[-1], theta, device)
+    inv_freq = reference.rope_inverse_frequencies(shape[-1], theta, device)
     x = torch.randn(shape, device=device)
     g = torch.randn(shape, device=device)
-    lhs = (rotary_embedding_(x.clone(), inv_freq).double() * g.double()).sum().item()
-    rhs = (x.double() * rotary_embedding_(g.clone(), inv_freq, inverse=True).double()).sum().item()
+    lhs = (rope_(x.clone(), inv_freq).double() * g.double()).sum().item()
+    rhs = (x.double() * rope_(g.clone(), inv_freq, inverse=True).double()).sum().item()
     scale = x.double().norm().item() * g.double().norm().item()
     assert abs(lhs - rhs) <= 1e-6 * scale, f"<rope(x), g> = {lhs!r} but <x, rope^T(g)> = {rhs!r}"
 
@@ -101,7 +101,7 @@ def test_angle_is_the_fp32_product(device):
     inv_freq = torch.tensor([0.7310585975646973, 0.4142135679721832], device=device)
     x = torch.randn(1, seq, 1, 4, device=device)
     original = x.clone()
-    rotary_embedding_(x, inv_freq)
+    rope_(x, inv_freq)
 
     def rotate(t, freqs):
         angles = torch.arange(seq, device=device, dtype=t.dtype)[:, None] * freqs[None, :]
@@ -120,25 +120,25 @@ def test_angle_is_the_fp32_product(device):
 @pytest.mark.parametrize("shape", [(0, 5, 2, 8), (2, 0, 2, 8), (2, 5, 0, 8)], ids=str)
 def test_empty(shape, device):
     x = torch.empty(shape, device=device)
-    assert rotary_embedding_(x, reference.rotary_inverse_frequencies(8, 10000.0, device)) is x
+    assert rope_(x, reference.rope_inverse_frequencies(8, 10000.0, device)) is x
 
 
 def test_bad_arguments(device):
-    inv8 = reference.rotary_inverse_frequencies(8, 10000.0, device)
+    inv8 = reference.rope_inverse_frequencies(8, 10000.0, device)
     with pytest.raises(ValueError, match="D=7"):
-        rotary_embedding_(torch.randn(1, 2, 1, 7, device=device), torch.ones(3, device=device))
+        rope_(torch.randn(1, 2, 1, 7, device=device), torch.ones(3, device=device))
     with pytest.raises(ValueError, match="D=258"):
-        rotary_embedding_(torch.randn(1, 2, 1, 258, device=device), torch.ones(129, device=device))
+        rope_(torch.randn(1, 2, 1, 258, device=device), torch.ones(129, device=device))
     x = torch.randn(1, 2, 1, 8, device=device)
     for bad in (inv8[:3].clone(), inv8.double(), inv8.repeat(2)[::2], inv8[None]):
         with pytest.raises(ValueError, match="inv_freq"):
-            rotary_embedding_(x, bad)
+            rope_(x, bad)
     with pytest.raises(ValueError, match="B, N, H, D"):
-        rotary_embedding_(torch.randn(2, 1, 8, device=device), inv8)
+        rope_(torch.randn(2, 1, 8, device=device), inv8)
     with pytest.raises(ValueError, match="contiguous last dim"):
-        rotary_embedding_(torch.randn(1, 2, 1, 16, device=device)[..., ::2], inv8)
+        rope_(torch.randn(1, 2, 1, 16, device=device)[..., ::2], inv8)
     with pytest.raises(ValueError, match="dtype"):
-        rotary_embedding_(torch.randn(1, 2, 1, 8, device=device, dtype=torch.float64), inv8)
+        rope_(torch.randn(1, 2, 1, 8, device=device, dtype=torch.float64), inv8)
 
 
 @pytest.mark.gpu
@@ -147,5 +147,5 @@ def test_many_tokens_gpu(device):
     batch, seq, heads, head_dim, theta = 2, 1 << 18, 3, 64, 10000.0
     x = torch.randn(batch, seq, heads, head_dim, device=device, dtype=torch.bfloat16)
     original = x.clone()
-    rotary_embedding_(x, reference.rotary_inverse_frequencies(head_dim, theta, device))
+    rope_(x, reference.rope_inverse_frequencies(head_dim, theta, device))
     _check_against_references("rope long", x, original, theta, False, torch.bfloat16)

@@ -18,9 +18,10 @@ import torch
 from fused_remat.training import checkpoint as checkpoints
 from fused_remat.training import cli, loop
 from fused_remat.training.checkpoint import CheckpointError, CheckpointWriteError, load_checkpoint, save_checkpoint
-from fused_remat.training.config import TrainConfig, flag_error, parse_size
+from fused_remat.training.config import TrainConfig, parse_size
 from fused_remat.model import preset
 from fused_remat.planner import Precision, explain_policies
+from fused_remat.remat import Remat
 
 UNIFORM_LOSS = math.log(256)
 # Small enough for the interpreter: about a second per step on a CI core.
@@ -178,6 +179,9 @@ def test_corrupt_and_mismatched_checkpoints_are_refused_without_touching_the_run
     (["--preset", "gpt5"], "invalid choice"),
     (["--memory-budget", "lots"], "--memory-budget"),
     (["--lr", "-1"], "--lr"),
+    (["--remat", "lazy"], "--remat must be one of"),
+    (["--remat", "cheap,full,full"], "--remat: got 3 policies for 2 layers"),
+    (["--block", "reference", "--remat", "cheap"], "--remat must be one of none, full, got 'cheap'"),
 ])
 def test_bad_arguments_exit_with_a_usage_error(arguments, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -188,11 +192,8 @@ def test_bad_arguments_exit_with_a_usage_error(arguments, message, tmp_path, cap
 
 @pytest.mark.parametrize("arguments,message", [
     (["--data", "no/such/file.txt"], "--data"),
-    (["--remat", "lazy"], "--remat"),
-    (["--remat", "cheap,full,full"], "3 policies for 2 layers"),
     (["--remat", "auto"], "--memory-budget"),
     (["--remat", "auto", "--memory-budget", "1KiB"], "--memory-budget: 0.0 MiB is below"),
-    (["--block", "reference", "--remat", "cheap"], "'cheap'"),
     (["--resume"], "no checkpoint"),
 ])
 def test_bad_settings_give_a_clear_error(arguments, message, tmp_path, capsys):
@@ -257,12 +258,17 @@ def test_config_fills_defaults_by_device_and_preset():
         TrainConfig.build("cpu", preset="gpt5")
 
 
-def test_library_errors_are_shown_with_the_flag():
-    assert str(flag_error("--memory-budget", ValueError("budget: 1 MiB is below 2 MiB"), "budget")) == \
-        "--memory-budget: 1 MiB is below 2 MiB"
-    assert str(flag_error("--memory-budget", ValueError("--memory-budget: too small"), "budget")) == "--memory-budget: too small"
-    assert str(flag_error("--preset", ValueError("preset must be one of a, b"), "preset")) == "--preset must be one of a, b"
-    assert str(flag_error("--remat", ValueError("Block: remat must be one of"), "remat")) == "--remat: Block: remat must be one of"
+def test_remat_is_parsed_once_into_policies_per_layer():
+    layers = preset("tiny").n_layers
+    assert TrainConfig.build("cpu").remat == (Remat.CHEAP,) * layers
+    assert TrainConfig.build("cpu", remat="full,cheap").remat == (Remat.FULL, Remat.CHEAP)
+    assert all(type(policy) is Remat for policy in TrainConfig.build("cpu", remat="offload").remat)
+    assert TrainConfig.build("cpu", remat="auto").remat is None
+    assert TrainConfig.build("cpu", remat="full", block="reference").remat == (Remat.FULL,) * layers
+    with pytest.raises(ValueError, match=r"^--remat must be one of none, cheap, full, offload, got 'lazy'$"):
+        TrainConfig.build("cpu", remat="lazy")
+    with pytest.raises(ValueError, match=r"^--remat must be one of none, full, got 'auto'$"):
+        TrainConfig.build("cpu", remat="auto", block="reference")
 
 
 def test_python_m_fused_remat_training_is_the_same_cli():

@@ -63,6 +63,7 @@ import transformers  # noqa: F401  (the integration needs it; importing fails ea
 from torch import nn
 
 from fused_remat import TransformerBlock
+from fused_remat.remat import Remat
 
 __all__ = ["FusedDecoderLayer", "UnsupportedByFusedBlock", "apply_fused_remat", "revert_fused_remat"]
 
@@ -216,7 +217,7 @@ class FusedDecoderLayer(TransformerBlock):
     Built by ``apply_fused_remat``; ``to_huggingface()`` gives the original layer back.
     """
 
-    def __init__(self, original: nn.Module, layer_idx: int, config, architecture: _Architecture, remat: str):
+    def __init__(self, original: nn.Module, layer_idx: int, config, architecture: _Architecture, remat: Remat):
         kwargs, dropout, window = architecture.block(config, layer_idx)
         state, layout = _pack(original, architecture.parts)
         param = state["qkv.weight"]
@@ -249,7 +250,7 @@ class FusedDecoderLayer(TransformerBlock):
     @gradient_checkpointing.setter
     def gradient_checkpointing(self, enable: bool) -> None:
         self._checkpointing = bool(enable)
-        self.remat = "full" if enable else self._policy
+        self.remat = Remat.FULL if enable else self._policy
 
     def forward(self, hidden_states, *args, **kwargs):
         arguments = self._signature.bind(self, hidden_states, *args, **kwargs).arguments
@@ -404,12 +405,12 @@ class _Patch:
     own_forward: object  # the base model's instance-level forward before patching, or None
 
 
-def apply_fused_remat(model: nn.Module, remat: str = "cheap") -> nn.Module:
+def apply_fused_remat(model: nn.Module, remat: Remat | str = Remat.CHEAP) -> nn.Module:
     """Swaps every decoder layer of a Hugging Face causal LM, in place, for a ``FusedDecoderLayer``
     (a ``fused_remat.TransformerBlock`` with ``remat``) holding the same weights, packed. Returns
     ``model``. Raises ``UnsupportedByFusedBlock`` for configurations the block cannot compute
     exactly (see the module docstring) before changing anything. Build the optimizer afterwards."""
-    TransformerBlock.check_remat(remat)
+    remat = Remat.parse(remat, owner="apply_fused_remat: remat")
     if getattr(model, "_fused_remat_patch", None) is not None:
         raise ValueError("apply_fused_remat: the model is already patched")
     config = getattr(model, "config", None)

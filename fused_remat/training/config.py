@@ -4,8 +4,8 @@
 ``TrainConfig.build(device_type, **options)`` fills what was left out (``None``) and checks the
 rest; the command line (``training/cli.py``) passes its parsed flags through it, and the benchmark
 (``bench/bench_train.py``) uses it for the trainer's learning rate, weight decay and clipping.
-Its ``ValueError`` messages name the command-line flag, as the CLI shows them unchanged. The
-library's own errors do not name flags: ``flag_error`` rewrites one of them for the CLI.
+Its ``ValueError`` messages name the command-line flag, as the CLI shows them unchanged: where a
+library function checks a value (``--remat``'s policies), it is told the flag's name to use.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 
 from ..backend import BACKENDS
-from ..model import PRESETS, ModelConfig, preset
+from ..model import PRESETS, ModelConfig, preset, resolve_policies
 from ..planner import Precision
+from ..remat import Remat
 
 # What a run does when an option is left out, by device: a short real run either way.
 DEVICE_DEFAULTS = {
@@ -33,16 +34,17 @@ SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(?:([KMGT])(?:I?B)?|B)?\s*", re.IGNORECASE)
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, owner: str = "size") -> int:
     """A byte count from ``text``: a bare number of bytes (``1000000``) or a number with a unit
     K, M, G or T, optionally followed by B or iB, in any case (``800MiB``, ``1.5G``, ``12gb``);
-    the units are powers of 1024. Rounds down to whole bytes; ValueError unless positive."""
+    the units are powers of 1024. Rounds down to whole bytes; ValueError naming ``owner`` unless
+    positive."""
     match = _SIZE.fullmatch(text)
     if match is None:
-        raise ValueError(f"expected a size such as 12GiB, 800MiB or a number of bytes, got {text!r}")
+        raise ValueError(f"{owner}: expected a size such as 12GiB, 800MiB or a number of bytes, got {text!r}")
     size = float(match.group(1)) * SIZE_UNITS[(match.group(2) or "").upper()]
     if not math.isfinite(size) or int(size) < 1:
-        raise ValueError(f"expected a positive size, got {text!r}")
+        raise ValueError(f"{owner}: expected a positive size, got {text!r}")
     return int(size)
 
 
@@ -51,18 +53,6 @@ def describe_size(flag: str, size: int) -> str:
     (sizes take the units K, M, G, T: 800MiB, 40GiB; a bare number is bytes)"."""
     return (f"{flag} was read as {size:,} bytes ({size / 2**20:,.1f} MiB); sizes take the binary units K, M, G, T "
             "(800MiB, 40GiB), and a bare number is bytes")
-
-
-def flag_error(flag: str, error: ValueError, *names: str) -> ValueError:
-    """``error`` as the CLI shows it, led by ``flag`` where the library named the argument by one of
-    ``names``: "budget: 1 MiB is below ..." -> "--memory-budget: 1 MiB is below ...", "preset must
-    be ..." -> "--preset must be ..."; any other message gets "--flag: " in front."""
-    message = str(error)
-    for name in (flag, *names):
-        for separator in (": ", " "):
-            if message.startswith(name + separator):
-                return ValueError(flag + separator + message[len(name) + len(separator):])
-    return ValueError(f"{flag}: {message}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +70,9 @@ class TrainConfig:
     dtype: str
     out: Path
     grad_accum: int = 1
-    remat: str = "cheap"  # a policy, "auto", or a comma list with one policy per layer
+    # --remat: one policy per layer (a policy for all, or a comma list), parsed by ``build``; None
+    # for "auto", planned for --memory-budget when the run starts (it needs the device).
+    remat: tuple[Remat, ...] | None = None
     memory_budget: int | None = None
     block: str = "fused"
     data: str | None = None
@@ -134,10 +126,13 @@ class TrainConfig:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {values['dtype']!r}")
         values["out"] = Path(values.get("out") or f"runs/{values['preset']}")
         if isinstance(values.get("memory_budget"), str):
-            try:
-                values["memory_budget"] = parse_size(values["memory_budget"])
-            except ValueError as error:
-                raise flag_error("--memory-budget", error) from None
+            values["memory_budget"] = parse_size(values["memory_budget"], owner="--memory-budget")
+        remat = values.get("remat", "cheap")
+        if isinstance(remat, str) and remat == "auto" and values.get("block", "fused") == "fused":
+            values["remat"] = None
+        else:
+            values["remat"] = tuple(resolve_policies(remat, PRESETS[values["preset"]].n_layers,
+                                                     values.get("block", "fused"), owner="--remat"))
         if values.get("vocab_size", 1) < 1:
             raise ValueError(f"--vocab-size must be positive, got {values['vocab_size']}")
         return cls(**values)
@@ -152,10 +147,7 @@ class TrainConfig:
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         """The ``preset`` model with ``vocab_size`` tokens."""
-        try:
-            return preset(self.preset, vocab_size=vocab_size)
-        except ValueError as error:
-            raise flag_error("--preset", error, "preset") from None
+        return preset(self.preset, vocab_size=vocab_size)
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -20,29 +20,26 @@ import time
 import torch
 
 from ..backend import requested_backend, use_triton
-from ..model import LanguageModel, ModelConfig, resolve_policies
+from ..model import LanguageModel, ModelConfig
 from ..planner import PLANNED_POLICIES, RematPlan, explain_policies, measure_policy_costs, plan_remat
+from ..remat import Remat
 from . import data as token_data
 from .checkpoint import (CheckpointError, CheckpointWriteError, checkpoint_path, load_newest_checkpoint, promote,
                          remove_stale_partials, save_checkpoint)
-from .config import TrainConfig, describe_size, flag_error
+from .config import TrainConfig, describe_size
 from .distributed import Distributed, load_training_state, training_state, unwrap, wrap_model
 from .reporting import Progress, plot_metrics, read_metrics, write_metrics
 from .step import forward_loss, make_optimizer, train_step
 
 
 def resolve_remat(config: TrainConfig, model_config: ModelConfig, device: torch.device,
-                  run: Distributed) -> tuple[list[str], RematPlan | None]:
+                  run: Distributed) -> tuple[list[Remat], RematPlan | None]:
     """The per-layer policies of ``--remat``, and for fused blocks the plan that explains them
     (printed at the start of a run); ``--remat auto`` plans them for ``--memory-budget``."""
-    layers, precision = model_config.n_layers, config.precision
+    precision = config.precision
     local_seq_len = config.seq_len // run.context_parallel  # the tokens of a sequence one rank holds
-    if config.remat != "auto" or config.block != "fused":
-        remat = config.remat.split(",") if "," in config.remat else config.remat
-        try:
-            policies = resolve_policies(remat, layers, config.block)
-        except ValueError as error:
-            raise flag_error("--remat", error, "remat") from None
+    if config.remat is not None:
+        policies = list(config.remat)
         if config.block != "fused":
             return policies, None
         return policies, explain_policies(model_config, config.batch_size, local_seq_len, precision, policies)
@@ -57,12 +54,11 @@ def resolve_remat(config: TrainConfig, model_config: ModelConfig, device: torch.
         costs, source = None, "FLOP model"
     try:
         plan = plan_remat(model_config, config.batch_size, local_seq_len, precision, budget, costs=costs,
-                          cost_source=source, candidates=PLANNED_POLICIES)
+                          cost_source=source, candidates=PLANNED_POLICIES, owner="--memory-budget")
     except ValueError as error:
-        message = f"{flag_error('--memory-budget', error, 'budget')}"
-        if config.memory_budget is not None:
-            message += f" ({describe_size('--memory-budget', config.memory_budget)})"
-        raise ValueError(message) from None
+        if config.memory_budget is None:
+            raise
+        raise ValueError(f"{error} ({describe_size('--memory-budget', config.memory_budget)})") from None
     return plan.policies, plan
 
 
@@ -309,6 +305,6 @@ def _full(value):
     return value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
-def _summarize(policies: list[str]) -> str:
+def _summarize(policies: list[Remat]) -> str:
     counts = {p: policies.count(p) for p in dict.fromkeys(policies)}
     return ", ".join(f"{p} x{n}" for p, n in counts.items()) if len(counts) > 1 else f"{policies[0]} (all layers)"

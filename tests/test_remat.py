@@ -1,0 +1,73 @@
+"""The remat setting as one type: parsed once where a string enters, asked everywhere below."""
+
+import json
+import pickle
+
+import pytest
+import torch
+
+from fused_remat import LanguageModel, ModelConfig, TransformerBlock, reference
+from fused_remat.block import _BlockCall
+from fused_remat.remat import KEPT_FOR_BACKWARD, Remat, parse_per_layer
+
+
+def test_each_policy_says_what_it_keeps_replays_and_where():
+    every = {k.name for k in KEPT_FOR_BACKWARD}
+    outputs = {"y1", "y2", "a"}
+    assert Remat.NONE.keeps == every
+    assert Remat.CHEAP.keeps == every - outputs
+    assert Remat.FULL.keeps == Remat.OFFLOAD.keeps == {"x"}
+    assert [p for p in Remat if p.replays] == [Remat.FULL, Remat.OFFLOAD]
+    assert [p for p in Remat if p.host_resident] == [Remat.OFFLOAD]
+    assert [p for p in Remat if not p.rebuilds_outputs] == [Remat.NONE]
+    assert [k.name for k in Remat.CHEAP.kept()] == [k.name for k in KEPT_FOR_BACKWARD if k.name not in outputs]
+
+
+def test_a_policy_is_its_name_for_printing_comparing_and_serializing():
+    assert Remat.CHEAP == "cheap" and f"{Remat.FULL:<6}|" == "full  |" and str(Remat.OFFLOAD) == "offload"
+    assert json.loads(json.dumps({"remat": Remat.NONE})) == {"remat": "none"}
+    assert pickle.loads(pickle.dumps(Remat.FULL)) is Remat.FULL
+    assert {Remat.CHEAP: 1}["cheap"] == 1
+
+
+def test_parse_takes_names_and_members_and_refuses_the_rest_naming_the_owner():
+    assert Remat.parse("full") is Remat.FULL and Remat.parse(Remat.CHEAP) is Remat.CHEAP
+    supported = (Remat.NONE, Remat.FULL)
+    with pytest.raises(ValueError, match=r"^--remat must be one of none, full, got 'cheap'$"):
+        Remat.parse("cheap", supported, owner="--remat")
+    for wrong in ("Full", "", None, 1, ["full"]):
+        with pytest.raises(ValueError, match="remat must be one of none, cheap, full, offload"):
+            Remat.parse(wrong)
+
+
+def test_per_layer_lists_come_as_one_name_a_sequence_or_a_comma_list():
+    assert parse_per_layer("cheap", 3) == [Remat.CHEAP] * 3
+    assert parse_per_layer(["full", Remat.CHEAP], 2) == [Remat.FULL, Remat.CHEAP]
+    assert parse_per_layer("offload,full,cheap", 3) == [Remat.OFFLOAD, Remat.FULL, Remat.CHEAP]
+    with pytest.raises(ValueError, match="^layers: got 2 policies for 3 layers$"):
+        parse_per_layer("full,cheap", 3, owner="layers")
+    with pytest.raises(ValueError, match="got 'lazy'"):
+        parse_per_layer(["full", "lazy"], 2)
+
+
+def test_blocks_and_models_hold_members_whatever_they_were_given():
+    block = TransformerBlock(16, 2, remat="full")
+    assert block.remat is Remat.FULL
+    block.remat = "offload"
+    assert block.remat is Remat.OFFLOAD
+    with pytest.raises(ValueError, match="^TransformerBlock: remat must be one of none, cheap, full, offload, got 'x'$"):
+        block.remat = "x"
+    assert block.remat is Remat.OFFLOAD, "a refused setting leaves the block as it was"
+    assert reference.TransformerBlock(16, 2).remat is Remat.NONE
+    model = LanguageModel(ModelConfig(dim=16, n_layers=3, n_heads=2), "full,cheap,none")
+    assert model.remat == [Remat.FULL, Remat.CHEAP, Remat.NONE]
+    assert all(type(policy) is Remat for policy in model.remat)
+
+
+def test_the_custom_ops_take_the_policy_by_name_and_get_the_member_back():
+    call = _BlockCall(batch=1, seq=2, dim=8, n_heads=2, n_kv_heads=2, head_dim=4, ffn_dim=32, rms=True,
+                      activation="gelu", causal=True, eps=1e-5, rope_theta=None, remat=Remat.OFFLOAD,
+                      compute_dtype=torch.float32)
+    args = call.op_args()
+    assert type(args[4]) is str and args[4] == "offload", "an operator's schema takes a plain string"
+    assert _BlockCall.from_op_args(*args) == call
