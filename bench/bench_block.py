@@ -25,7 +25,7 @@ TFLOP/s counts the step's model FLOPs, the same for every provider (what ``full`
 ``checkpoint`` recompute is not counted): matmuls 6 x T x P, with T = B x N tokens and P the
 matmul weights (qkv, out_proj, fc1, fc2; no biases or norm weights), plus causal attention's
 forward and backward (``fused_remat.flops.attention_flops``: 4 x B x H x N^2 x D / 2 forward,
-times 3.5 for forward and backward, DESIGN.md's convention).
+times 3.5 for forward and backward, docs/design.md's convention).
 The ceiling is the measured bf16 matmul rate.
 
 Memory, per step:

@@ -2,7 +2,7 @@
 
 A matrix product costs 2 FLOPs per multiply-add; its backward twice the forward. Attention's
 forward is 4 B H Nq Nk D (the two products), half of it when causal; its backward is 2.5x the
-forward (DESIGN.md, as FlashAttention reports it).
+forward (docs/design.md, as FlashAttention reports it).
 """
 
 from __future__ import annotations

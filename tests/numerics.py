@@ -1,4 +1,4 @@
-"""The error rule of DESIGN.md: against a float64 reference, the kernel's error may be at most twice
+"""The error rule of docs/design.md: against a float64 reference, the kernel's error may be at most twice
 the error of plain PyTorch computing the same thing in the input dtype, plus a tiny floor."""
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ def test_block_in_half_precision(case, dtype, device, triton_backend):
 
 
 # ------------------------------------------------------------------------------------------------
-# Memory contract (DESIGN.md): bytes autograd keeps per token, from the difference of two lengths.
+# Memory contract (docs/design.md, fused_remat.remat): bytes autograd keeps per token, from the difference of two lengths.
 # ------------------------------------------------------------------------------------------------
 
 MEMORY_DIM, MEMORY_HEADS, MEMORY_KV, MEMORY_FFN = 64, 4, 2, 96
@@ -139,7 +139,7 @@ def _bytes_per_token(block, dtype, device, batch=2, lengths=(16, 40)):
 
 
 def test_the_block_table_is_design_md_contract():
-    """DESIGN.md's figures for a GPT-style block (MHA, LayerNorm, GELU, F = 4h, bf16): 32h bytes per
+    """docs/design.md's figures for a GPT-style block (MHA, LayerNorm, GELU, F = 4h, bf16): 32h bytes per
     token for ``none``, 20h for ``cheap``, 2h for ``full``, plus the fp32 lse (4 per head) and the
     statistics (8 per LayerNorm)."""
     h, heads = 768, 12
