@@ -435,15 +435,27 @@ def test_ring_attention_rejects_bad_inputs_in_the_same_words(make, error, match)
         ring_attention(**make())
 
 
+def test_launchers_refuse_a_strided_last_dim(device):
+    """The launchers trust the shapes check_attention_args accepted, but refuse what a launch cannot
+    express: the kernels take no stride for the last dim."""
+    from fused_remat.kernels.attention import attention_bwd, attention_fwd
+
+    q, k, v = (t.detach() for t in _inputs(1, 2, 1, 16, 16, 16, F32, device))
+    with pytest.raises(ValueError, match=r"^k must be contiguous in its last dim"):
+        attention_fwd(q, k.transpose(2, 3), v, False, 0.25)
+    o, lse = attention_fwd(q, k, v, False, 0.25)
+    with pytest.raises(ValueError, match=r"^o must be contiguous in its last dim"):
+        attention_bwd(torch.randn_like(o), q, k, v, o.transpose(2, 3), lse, False, 0.25)
+
+
 @pytest.mark.parametrize("dtype", [F16, BF16, F32], ids=str)
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 256])
 def test_gpu_autotune_pruning_leaves_configs(dtype, head_dim):
     """Every (dtype, HEAD_DIM) keeps at least one configuration within the shared-memory budget."""
-    from fused_remat.kernels import attention as kernels
+    from fused_remat.kernels import attention_configs as tuning
 
-    for configs, prune in ((kernels._FWD_CONFIGS, kernels._FWD_PRUNE), (kernels._DQ_CONFIGS, kernels._DQ_PRUNE),
-                           (kernels._DKDV_CONFIGS, kernels._DKDV_PRUNE)):
-        kept = prune(configs, {"Q": torch.empty(0, dtype=dtype)}, HEAD_DIM=head_dim)
+    for kernel in tuning.KERNELS:
+        kept = tuning.PRUNERS[kernel](tuning.CONFIGS[kernel], {"Q": torch.empty(0, dtype=dtype)}, HEAD_DIM=head_dim)
         assert kept and all(min(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) >= 16 for c in kept)
 
 

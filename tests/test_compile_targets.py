@@ -45,8 +45,8 @@ from bench.static import main as static_main
 
 FULL = os.environ.get("FUSED_REMAT_COMPILE_ALL") == "1"
 PROPERTIES = ("fits", "no_spills", "few_spills", "hgmma", "not_serialized", "work_once", "copy_engine")
-# fp32 attention's spill budget per thread by head dim (bytes): its tiles (kernels/attention.py,
-# _FP32_SHAPES) measured 0-44 B at D 64/128 and 376-448 B at D=256 (fwd and dQ) on Triton 3.6/3.9.
+# fp32 attention's spill budget per thread by head dim (bytes): its tiles (kernels/attention_configs.py,
+# FP32_SHAPES) measured 0-44 B at D 64/128 and 376-448 B at D=256 (fwd and dQ) on Triton 3.6/3.9.
 FP32_SPILL_BUDGET = {64: 64, 128: 64, 256: 512}
 MMA_KERNELS = ("_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv")
 
@@ -62,7 +62,7 @@ CI_CASES = [
 ]
 # On sm_90a only (Hopper's own picks): the largest forward tile, dK/dV with GQA at D=128, where the
 # larger dK/dV tiles spill, the dK/dV tile with the fewest instructions per multiply-add, and fp32
-# (FFMA dots, the small tiles of _FP32_SHAPES).
+# (FFMA dots, the small tiles of FP32_SHAPES).
 CI_SM90_CASES = [
     Case("attention_fwd", "bfloat16", 128, causal=True, config=(128, 128, 8, 3)),
     Case("attention_bwd", "bfloat16", 128, causal=True, gqa=True, config=(128, 32, 8, 3), dkdv_config=(16, 128, 8, 3)),
@@ -81,15 +81,15 @@ def picked_configs(kernel: str, target: str, dtype: str, head_dim: int, causal: 
     import torch
 
     from bench.static import ARCHS, compiling_for
-    from fused_remat.kernels import attention
+    from fused_remat.kernels import attention_configs
 
-    configs = getattr(attention, f"_{kernel.upper()}_CONFIGS")
-    prune = getattr(attention, f"_{kernel.upper()}_PRUNE")
+    configs = attention_configs.CONFIGS[kernel]
+    prune = attention_configs.PRUNERS[kernel]
     q = torch.empty(1, 1, 1, head_dim, device="meta", dtype=getattr(torch, dtype))
     with compiling_for(ARCHS[target]):
         kept = prune(configs, {"Q": q, "GROUP": 4 if gqa else 1}, HEAD_DIM=max(16, 1 << (head_dim - 1).bit_length()),
                      CAUSAL=causal)
-    return [attention._shape(c) for c in kept]
+    return [attention_configs.config_shape(c) for c in kept]
 
 
 def _full_cases() -> list[tuple[Case, str]]:
@@ -130,7 +130,7 @@ def _kernels(case: Case) -> tuple[str, ...]:
 def known_failure(case: Case, target: str, kernel: str, prop: str) -> str | None:
     """Why a goal is not met today, or None where it must hold. Spills, HMMA fallbacks and
     repeated matrix work are not here: the attention autotuner's pruning leaves out, per target, every
-    configuration that shows them (kernels/attention.py, _SHAPES and _SPILLS), so every configuration
+    configuration that shows them (kernels/attention_configs.py, SHAPES and SPILLS), so every configuration
     it can pick is asserted to have none, but for dK/dV at D=256, where no tile avoids spilling (the
     pruning then keeps those that fit). fp16 is assumed to behave as bf16, and the fp32 entries
     (full set only) follow earlier measurements, not a run of these tests."""
