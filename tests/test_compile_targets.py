@@ -123,7 +123,7 @@ def _kernels(case: Case) -> tuple[str, ...]:
         "layer_norm_fwd": ("_norm_fwd",), "rms_norm_fwd": ("_norm_fwd",),
         "layer_norm_bwd": ("_norm_bwd",), "rms_norm_bwd": ("_norm_bwd",),
         "gelu_fwd": ("_gelu",), "gelu_bwd": ("_gelu",), "swiglu_fwd": ("_swiglu",), "swiglu_bwd": ("_swiglu",),
-        "rope": ("_rotary_embedding",),
+        "rope": ("_rope",),
     }[case.op]
 
 
@@ -225,7 +225,7 @@ def test_every_kernel_has_cases():
     """The sets above name every Triton kernel of the launchers (a new kernel needs a case here)."""
     named = {k for c, _ in CI_PAIRS for k in _kernels(c)} | {"_norm_fwd", "_gelu"}
     assert set(ATTENTION_KERNELS) <= named
-    assert {"_attn_bwd_preprocess", "_norm_fwd", "_norm_bwd", "_gelu", "_swiglu", "_rotary_embedding"} <= named
+    assert {"_attn_bwd_preprocess", "_norm_fwd", "_norm_bwd", "_gelu", "_swiglu", "_rope"} <= named
 
 
 HOPPER_SHAPES = [(dtype, dim, causal, gqa) for dtype in ("bfloat16", "float16") for dim in (64, 128)
