@@ -10,7 +10,7 @@ import torch
 
 from . import custom_ops, reference
 from .backend import use_triton
-from .checks import check_same_device, check_same_dtype, check_tensor
+from .kernels.limits import check_same_device, check_same_dtype, check_tensor
 
 
 class _Gelu(torch.autograd.Function):

@@ -20,7 +20,6 @@ from .kernels.limits import INTERPRET_ENV, triton_interpreting
 
 BACKEND_ENV = "FUSED_REMAT_BACKEND"
 BACKENDS = ("auto", "triton", "reference")
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def requested_backend() -> str:

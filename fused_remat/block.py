@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from . import context_parallel, custom_ops, offload, reference
-from .backend import SUPPORTED_DTYPES, use_triton
+from .backend import use_triton
+from .kernels.limits import SUPPORTED_DTYPES
 from .remat import COMPUTE, FP32, KEPT_FOR_BACKWARD, RESIDUAL, Kept, Remat
 
 _OP = "TransformerBlock"

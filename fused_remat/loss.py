@@ -41,7 +41,7 @@ import math
 
 import torch
 
-from .checks import check_same_device, check_tensor
+from .kernels.limits import check_same_device, check_tensor
 from .custom_ops import first_order_only
 
 _OP = "linear_cross_entropy"

@@ -10,7 +10,7 @@ import torch
 
 from . import custom_ops, reference
 from .backend import use_triton
-from .checks import check_same_device, check_tensor
+from .kernels.limits import check_same_device, check_tensor
 from .kernels.limits import MAX_NORM_WIDTH
 
 

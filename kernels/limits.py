@@ -1,7 +1,9 @@
 """What the op library must know about the kernels before it launches one, without importing triton.
 
-``fused_remat`` validates arguments and picks a backend from these; importing this module must
-not import triton, so that ``TRITON_INTERPRET=1`` set after ``import fused_remat`` still takes effect.
+``fused_remat`` validates arguments and picks a backend from these: the limits, whether Triton
+interprets, and the argument checks (every error names the op and the argument). Importing this
+module must not import triton, so that ``TRITON_INTERPRET=1`` set after ``import fused_remat`` still
+takes effect.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import torch
 MAX_HEAD_DIM = 256  # attention pads the head dim to a power of two up to this
 MAX_NORM_WIDTH = 65536  # the norm kernels stream rows of up to this many columns
 INTERPRET_ENV = "TRITON_INTERPRET"
-ATTENTION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the attention kernels compile for
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what every kernel compiles for
+_DTYPE_NAMES = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
 
 
 def triton_interpreting() -> bool:
@@ -26,30 +29,46 @@ def triton_interpreting() -> bool:
     return os.environ.get(INTERPRET_ENV, "0") == "1"
 
 
+def check_tensor(op: str, name: str, value) -> torch.Tensor:
+    """``value`` if it is a tensor of a supported floating dtype, else an error naming ``name``."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise TypeError(f"{op}: {name} must be a floating-point tensor ({_DTYPE_NAMES}), got {value.dtype}")
+    if value.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{op}: {name} has dtype {value.dtype}; supported: {_DTYPE_NAMES}")
+    return value
+
+
+def check_same_device(op: str, reference_name: str, reference: torch.Tensor, **others: torch.Tensor | None) -> None:
+    for name, other in others.items():
+        if other is not None and other.device != reference.device:
+            raise ValueError(
+                f"{op}: {name} is on {other.device} but {reference_name} is on {reference.device}; "
+                "all tensors must be on one device"
+            )
+
+
+def check_same_dtype(op: str, reference_name: str, reference: torch.Tensor, **others: torch.Tensor) -> None:
+    for name, other in others.items():
+        if other.dtype != reference.dtype:
+            raise TypeError(f"{op}: {name} has dtype {other.dtype} but {reference_name} has {reference.dtype}; they must match")
+
+
 def check_attention_args(op: str, q, k, v, scale=None) -> float:
     """Validate the arguments of an attention op and return the softmax scale to use.
 
     The one check of attention inputs: the public op and ring attention call it before their
     kernels run; the launchers in ``kernels/attention.py`` trust it (see ``attention_fwd``). q is
     (B, Hq, Nq, D) and k, v are (B, Hkv, Nk, D) tensors of one floating dtype the kernels compile for
-    (ATTENTION_DTYPES), on one device, with Hq a multiple of Hkv, D in 1..MAX_HEAD_DIM, Nq and Nk
+    (SUPPORTED_DTYPES), on one device, with Hq a multiple of Hkv, D in 1..MAX_HEAD_DIM, Nq and Nk
     at least 1, and a contiguous last dim (other strides free). ``scale`` None gives 1/sqrt(D);
     otherwise a finite real number. Every error starts with ``op`` and names the argument."""
-    names = ", ".join(str(d).removeprefix("torch.") for d in ATTENTION_DTYPES)
     tensors = (("q", q), ("k", k), ("v", v))
     for name, t in tensors:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{op}: {name} must be a floating-point tensor ({names}), got {t.dtype}")
-        if t.dtype not in ATTENTION_DTYPES:
-            raise TypeError(f"{op}: {name} has dtype {t.dtype}; supported: {names}")
-    for name, t in tensors[1:]:
-        if t.device != q.device:
-            raise ValueError(f"{op}: {name} is on {t.device} but q is on {q.device}; all tensors must be on one device")
-    for name, t in tensors[1:]:
-        if t.dtype != q.dtype:
-            raise TypeError(f"{op}: {name} has dtype {t.dtype} but q has {q.dtype}; they must match")
+        check_tensor(op, name, t)
+    check_same_device(op, "q", q, k=k, v=v)
+    check_same_dtype(op, "q", q, k=k, v=v)
     for name, t in tensors:
         if t.dim() != 4:
             raise ValueError(f"{op}: {name} must be 4-D (B, H, N, D), got shape {tuple(t.shape)}")
