@@ -171,6 +171,22 @@ def test_configurations_the_block_cannot_honour_are_refused():
             vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64)))
 
 
+def test_a_layer_refused_on_its_weights_leaves_the_model_as_it_was():
+    model = _model("llama", num_hidden_layers=3)
+    model.model.layers[2].self_attn.k_proj.weight.requires_grad_(False)  # packed with trainable q and v
+    before = {name: (param, param.requires_grad) for name, param in model.named_parameters()}
+    classes = [type(layer) for layer in model.model.layers]
+    with pytest.raises(UnsupportedByFusedBlock, match="frozen while others are not"):
+        apply_fused_remat(model)
+    assert [type(layer) for layer in model.model.layers] == classes
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys()
+    for name, (param, requires_grad) in before.items():
+        assert torch.equal(after[name], param) and after[name].requires_grad == requires_grad, name
+    assert getattr(model, "_fused_remat_patch", None) is None
+    apply_fused_remat(model.requires_grad_(True))  # and it can be patched once the weights are consistent
+
+
 def test_calls_the_layers_cannot_honour_are_refused():
     window = apply_fused_remat(_model("mistral", sliding_window=8))
     with pytest.raises(UnsupportedByFusedBlock, match="sliding_window=8 with a sequence of 12"):

@@ -409,7 +409,9 @@ def apply_fused_remat(model: nn.Module, remat: Remat | str = Remat.CHEAP) -> nn.
     """Swaps every decoder layer of a Hugging Face causal LM, in place, for a ``FusedDecoderLayer``
     (a ``fused_remat.TransformerBlock`` with ``remat``) holding the same weights, packed. Returns
     ``model``. Raises ``UnsupportedByFusedBlock`` for configurations the block cannot compute
-    exactly (see the module docstring) before changing anything. Build the optimizer afterwards."""
+    exactly (see the module docstring), leaving the model as it was: the config is checked before
+    any layer changes, and a layer refused on its weights puts the layers swapped before it back.
+    Build the optimizer afterwards."""
     remat = Remat.parse(remat, owner="apply_fused_remat: remat")
     if getattr(model, "_fused_remat_patch", None) is not None:
         raise ValueError("apply_fused_remat: the model is already patched")
@@ -423,10 +425,19 @@ def apply_fused_remat(model: nn.Module, remat: Remat | str = Remat.CHEAP) -> nn.
     for index in range(len(layers)):
         architecture.block(config, index)  # every configuration refusal before anything changes
     checkpointing = bool(getattr(base, "gradient_checkpointing", False))
-    for index in range(len(layers)):
-        fused = FusedDecoderLayer(layers[index], index, config, architecture, remat)
-        layers[index] = fused  # drops the Hugging Face layer: its unpacked weights go with it
-        fused.gradient_checkpointing = checkpointing
+    swapped = 0
+    try:
+        for index in range(len(layers)):
+            fused = FusedDecoderLayer(layers[index], index, config, architecture, remat)
+            layers[index] = fused  # drops the Hugging Face layer: its unpacked weights go with it
+            fused.gradient_checkpointing = checkpointing
+            swapped += 1
+    except Exception:
+        # A layer refused on its weights (a packed piece frozen or without a bias while another is
+        # not) after earlier layers were swapped: put those back, so a refused model is unchanged.
+        for index in range(swapped):
+            layers[index] = layers[index].to_huggingface()
+        raise
     own_forward = base.__dict__.get("forward")
     base.forward = _checked_forward(base, base.forward)
     model._fused_remat_patch = _Patch(base, layers, own_forward)
