@@ -3,7 +3,9 @@
 torch.compile treats a custom operator as one opaque node: it never traces into the Triton
 launch (which it cannot do through the interpreter) and learns output shapes from the fake
 implementation registered beside each op. The autograd Functions of the ops and the block call
-only these, so ``torch.compile(..., fullgraph=True)`` traces them without a graph break.
+only these, so ``torch.compile(..., fullgraph=True)`` traces them without a graph break. (Ring
+attention, ``fused_remat.context_parallel``, calls the attention launchers directly: it runs inside
+the block's own custom operators or under its own Function; see docs/design.md.)
 
 A custom operator returns tensors only, never None and never a view of an input: an output that
 a call does not produce (the mean of an RMSNorm, a bias gradient without bias, an output not asked

@@ -10,7 +10,8 @@ takes the log-sum-exp and the loss, and then, while the chunk's logits are at ha
 place into ``softmax - onehot`` and multiplies them out into both gradients (the approach of
 Liger-Kernel's fused linear cross-entropy). Nothing is recomputed in backward.
 
-Saved for backward, in ``_LinearCrossEntropyFunction.forward`` only:
+Saved for backward, in ``_setup_loss_context`` only (the autograd of the custom operator
+``fused_remat::linear_cross_entropy_fwd``):
 
 - ``dhidden``: hidden's shape and dtype (when hidden requires grad);
 - ``dweight``: (V, dim) in fp32 whatever weight's dtype (when weight requires grad): the fp32
