@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from . import context_parallel, custom_ops, offload, reference
 from .backend import use_triton
+from .flops import attention_op_flops, flop_formula, matmul_flops, visible_pairs
 from .kernels.limits import SUPPORTED_DTYPES
 from .remat import COMPUTE, FP32, KEPT_FOR_BACKWARD, RESIDUAL, Kept, Remat
 
@@ -261,6 +262,48 @@ def _block_bwd(dy: torch.Tensor, x: torch.Tensor, kept: list[torch.Tensor], para
 @_block_bwd.register_fake
 def _(dy, x, kept, params, has_param, needs, sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel):
     return [torch.empty_like(x), *(torch.empty_like(p) if need else x.new_empty(0) for p, need in zip(params, needs))]
+
+
+# What the block operators run, for FlopCounterMode (which does not see inside a custom operator):
+# the four linear layers and attention; norms, activations and RoPE are element-wise, not counted.
+def _linear_shapes(g: _BlockCall) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each linear layer."""
+    widths = block_widths(g.dim, g.n_heads, g.n_kv_heads, g.ffn_dim, g.norm, g.activation)
+    return {"qkv": (g.dim, widths["qkv"]), "out_proj": (g.n_heads * g.head_dim, g.dim),
+            "fc1": (g.dim, widths["pre_activation"]), "fc2": (widths["ffn"], g.dim)}
+
+
+def _attention_pairs(g: _BlockCall) -> int:
+    """(query, key) pairs per sequence and head this process computes: under context parallelism its
+    share of the whole sequence's, which the zigzag layout makes equal on every rank."""
+    group = g.context_parallel_group()
+    world = 1 if group is None else group.size()
+    return visible_pairs(g.seq * world, g.seq * world, g.causal) // world
+
+
+def _forward_flops(g: _BlockCall, finish: bool) -> int:
+    """The forward (``finish=False``: the replay, which stops after fc1)."""
+    layers = ("qkv", "out_proj", "fc1", "fc2") if finish else ("qkv", "out_proj", "fc1")
+    linear = sum(matmul_flops(g.tokens, *_linear_shapes(g)[name]) for name in layers)
+    return linear + attention_op_flops(g.batch, g.n_heads, g.head_dim, _attention_pairs(g))
+
+
+@flop_formula("block_fwd", get_raw=True)
+def _(x, params, has_param, sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel, **_) -> int:
+    return _forward_flops(_BlockCall.from_op_args(sizes, eps, rope_theta, activation, remat, compute_dtype,
+                                                  context_parallel), finish=True)
+
+
+@flop_formula("block_bwd", get_raw=True)
+def _(dy, x, kept, params, has_param, needs, sizes, eps, rope_theta, activation, remat, compute_dtype,
+      context_parallel, **_) -> int:
+    g = _BlockCall.from_op_args(sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel)
+    needed = dict(zip((name for name, has in zip(_PARAMETERS, has_param) if has), needs))
+    # Each linear layer's input gradient always (it carries dx), its weight gradient where asked.
+    linear = sum(matmul_flops(g.tokens, *shape) * (1 + needed.get(f"{name}.weight", False))
+                 for name, shape in _linear_shapes(g).items())
+    attention = attention_op_flops(g.batch, g.n_heads, g.head_dim, _attention_pairs(g), backward=True)
+    return linear + attention + (_forward_flops(g, finish=False) if g.remat.replays else 0)
 
 
 def _with_absent(params, has_param) -> list[torch.Tensor | None]:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .flops import attention_op_flops, flop_formula, visible_pairs
+
 
 def _op(name: str, mutates_args=()):
     return torch.library.custom_op(f"fused_remat::{name}", mutates_args=mutates_args)
@@ -130,6 +132,12 @@ def _(q, k, v, causal, scale):
     return _like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
+@flop_formula("attention_fwd")
+def _(q_shape, k_shape, v_shape, causal, *_, **__) -> int:
+    batch, q_heads, q_len, head_dim = q_shape
+    return attention_op_flops(batch, q_heads, head_dim, visible_pairs(q_len, k_shape[2], causal))
+
+
 @_op("attention_bwd")
 def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Tensor | None,
                   causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -142,6 +150,20 @@ def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
 @attention_bwd.register_fake
 def _(do, q, k, v, o, lse, dlse, causal, scale):
     return (_like(q), _like(k), _like(v))
+
+
+@flop_formula("attention_bwd")
+def _(do_shape, q_shape, k_shape, v_shape, o_shape, lse_shape, dlse_shape, causal, *_, **__) -> int:
+    batch, q_heads, q_len, head_dim = q_shape
+    return attention_op_flops(batch, q_heads, head_dim, visible_pairs(q_len, k_shape[2], causal), backward=True)
+
+
+def packed_attention_flops(tokens: int, width: int, batch: int, n_heads: int, n_kv_heads: int, causal: bool,
+                           backward: bool = False) -> int:
+    """FLOPs of attention on a packed (T, (Hq + 2 Hkv) D) qkv of ``batch`` equal sequences."""
+    seq = tokens // batch
+    head_dim = width // (n_heads + 2 * n_kv_heads)
+    return attention_op_flops(batch, n_heads, head_dim, visible_pairs(seq, seq, causal), backward)
 
 
 def split_heads(qkv: Tensor, batch: int, n_heads: int, n_kv_heads: int):
@@ -175,6 +197,11 @@ def _(qkv, batch, n_heads, n_kv_heads, causal, scale):
     return qkv.new_empty(qkv.shape[0], n_heads * head_dim), lse
 
 
+@flop_formula("attention_packed_fwd")
+def _(qkv_shape, batch, n_heads, n_kv_heads, causal, *_, **__) -> int:
+    return packed_attention_flops(*qkv_shape, batch, n_heads, n_kv_heads, causal)
+
+
 @_op("attention_packed_bwd")
 def attention_packed_bwd(do: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, batch: int, n_heads: int,
                          n_kv_heads: int, causal: bool, scale: float) -> Tensor:
@@ -191,6 +218,11 @@ def attention_packed_bwd(do: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, batch:
 @attention_packed_bwd.register_fake
 def _(do, qkv, o, lse, batch, n_heads, n_kv_heads, causal, scale):
     return torch.empty_like(qkv)
+
+
+@flop_formula("attention_packed_bwd")
+def _(do_shape, qkv_shape, o_shape, lse_shape, batch, n_heads, n_kv_heads, causal, *_, **__) -> int:
+    return packed_attention_flops(*qkv_shape, batch, n_heads, n_kv_heads, causal, backward=True)
 
 
 @_op("rope_qk_", mutates_args=("qkv",))

@@ -42,8 +42,9 @@ import math
 
 import torch
 
-from .kernels.limits import check_same_device, check_tensor
 from .custom_ops import first_order_only
+from .flops import flop_formula, matmul_flops
+from .kernels.limits import check_same_device, check_tensor
 
 _OP = "linear_cross_entropy"
 
@@ -163,6 +164,15 @@ def _(hidden, weight, targets, ignore_index, chunk_tokens, compute_dtype, want_d
     dhidden = torch.empty_like(hidden) if want_dhidden else hidden.new_empty(0)
     dweight = weight.new_empty(weight.shape, dtype=torch.float32) if want_dweight else hidden.new_empty(0, dtype=torch.float32)
     return scalar, dhidden, dweight, torch.empty_like(scalar)
+
+
+@flop_formula("linear_cross_entropy_fwd")
+def _(hidden_shape, weight_shape, targets_shape, ignore_index, chunk_tokens, compute_dtype, want_dhidden,
+      want_dweight, **_) -> int:
+    """The logits, and the two gradient products the forward makes while it has them (the backward
+    only scales what the forward made)."""
+    logits = matmul_flops(hidden_shape[0], hidden_shape[1], weight_shape[0])
+    return logits * (1 + want_dhidden + want_dweight)
 
 
 def _setup_loss_context(ctx, inputs, output):
