@@ -153,18 +153,21 @@ def _approximation(g: _BlockCall) -> str:
     return "tanh" if g.activation == "gelu_tanh" else "none"
 
 
-def _forward_pass(x: torch.Tensor, w: _Weights, g: _BlockCall, finish: bool):
+def _forward_pass(x: torch.Tensor, w: _Weights, g: _BlockCall, finish: bool, attention=None):
     """Runs the block on x (T, dim). Returns (activations, y (T, dim) or None).
 
     The norm and activation outputs are held on to where the policy keeps them (``none``);
-    ``finish=False`` stops after fc1, which is all a backward replay needs."""
+    ``finish=False`` stops after fc1, which is all a backward replay needs, and ``attention``, the
+    kept (o, lse) of the same x, stands in for attention's forward."""
     keep_outputs = not g.remat.rebuilds_outputs
     y1, mean1, rstd1, _ = _norm_forward(x, w.norm1, g)
     qkv = F.linear(y1, w.qkv, w.qkv_bias)
     if g.rope_theta is not None:
         _rope_qk_(qkv, g, inverse=False)
     group = g.context_parallel_group()
-    if group is None:
+    if attention is not None:
+        o, lse = attention
+    elif group is None:
         o, lse = custom_ops.attention_packed_fwd(qkv, g.batch, g.n_heads, g.n_kv_heads, g.causal, g.head_dim**-0.5)
     else:
         o = qkv.new_empty(g.tokens, g.n_heads * g.head_dim)
@@ -249,11 +252,13 @@ def _block_bwd(dy: torch.Tensor, x: torch.Tensor, kept: list[torch.Tensor], para
     needed = dict(zip((name for name, has in zip(_PARAMETERS, has_param) if has), needs))
     with torch.autocast(dy.device.type, enabled=False):
         w = _Weights(list(named.values()), compute_dtype)
+        kept_acts = {k.name: t for k, t, keeps in zip(_SLOTS, kept, _slots_kept(g.remat)) if keeps}
         if g.remat.replays:
             # The same kernels on the same x give bitwise the same activations.
-            acts, _ = _forward_pass(x, w, g, finish=False)
+            attention = None if g.remat.replays_attention else (kept_acts["o"], kept_acts["lse"])
+            acts, _ = _forward_pass(x, w, g, finish=False, attention=attention)
         else:
-            acts = _Activations(**{k.name: t for k, t, keeps in zip(_SLOTS, kept, _slots_kept(g.remat)) if keeps})
+            acts = _Activations(**kept_acts)
         needs = {name: needed.get(name, False) for name in _PARAMETERS}
         grads = _backward_pass(dy.contiguous(), x, acts, w, g, needs, named)
     return [grads["x"], *(grads.get(name, x.new_empty(0)) for name in needed)]
@@ -282,9 +287,12 @@ def _attention_pairs(g: _BlockCall) -> int:
 
 
 def _forward_flops(g: _BlockCall, finish: bool) -> int:
-    """The forward (``finish=False``: the replay, which stops after fc1)."""
+    """The forward (``finish=False``: the replay, which stops after fc1 and runs attention only
+    where the policy did not keep its results)."""
     layers = ("qkv", "out_proj", "fc1", "fc2") if finish else ("qkv", "out_proj", "fc1")
     linear = sum(matmul_flops(g.tokens, *_linear_shapes(g)[name]) for name in layers)
+    if not (finish or g.remat.replays_attention):
+        return linear
     return linear + attention_op_flops(g.batch, g.n_heads, g.head_dim, _attention_pairs(g))
 
 
@@ -431,15 +439,18 @@ class TransformerBlock(reference.TransformerBlock):
     either's state dict into the other), plus ``remat``, a ``Remat`` or its name (settable between
     steps): ``"cheap"`` (default) keeps x, qkv, the attention output and log-sum-exp, h, the fc1
     output and the norm statistics, and rebuilds norm and activation outputs inside the backward
-    kernels; ``"none"`` also keeps those (what an eager block keeps); ``"full"`` keeps only x and
-    replays the forward in backward; ``"offload"`` is ``full`` with x in pinned host memory, copied
-    there and back on a side stream (``fused_remat.offload``; under torch.compile the block then
-    runs eagerly, a graph break).
+    kernels; ``"none"`` also keeps those (what an eager block keeps); ``"selective"`` keeps x and
+    attention's output and log-sum-exp and replays the rest of the forward up to fc1 in backward;
+    ``"full"`` keeps only x and replays the forward, attention included; ``"offload"`` is ``full``
+    with x in pinned host memory, copied there and back on a side stream (``fused_remat.offload``;
+    under torch.compile the block then runs eagerly, a graph break). ``fused_remat.remat`` tells
+    each policy's bytes.
 
     x: (B, N, dim) in fp16, bf16 or fp32, the parameters' dtype — or any float parameters under
     ``torch.autocast``, which runs the matmuls and attention in the autocast dtype while x, h and y
     stay in x's dtype. CUDA runs compiled Triton; CPU runs the Triton interpreter under
-    ``TRITON_INTERPRET=1`` and otherwise the reference block (``full`` through torch.utils.checkpoint).
+    ``TRITON_INTERPRET=1`` and otherwise the reference block (the policies that replay through
+    torch.utils.checkpoint).
 
     ``context_parallel`` (attribute, default None): a process group over which every sequence is
     split (``fused_remat.context_parallel``): x is then this rank's two zigzag chunks (B, 2C, dim),
@@ -476,7 +487,7 @@ class TransformerBlock(reference.TransformerBlock):
                 raise RuntimeError(f"{_OP}: context parallelism runs the Triton kernels only (CUDA, or the interpreter "
                                    f"with TRITON_INTERPRET=1 on CPU); this call would use the reference block")
         if not use_triton(_OP, x.device):
-            return super().forward(x)  # the reference math; ``full`` and ``offload`` through torch.utils.checkpoint
+            return super().forward(x)  # the reference math; a policy that replays through torch.utils.checkpoint
         params = [self._parameter(name) for name in _PARAMETERS]
         call = _BlockCall(
             batch=x.shape[0], seq=x.shape[1], dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,

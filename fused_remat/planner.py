@@ -1,10 +1,12 @@
-"""The remat planner: which layers run ``full`` and which ``cheap`` so that activations fit a budget.
+"""The remat planner: which policy each layer runs so that activations fit a budget.
 
-Per layer, the memory contract (``fused_remat.remat``, docs/design.md) gives the bytes each policy keeps for backward, and a cost
-model gives the extra compute each policy adds to the layer's training step: ``cheap`` rebuilds
-only element-wise intermediates inside kernels that run anyway (no extra matrix products), while
-``full`` replays the forward up to fc1 (a quarter to a third of the layer's step). Either the FLOP model
-below or timings measured on the device (``measure_policy_costs``) supply those costs.
+Per layer, the memory contract (``fused_remat.remat``, docs/design.md) gives the bytes each policy
+keeps for backward, and a cost model gives the extra compute each policy adds to the layer's
+training step: ``cheap`` rebuilds only element-wise intermediates inside kernels that run anyway
+(no extra matrix products), ``selective`` replays the projections up to fc1 around the kept
+attention results, ``full`` replays those and attention (a quarter to a third of the layer's step).
+Either the FLOP model below or timings measured on the device (``measure_policy_costs``) supply
+those costs.
 
 The planner then picks, among all ways to give each layer a policy, the one with the least extra
 compute whose predicted bytes fit the budget: adaptive checkpoint selection. Chen et al.'s
@@ -19,9 +21,9 @@ each copy (T x dim residual-dtype bytes over the host link) hides when it is sho
 compute. With equal cost the planner prefers the plan with fewer device bytes, so ``offload``
 replaces ``full`` wherever its copies hide. The host bytes are reported apart.
 
-It places the costliest layers (``offload``, ``full``) first (lowest indices): backward reaches
-them last, when the later layers' saved activations are already freed, so their replay does not
-add to the peak.
+It places the costliest layers (``offload``, ``full``, ``selective``) first (lowest indices):
+backward reaches them last, when the later layers' saved activations are already freed, so their
+replay does not add to the peak.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from .flops import ATTENTION_BACKWARD_FACTOR, attention_flops
 from .model import ModelConfig
 from .remat import Remat, kept_bytes_per_token
 
-PLANNED_POLICIES = (Remat.CHEAP, Remat.FULL, Remat.OFFLOAD)
+PLANNED_POLICIES = (Remat.CHEAP, Remat.SELECTIVE, Remat.FULL, Remat.OFFLOAD)
 _FP32 = 4
 
 # Stated assumptions, used where nothing was measured (no GPU): not measurements.
@@ -87,13 +89,27 @@ def layer_step_flops(config: ModelConfig, batch: int, seq_len: int) -> tuple[flo
 
     Matmuls cost 2 FLOPs per multiply-add forward and twice that backward; attention is
     4 B H N^2 D forward (half, causal) and 2.5x that backward (docs/design.md)."""
+    projections, attention, fc2 = _forward_parts(config, batch, seq_len)
+    forward = projections + fc2 + attention
+    return projections + attention, forward, 3 * (projections + fc2) + (1 + ATTENTION_BACKWARD_FACTOR) * attention
+
+
+def _forward_parts(config: ModelConfig, batch: int, seq_len: int) -> tuple[float, float, float]:
+    """One layer's forward FLOPs: (the projections up to fc1, attention, fc2)."""
     widths = _widths(config)
     tokens = batch * seq_len
-    qkv_out_fc1 = 2 * tokens * config.dim * (widths["qkv"] + widths["dim"] + widths["pre_activation"])
-    fc2 = 2 * tokens * widths["ffn"] * config.dim
+    projections = 2 * tokens * config.dim * (widths["qkv"] + widths["dim"] + widths["pre_activation"])
     attention = attention_flops(batch, config.n_heads, seq_len, seq_len, config.dim // config.n_heads, causal=True)
-    forward = qkv_out_fc1 + fc2 + attention
-    return qkv_out_fc1 + attention, forward, 3 * (qkv_out_fc1 + fc2) + (1 + ATTENTION_BACKWARD_FACTOR) * attention
+    return projections, attention, 2 * tokens * widths["ffn"] * config.dim
+
+
+def replay_flops(config: ModelConfig, batch: int, seq_len: int, policy: Remat) -> float:
+    """What ``policy``'s backward replays of one layer's forward: nothing, the projections up to
+    fc1, or those and attention."""
+    if not policy.replays:
+        return 0.0
+    projections, attention, _ = _forward_parts(config, batch, seq_len)
+    return projections + (attention if policy.replays_attention else 0.0)
 
 
 def offload_cost(full_cost: float, step_seconds: float, forward_seconds: float, copy_seconds: float) -> float:
@@ -117,11 +133,11 @@ def flop_policy_costs(config: ModelConfig, batch: int, seq_len: int, precision: 
     ``offload``, seconds from the FLOPs at ``device_flops`` against copies at ``host_bandwidth``
     (both assumptions unless measured; bf16 autocast over fp32 weights unless ``precision``)."""
     precision = Precision(torch.float32, torch.bfloat16) if precision is None else precision
-    replay, forward, step = layer_step_flops(config, batch, seq_len)
-    full = replay / step
+    _, forward, step = layer_step_flops(config, batch, seq_len)
+    costs = {policy: replay_flops(config, batch, seq_len, policy) / step for policy in Remat}
     copy = copy_seconds(config, batch, seq_len, precision, host_bandwidth)
-    return {Remat.NONE: 0.0, Remat.CHEAP: 0.0, Remat.FULL: full,
-            Remat.OFFLOAD: offload_cost(full, step / device_flops, forward / device_flops, copy)}
+    costs[Remat.OFFLOAD] = offload_cost(costs[Remat.FULL], step / device_flops, forward / device_flops, copy)
+    return costs
 
 
 def measure_policy_costs(config: ModelConfig, batch: int, seq_len: int, precision: Precision,
@@ -135,7 +151,7 @@ def measure_policy_costs(config: ModelConfig, batch: int, seq_len: int, precisio
     x = torch.randn(batch, seq_len, config.dim, device=device, dtype=precision.residual, requires_grad=True)
     autocast = precision.compute != precision.residual
     times, forward_times = {}, {}
-    for policy in (Remat.NONE, Remat.CHEAP, Remat.FULL):
+    for policy in (p for p in Remat if not p.host_resident):
         block.remat = policy
         samples, forward_samples = [], []
         for _ in range(repeats + 1):
@@ -205,15 +221,16 @@ class RematPlan:
 
     def table(self) -> str:
         budget = "no budget" if self.budget is None else f"budget {_mib(self.budget)}"
+        width = max(len(policy) for policy in Remat)
         lines = [
             f"remat plan for {self.tokens:,} tokens per step, {budget}; extra compute from the {self.cost_source}",
-            f"{'layer':>6}  {'policy':<7} {'predicted':>12} {'host memory':>12} {'extra compute':>14}",
+            f"{'layer':>6}  {'policy':<{width}} {'predicted':>12} {'host memory':>12} {'extra compute':>14}",
         ]
         rows = zip(self.policies, self.layer_bytes, self.layer_host_bytes, self.layer_extra)
         for i, (policy, nbytes, host, extra) in enumerate(rows):
-            lines.append(f"{i:>6}  {policy:<7} {_mib(nbytes):>12} {_mib(host):>12} {extra:>+13.1%}")
-        lines.append(f"{'head':>6}  {'':<7} {_mib(self.fixed_bytes):>12} {'':>12} {'':>14}")
-        lines.append(f"{'total':>6}  {'':<7} {_mib(self.predicted_bytes):>12} {_mib(self.host_bytes):>12} "
+            lines.append(f"{i:>6}  {policy:<{width}} {_mib(nbytes):>12} {_mib(host):>12} {extra:>+13.1%}")
+        lines.append(f"{'head':>6}  {'':<{width}} {_mib(self.fixed_bytes):>12}")
+        lines.append(f"{'total':>6}  {'':<{width}} {_mib(self.predicted_bytes):>12} {_mib(self.host_bytes):>12} "
                      f"{self.extra_compute:>+13.1%} of a step")
         return "\n".join(lines)
 

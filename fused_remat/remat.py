@@ -4,17 +4,21 @@ One type, ``Remat``, one member per policy. A string becomes a ``Remat`` once, w
 (``Remat.parse``: the block's constructor and ``remat`` setter, the model, the training command
 line, the Hugging Face entry point); everything below takes the member and asks it:
 
-    policy   keeps for backward                                    replays  kept input lives in
-    none     x, y1, qkv, o, lse, h, y2, u, a, norm statistics      no       device memory
-    cheap    x, qkv, o, lse, h, u, norm statistics (default)       no       device memory
-    full     x                                                     yes      device memory
-    offload  x                                                     yes      pinned host memory
+    policy     keeps for backward                                  replays                   kept input in
+    none       x, y1, qkv, o, lse, h, y2, u, a, norm statistics    nothing                   device memory
+    cheap      x, qkv, o, lse, h, u, norm statistics (default)     nothing                   device memory
+    selective  x, o, lse                                           projections               device memory
+    full       x                                                   projections, attention    device memory
+    offload    x                                                   projections, attention    pinned host memory
 
 (y1, y2: the norm outputs; u: fc1's output, the activation's input; a: the activation output.)
 ``cheap`` rebuilds y1, y2 and a inside the backward kernels that need them; ``full`` replays the
 forward from x up to fc1 at the start of backward; ``offload`` is ``full`` whose x waits in host
-memory (``fused_remat.offload``). The custom operators take the policy by name (an operator's
-schema takes strings, not Python types) and turn it back into the member at once.
+memory (``fused_remat.offload``). ``selective`` keeps attention's output and log-sum-exp, as
+torchtitan's selective activation checkpointing keeps SDPA's, and replays only the norms,
+projections and RoPE around it: at long sequences attention is most of the forward, and its
+results cost dim + heads values per token. The custom operators take the policy by name (an
+operator's schema takes strings, not Python types) and turn it back into the member at once.
 
 ``KEPT_FOR_BACKWARD`` is the memory contract of docs/design.md, the one place it is written: the
 block's forward saves exactly the tensors its policy keeps, in this order, and the planner prices
@@ -57,12 +61,14 @@ KEPT_FOR_BACKWARD = (
 )
 _OUTPUTS = ("y1", "y2", "a")  # what cheap rebuilds inside the backward kernels
 _INPUT_ONLY = ("x",)
+_ATTENTION = ("o", "lse")  # attention's results: what a replay needs to skip attention
 
 
 class Remat(str, enum.Enum):
     """A remat policy. A ``str`` (``Remat.CHEAP == "cheap"``), so it prints, compares and serializes
-    as its name; ``keeps`` (names of ``KEPT_FOR_BACKWARD``), ``replays`` and ``host_resident`` say
-    what it does."""
+    as its name; ``keeps`` (names of ``KEPT_FOR_BACKWARD``), ``replays`` (the forward up to fc1 runs
+    again from x at the start of backward, for what is not kept) and ``host_resident`` say what it
+    does."""
 
     keeps: frozenset[str]
     replays: bool
@@ -70,6 +76,7 @@ class Remat(str, enum.Enum):
 
     NONE = ("none", tuple(k.name for k in KEPT_FOR_BACKWARD), False, False)
     CHEAP = ("cheap", tuple(k.name for k in KEPT_FOR_BACKWARD if k.name not in _OUTPUTS), False, False)
+    SELECTIVE = ("selective", (*_INPUT_ONLY, *_ATTENTION), True, False)
     FULL = ("full", _INPUT_ONLY, True, False)
     OFFLOAD = ("offload", _INPUT_ONLY, True, True)
 
@@ -84,6 +91,11 @@ class Remat(str, enum.Enum):
 
     def __repr__(self) -> str:
         return repr(self.value)
+
+    @property
+    def replays_attention(self) -> bool:
+        """Whether the replay runs attention's forward again (it keeps neither o nor lse)."""
+        return self.replays and not self.keeps.issuperset(_ATTENTION)
 
     @property
     def rebuilds_outputs(self) -> bool:

@@ -13,7 +13,7 @@ from fused_remat.memory import saved_memory
 from fused_remat.remat import kept_bytes_per_token
 from numerics import assert_error_rule
 
-POLICIES = ("none", "cheap", "full")
+POLICIES = ("none", "cheap", "selective", "full")
 DIM, HEADS, FFN = 32, 2, 48  # head dim 16: the smallest the attention kernels tile without padding
 
 
@@ -140,12 +140,13 @@ def _bytes_per_token(block, dtype, device, batch=2, lengths=(16, 40)):
 
 def test_the_block_table_is_design_md_contract():
     """docs/design.md's figures for a GPT-style block (MHA, LayerNorm, GELU, F = 4h, bf16): 32h bytes per
-    token for ``none``, 20h for ``cheap``, 2h for ``full``, plus the fp32 lse (4 per head) and the
-    statistics (8 per LayerNorm)."""
+    token for ``none``, 20h for ``cheap``, 4h for ``selective`` (x and the attention output), 2h for
+    ``full``, plus the fp32 lse (4 per head) and the statistics (8 per LayerNorm)."""
     h, heads = 768, 12
     widths = block_widths(h, heads, None, None, "layernorm", "gelu")
     kept = {policy: kept_bytes_per_token(policy, widths, residual_bytes=2, compute_bytes=2) for policy in POLICIES}
-    assert kept == {"none": 32 * h + 4 * heads + 16, "cheap": 20 * h + 4 * heads + 16, "full": 2 * h}
+    assert kept == {"none": 32 * h + 4 * heads + 16, "cheap": 20 * h + 4 * heads + 16, "selective": 4 * h + 4 * heads,
+                    "full": 2 * h}
     # Under autocast x and h stay in fp32: two more bytes each, and only those.
     assert kept_bytes_per_token("cheap", widths, residual_bytes=4, compute_bytes=2) == kept["cheap"] + 2 * 2 * h
     with pytest.raises(ValueError, match="policy must be one of"):

@@ -234,7 +234,7 @@ def test_find_max_seq_len_answers_per_rank_for_context_parallel(tmp_path, triton
     assert cli.main(["--preset", "tiny", "--batch-size", "1", "--find-max-seq-len", "--memory-budget", "1.8MiB",
                      "--context-parallel", "2", "--out", str(out)]) == 0
     rows = json.loads((out / "max_seq_len.json").read_text())["rows"]
-    assert [row["remat"] for row in rows] == ["none", "cheap", "full", "offload", "auto"]  # ring attention: our block only
+    assert [row["remat"] for row in rows] == ["none", "cheap", "selective", "full", "offload", "auto"]  # ring attention: our block only
     lengths = {row["remat"]: row["max_seq_len"] for row in rows}
     assert all(row["context_parallel"] == 2 and row["max_seq_len"] % 64 == 0 for row in rows)
     assert 0 < lengths["none"] <= lengths["cheap"] < lengths["full"] <= lengths["offload"]

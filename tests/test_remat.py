@@ -16,8 +16,10 @@ def test_each_policy_says_what_it_keeps_replays_and_where():
     outputs = {"y1", "y2", "a"}
     assert Remat.NONE.keeps == every
     assert Remat.CHEAP.keeps == every - outputs
+    assert Remat.SELECTIVE.keeps == {"x", "o", "lse"}
     assert Remat.FULL.keeps == Remat.OFFLOAD.keeps == {"x"}
-    assert [p for p in Remat if p.replays] == [Remat.FULL, Remat.OFFLOAD]
+    assert [p for p in Remat if p.replays] == [Remat.SELECTIVE, Remat.FULL, Remat.OFFLOAD]
+    assert [p for p in Remat if p.replays_attention] == [Remat.FULL, Remat.OFFLOAD]
     assert [p for p in Remat if p.host_resident] == [Remat.OFFLOAD]
     assert [p for p in Remat if not p.rebuilds_outputs] == [Remat.NONE]
     assert [k.name for k in Remat.CHEAP.kept()] == [k.name for k in KEPT_FOR_BACKWARD if k.name not in outputs]
@@ -36,7 +38,7 @@ def test_parse_takes_names_and_members_and_refuses_the_rest_naming_the_owner():
     with pytest.raises(ValueError, match=r"^--remat must be one of none, full, got 'cheap'$"):
         Remat.parse("cheap", supported, owner="--remat")
     for wrong in ("Full", "", None, 1, ["full"]):
-        with pytest.raises(ValueError, match="remat must be one of none, cheap, full, offload"):
+        with pytest.raises(ValueError, match="remat must be one of none, cheap, selective, full, offload"):
             Remat.parse(wrong)
 
 
@@ -55,7 +57,7 @@ def test_blocks_and_models_hold_members_whatever_they_were_given():
     assert block.remat is Remat.FULL
     block.remat = "offload"
     assert block.remat is Remat.OFFLOAD
-    with pytest.raises(ValueError, match="^TransformerBlock: remat must be one of none, cheap, full, offload, got 'x'$"):
+    with pytest.raises(ValueError, match="^TransformerBlock: remat must be one of none, cheap, selective, full, offload, got 'x'$"):
         block.remat = "x"
     assert block.remat is Remat.OFFLOAD, "a refused setting leaves the block as it was"
     assert reference.TransformerBlock(16, 2).remat is Remat.NONE

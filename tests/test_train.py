@@ -265,7 +265,7 @@ def test_remat_is_parsed_once_into_policies_per_layer():
     assert all(type(policy) is Remat for policy in TrainConfig.build("cpu", remat="offload").remat)
     assert TrainConfig.build("cpu", remat="auto").remat is None
     assert TrainConfig.build("cpu", remat="full", block="reference").remat == (Remat.FULL,) * layers
-    with pytest.raises(ValueError, match=r"^--remat must be one of none, cheap, full, offload, got 'lazy'$"):
+    with pytest.raises(ValueError, match=r"^--remat must be one of none, cheap, selective, full, offload, got 'lazy'$"):
         TrainConfig.build("cpu", remat="lazy")
     with pytest.raises(ValueError, match=r"^--remat must be one of none, full, got 'auto'$"):
         TrainConfig.build("cpu", remat="auto", block="reference")
@@ -282,7 +282,8 @@ def test_find_max_seq_len_on_cpu_ranks_the_policies(tmp_path, capsys, triton_bac
     assert cli.main(["--preset", "tiny", "--batch-size", "1", "--find-max-seq-len", "--memory-budget", "1.8MiB",
                        "--out", str(out)]) == 0
     rows = {row["candidate"]: row["max_seq_len"] for row in json.loads((out / "max_seq_len.json").read_text())["rows"]}
-    assert 0 < rows["reference, eager"] <= rows["fused_remat cheap"] <= rows["fused_remat full"]
+    assert 0 < rows["reference, eager"] <= rows["fused_remat cheap"] <= rows["fused_remat selective"] \
+        <= rows["fused_remat full"]
     assert rows["reference, eager"] <= rows["reference, torch.utils.checkpoint"] <= rows["fused_remat full"]
     assert rows["fused_remat cheap"] <= rows["fused_remat auto"] <= rows["fused_remat offload"]
     assert rows["fused_remat full"] <= rows["fused_remat offload"]

@@ -46,6 +46,7 @@ CANDIDATES = (
     ("reference, torch.utils.checkpoint", "reference", "full"),
     ("fused_remat none", "fused", "none"),
     ("fused_remat cheap", "fused", "cheap"),
+    ("fused_remat selective", "fused", "selective"),
     ("fused_remat full", "fused", "full"),
     ("fused_remat offload", "fused", "offload"),
     ("fused_remat auto", "fused", "auto"),

@@ -55,7 +55,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--batch-size", type=int, help=f"sequences per micro-batch per process {by_device('batch_size')}")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     parser.add_argument("--remat", default="cheap",
-                        help="none | cheap (default) | full | offload | auto (plan for --memory-budget) | a comma list, one policy per layer")
+                        help="none | cheap (default) | selective | full | offload | auto (plan for --memory-budget) | a comma "
+                        "list, one policy per layer")
     parser.add_argument("--memory-budget", help="activation budget for --remat auto (and the CPU criterion of "
                         "--find-max-seq-len), with a binary unit: 40GiB, 800MiB, 1.5G; a bare number is bytes (default on "
                         "a GPU: what is free after weights, gradients and optimizer state)")
