@@ -486,14 +486,15 @@ class TransformerBlock(reference.TransformerBlock):
             if not use_triton(_OP, x.device):
                 raise RuntimeError(f"{_OP}: context parallelism runs the Triton kernels only (CUDA, or the interpreter "
                                    f"with TRITON_INTERPRET=1 on CPU); this call would use the reference block")
+        params = [self._parameter(name) for name in _PARAMETERS]
+        compute_dtype = self._compute_dtype(x, params)  # the same dtype check on both paths
         if not use_triton(_OP, x.device):
             return super().forward(x)  # the reference math; a policy that replays through torch.utils.checkpoint
-        params = [self._parameter(name) for name in _PARAMETERS]
         call = _BlockCall(
             batch=x.shape[0], seq=x.shape[1], dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
             head_dim=self.head_dim, ffn_dim=self.ffn_dim, rms=self.norm == "rmsnorm",
             activation=self.activation, causal=self.causal, eps=self.eps, rope_theta=self.rope_theta,
-            remat=self.remat, compute_dtype=self._compute_dtype(x, params),
+            remat=self.remat, compute_dtype=compute_dtype,
             context_parallel="" if self.context_parallel is None else self.context_parallel.group_name,
         )
         apply = _eager_block_function() if call.remat.host_resident else _BlockFunction.apply

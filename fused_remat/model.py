@@ -24,6 +24,7 @@ from torch import nn
 from . import context_parallel as cp
 from . import reference
 from .block import TransformerBlock
+from .kernels.limits import check_eps
 from .loss import linear_cross_entropy
 from .norms import layer_norm, rms_norm
 from .remat import Remat, parse_per_layer
@@ -57,6 +58,7 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ModelConfig: {name} must be a positive int, got {value!r}")
+        check_eps("ModelConfig", self.eps)
 
     def block_kwargs(self) -> dict:
         """Keyword arguments of ``TransformerBlock`` (either twin) for one layer."""
@@ -162,14 +164,17 @@ class LanguageModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         self._check_tokens("tokens", tokens)
+        if targets is not None:
+            # Before the blocks run: a bad target would otherwise surface only after the whole forward.
+            if isinstance(targets, torch.Tensor) and targets.shape != tokens.shape:
+                raise ValueError(f"targets must have the shape of tokens {tuple(tokens.shape)}, got {tuple(targets.shape)}")
+            self._check_tokens("targets", targets, ignore_index=IGNORE_INDEX)
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
         x = self._final_norm(x)
         if targets is None:
             return F.linear(x, self.head_weight)
-        if targets.shape != tokens.shape:
-            raise ValueError(f"targets must have the shape of tokens {tuple(tokens.shape)}, got {tuple(targets.shape)}")
         loss = linear_cross_entropy(x, self.head_weight, targets, ignore_index=IGNORE_INDEX)
         if self.context_parallel is None:
             return loss
@@ -182,8 +187,18 @@ class LanguageModel(nn.Module):
             return rms_norm(x, self.norm.weight, self.config.eps)
         return layer_norm(x, self.norm.weight, self.norm.bias, self.config.eps)
 
-    def _check_tokens(self, name: str, tokens) -> None:
+    def _check_tokens(self, name: str, tokens, ignore_index: int | None = None) -> None:
+        """Type, shape and range of token ids (``ignore_index`` also allowed where given).
+
+        One min/max reduction and one host sync (on a GPU): without it an out-of-range id fails
+        inside the embedding, as a bare IndexError on CPU or a device-side assert on CUDA."""
         if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"{name} must be an int64 or int32 tensor of token ids")
         if tokens.dim() != 2 or 0 in tokens.shape:
             raise ValueError(f"{name} must have shape (batch, seq_len) with both > 0, got {tuple(tokens.shape)}")
+        ids = tokens if ignore_index is None else tokens.masked_fill(tokens == ignore_index, 0)
+        low, high = torch.stack(torch.aminmax(ids)).tolist()
+        vocab = self.config.vocab_size
+        if low < 0 or high >= vocab:
+            allowed = f"0..{vocab - 1}" + ("" if ignore_index is None else f" or {ignore_index} (ignored)")
+            raise ValueError(f"{name} must hold ids in {allowed}, got {low if low < 0 else high}")

@@ -10,7 +10,7 @@ import torch
 
 from . import custom_ops, reference
 from .backend import use_triton
-from .kernels.limits import check_same_device, check_tensor
+from .kernels.limits import check_eps, check_same_device, check_tensor
 from .kernels.limits import MAX_NORM_WIDTH
 
 
@@ -32,8 +32,7 @@ def _validate(op: str, x, weight, bias, eps) -> None:
             raise ValueError(f"{op}: bias must have shape ({hidden},) to match x's last dim, got {tuple(bias.shape)}")
         if bias.dtype != weight.dtype:
             raise TypeError(f"{op}: bias has dtype {bias.dtype} but weight has {weight.dtype}; they must match")
-    if not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"{op}: eps must be a non-negative number, got {eps!r}")
+    check_eps(op, eps)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from .kernels.limits import MAX_HEAD_DIM
+from .kernels.limits import MAX_HEAD_DIM, check_eps
 from .remat import Remat
 
 
@@ -234,8 +234,7 @@ def _check_block_config(dim, n_heads, n_kv_heads, ffn_dim, norm, activation, eps
         raise ValueError(f"TransformerBlock: norm must be one of {NORMS}, got {norm!r}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"TransformerBlock: activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"TransformerBlock: eps must be a positive number, got {eps!r}")
+    check_eps("TransformerBlock", eps)
     if rope_theta is not None:
         if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not rope_theta > 1:
             raise ValueError(f"TransformerBlock: rope_theta must be a number > 1 or None, got {rope_theta!r}")

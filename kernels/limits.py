@@ -55,6 +55,16 @@ def check_same_dtype(op: str, reference_name: str, reference: torch.Tensor, **ot
             raise TypeError(f"{op}: {name} has dtype {other.dtype} but {reference_name} has {reference.dtype}; they must match")
 
 
+def check_eps(op: str, eps) -> float:
+    """``eps`` as a float if it is a finite real number > 0 (not a bool), else a ValueError naming it.
+
+    The one check of a norm's epsilon: the norm ops, both TransformerBlock classes and ModelConfig
+    call it. eps = 0 divides by zero on a constant row, and inf turns every output into zero."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or not eps > 0:
+        raise ValueError(f"{op}: eps must be a finite number > 0, got {eps!r}")
+    return float(eps)
+
+
 def check_attention_args(op: str, q, k, v, scale=None) -> float:
     """Validate the arguments of an attention op and return the softmax scale to use.
 

@@ -2,6 +2,7 @@
 
 import copy
 import itertools
+import re
 
 import pytest
 import torch
@@ -358,3 +359,33 @@ def test_block_on_gpu_bf16(case, seq, device):
 @pytest.mark.gpu
 def test_cuda_autocast_with_fp32_parameters(device):
     _autocast_case("cuda", device)
+
+
+# eps has one check (kernels/limits.py check_eps) with one message, on both block classes.
+BAD_EPS = [0, 0.0, -1e-5, float("inf"), float("nan"), True, "1e-5", None]
+
+
+@pytest.mark.parametrize("block_class", [fused_remat.TransformerBlock, reference.TransformerBlock], ids=["fused", "plain"])
+@pytest.mark.parametrize("eps", BAD_EPS, ids=repr)
+def test_block_rejects_eps_that_is_not_finite_and_positive(block_class, eps):
+    with pytest.raises(ValueError, match=rf"^TransformerBlock: eps must be a finite number > 0, got {re.escape(repr(eps))}$"):
+        block_class(DIM, HEADS, eps=eps, device="meta")
+
+
+def test_block_keeps_a_valid_eps_as_a_float():
+    assert fused_remat.TransformerBlock(DIM, HEADS, eps=1, device="meta").eps == 1.0
+
+
+def test_reference_backend_names_the_parameter_of_another_dtype(device, monkeypatch):
+    monkeypatch.setenv("FUSED_REMAT_BACKEND", "reference")
+    block = fused_remat.TransformerBlock(DIM, HEADS, ffn_dim=FFN, device=device)
+    x = torch.randn(2, 5, DIM, device=device, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"x has dtype torch.bfloat16 but parameter norm1.weight has torch.float32; "
+                                        r"convert the block \(block.to\(dtype\)\) or run under torch.autocast"):
+        block(x)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        assert block(x).shape == x.shape  # autocast casts for the reference math: no error
+    # The plain reference block is unchanged: PyTorch's own error.
+    plain = reference.TransformerBlock(DIM, HEADS, ffn_dim=FFN, device=device)
+    with pytest.raises(RuntimeError):
+        plain(x)

@@ -3,6 +3,7 @@ mix trains identically, and the planner's predicted bytes are what the saved-mem
 
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -244,3 +245,27 @@ def test_measured_policy_costs_are_relative_to_none(device, triton_backend):
     costs = measure_policy_costs(CONFIG, 1, 16, FP32, device, repeats=1)
     assert set(costs) == set(Remat)
     assert costs["none"] == 0 and all(cost >= 0 for cost in costs.values())
+
+
+@pytest.mark.parametrize("eps", [0.0, -1e-5, float("inf"), float("nan"), True, "1e-5"], ids=repr)
+def test_model_config_rejects_eps_that_is_not_finite_and_positive(eps):
+    with pytest.raises(ValueError, match=rf"^ModelConfig: eps must be a finite number > 0, got {re.escape(repr(eps))}$"):
+        ModelConfig(eps=eps)
+
+
+def test_token_and_target_ids_out_of_range_are_named(device):
+    model = LanguageModel(CONFIG, "none", block_impl="reference", device=device)  # vocab_size 200; checked before the blocks
+    tokens = torch.zeros(2, 5, dtype=torch.long, device=device)
+    for bad in (200, -1, -100):
+        wrong = tokens.clone()
+        wrong[1, 3] = bad
+        with pytest.raises(ValueError, match=rf"^tokens must hold ids in 0\.\.199, got {bad}$"):
+            model(wrong)
+        if bad != -100:
+            with pytest.raises(ValueError, match=rf"^targets must hold ids in 0\.\.199 or -100 \(ignored\), got {bad}$"):
+                model(tokens, wrong)
+    with pytest.raises(ValueError, match=r"^tokens must hold ids in 0\.\.199, got 200$"):
+        model(tokens.int().index_fill(1, torch.tensor([0], device=device), 200))  # int32 too
+    ignored = torch.full_like(tokens, -100)
+    ignored[0, 0] = 199
+    assert torch.isfinite(model(tokens, ignored))  # IGNORE_INDEX and the last id are valid targets

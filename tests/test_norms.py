@@ -1,5 +1,7 @@
 """layer_norm and rms_norm against a float64 reference and plain PyTorch in the same dtype."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -238,3 +240,11 @@ def test_norm_output_dtype_differs_from_input(rms, device):
     dx, _, _, rebuilt = norm_bwd(torch.randn_like(y), x, weight, None, mean, rstd, rms=rms, has_bias=False,
                                  rebuild_output=True, out_dtype=torch.bfloat16)
     assert dx.dtype == torch.float32 and torch.equal(rebuilt, y)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("eps", [0, 0.0, -1.0, float("inf"), float("nan"), True, "1e-5", None], ids=repr)
+def test_norms_reject_eps_that_is_not_finite_and_positive(op, eps, device):
+    x, weight = torch.ones(2, 4, device=device), torch.ones(4, device=device)  # constant rows: eps=0 gives NaN
+    with pytest.raises(ValueError, match=rf"^{op}: eps must be a finite number > 0, got {re.escape(repr(eps))}$"):
+        getattr(fused_remat, op)(x, weight, eps=eps)
