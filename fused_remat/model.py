@@ -191,11 +191,15 @@ class LanguageModel(nn.Module):
         """Type, shape and range of token ids (``ignore_index`` also allowed where given).
 
         One min/max reduction and one host sync (on a GPU): without it an out-of-range id fails
-        inside the embedding, as a bare IndexError on CPU or a device-side assert on CUDA."""
+        inside the embedding, as a bare IndexError on CPU or a device-side assert on CUDA. Not
+        under torch.compile (reading values would break the graph) nor on the meta device (no
+        values): there the embedding's own check remains."""
         if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"{name} must be an int64 or int32 tensor of token ids")
         if tokens.dim() != 2 or 0 in tokens.shape:
             raise ValueError(f"{name} must have shape (batch, seq_len) with both > 0, got {tuple(tokens.shape)}")
+        if torch.compiler.is_compiling() or tokens.device.type == "meta":
+            return
         ids = tokens if ignore_index is None else tokens.masked_fill(tokens == ignore_index, 0)
         low, high = torch.stack(torch.aminmax(ids)).tolist()
         vocab = self.config.vocab_size
