@@ -459,13 +459,13 @@ def test_smoke_on_cpu(triton_backend):
 
 
 def test_auto_plan_mixes_policies_within_its_budget():
-    """At every benchmarked length the auto provider's budget forces a mix of replayed (full or
-    offload) and cheap layers."""
+    """At every benchmarked length the auto provider's budget forces a mix of replayed (selective,
+    full or offload) and cheap layers."""
     config, prec = model_config("cuda"), precision("cuda")
     for n in LENGTHS:
         plan = auto_plan(config, BATCH, n, prec)
         assert plan.predicted_bytes <= plan.budget
-        assert "cheap" in plan.policies and {"full", "offload"} & set(plan.policies), plan.policies
+        assert "cheap" in plan.policies and any(policy.replays for policy in plan.policies), plan.policies
 
 
 def test_runner_records_oom_and_goes_on():
