@@ -249,7 +249,7 @@ def _block_bwd(dy: torch.Tensor, x: torch.Tensor, kept: list[torch.Tensor], para
     x and the ``_SLOTS`` the forward returned."""
     g = _BlockCall.from_op_args(sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel)
     named = dict(zip(_PARAMETERS, _with_absent(params, has_param)))
-    needed = dict(zip((name for name, has in zip(_PARAMETERS, has_param) if has), needs))
+    needed = _needed(has_param, needs)
     with torch.autocast(dy.device.type, enabled=False):
         w = _Weights(list(named.values()), compute_dtype)
         kept_acts = {k.name: t for k, t, keeps in zip(_SLOTS, kept, _slots_kept(g.remat)) if keeps}
@@ -306,12 +306,17 @@ def _(x, params, has_param, sizes, eps, rope_theta, activation, remat, compute_d
 def _(dy, x, kept, params, has_param, needs, sizes, eps, rope_theta, activation, remat, compute_dtype,
       context_parallel, **_) -> int:
     g = _BlockCall.from_op_args(sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel)
-    needed = dict(zip((name for name, has in zip(_PARAMETERS, has_param) if has), needs))
+    needed = _needed(has_param, needs)
     # Each linear layer's input gradient always (it carries dx), its weight gradient where asked.
     linear = sum(matmul_flops(g.tokens, *shape) * (1 + needed.get(f"{name}.weight", False))
                  for name, shape in _linear_shapes(g).items())
     attention = attention_op_flops(g.batch, g.n_heads, g.head_dim, _attention_pairs(g), backward=True)
     return linear + attention + (_forward_flops(g, finish=False) if g.remat.replays else 0)
+
+
+def _needed(has_param, needs) -> dict[str, bool]:
+    """Whether each parameter the block has needs its gradient, by name."""
+    return dict(zip((name for name, has in zip(_PARAMETERS, has_param) if has), needs))
 
 
 def _with_absent(params, has_param) -> list[torch.Tensor | None]:
