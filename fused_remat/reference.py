@@ -49,11 +49,15 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-              scale: float | None = None, return_lse: bool = False):
-    """Materialized softmax(q k^T * scale) v with fused_remat's conventions.
+              scale: float | None = None, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+              return_lse: bool = False):
+    """Materialized softmax(mask(cap(q k^T * scale))) v with FlashAttention 2's semantics.
 
-    q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D) with Hq a multiple of Hkv. The causal mask is aligned to
-    the bottom-right: query i sees keys j <= i + Nk - Nq. Rows that see no key give zeros, and their
+    q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D) with Hq a multiple of Hkv. Masks are aligned to the
+    bottom-right (offset = Nk - Nq): with ``window=(left, right)`` query i sees keys j with
+    i + offset - left <= j <= i + offset + right, -1 leaving a side unbounded; ``causal`` sets
+    right to 0, whatever ``window`` says. ``softcap`` > 0 turns the scaled scores s into
+    softcap * tanh(s / softcap) before the mask. Rows that see no key give zeros, and their
     log-sum-exp is -inf. Scores and softmax in fp32 (fp64 for fp64 inputs); output in q's dtype.
     """
     compute = _statistics_dtype(q)
@@ -64,16 +68,59 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     k = k.repeat_interleave(group, dim=1).to(compute)
     v = v.repeat_interleave(group, dim=1).to(compute)
     scores = torch.matmul(q.to(compute), k.transpose(-1, -2)) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    left, right = window
     if causal:
-        rows = torch.arange(q_len, device=q.device).unsqueeze(1)
+        right = 0
+    if left >= 0 or right >= 0:
+        diagonal = torch.arange(q_len, device=q.device).unsqueeze(1) + (k_len - q_len)
         cols = torch.arange(k_len, device=q.device).unsqueeze(0)
-        scores = scores.masked_fill(cols > rows + (k_len - q_len), float("-inf"))
+        hidden = torch.zeros(q_len, k_len, dtype=torch.bool, device=q.device)
+        if left >= 0:
+            hidden |= cols < diagonal - left
+        if right >= 0:
+            hidden |= cols > diagonal + right
+        scores = scores.masked_fill(hidden, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     seen = torch.isfinite(lse)
     probs = torch.exp(scores - torch.where(seen, lse, 0.0).unsqueeze(-1))
     out = torch.matmul(probs, v).to(q.dtype)
     if return_lse:
         return out, lse.to(compute)
+    return out
+
+
+def _document(packed: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Rows start:end of a packed (total, H, D) tensor as a (1, H, end - start, D) view."""
+    return packed[start:end].transpose(0, 1).unsqueeze(0)
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
+                     scale: float | None = None, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                     return_lse: bool = False):
+    """``attention`` over documents packed along dim 0, in FlashAttention 2's varlen layout.
+
+    q: (total_q, Hq, D); k, v: (total_k, Hkv, D). Document i is rows
+    cu_seqlens_q[i]:cu_seqlens_q[i + 1] of q attending to rows cu_seqlens_k[i]:cu_seqlens_k[i + 1]
+    of k and v, computed by ``attention`` on that document alone, so masks are aligned to each
+    document's bottom-right. A document without keys gives zeros and lse -inf. Returns o
+    (total_q, Hq, D) in q's dtype and, with ``return_lse``, lse (Hq, total_q) in fp32 (fp64 for fp64
+    inputs). ``max_seqlen_q``/``max_seqlen_k`` are taken for FlashAttention 2's signature; the math
+    does not need them.
+    """
+    q_offsets, k_offsets = torch.stack([cu_seqlens_q, cu_seqlens_k]).tolist()
+    outs, lses = [], []
+    # Empty documents go through attention too (as empty rows), so torch.cat never gets an empty list.
+    for q_start, q_end, k_start, k_end in zip(q_offsets, q_offsets[1:], k_offsets, k_offsets[1:]):
+        out, lse = attention(_document(q, q_start, q_end), _document(k, k_start, k_end), _document(v, k_start, k_end),
+                             causal=causal, scale=scale, window=window, softcap=softcap, return_lse=True)
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0])
+    out = torch.cat(outs, dim=0)
+    if return_lse:
+        return out, torch.cat(lses, dim=1)
     return out
 
 

@@ -65,6 +65,44 @@ def check_eps(op: str, eps) -> float:
     return float(eps)
 
 
+def _check_qkv_tensors(op: str, q, k, v, dims: tuple[str, ...], kv_dims: tuple[str, ...]) -> None:
+    """q, k, v are tensors of one supported dtype on one device, of rank len(dims), with k and v of
+    one shape; ``dims`` and ``kv_dims`` name the dims of q and of k, v in the messages."""
+    tensors = (("q", q), ("k", k), ("v", v))
+    for name, t in tensors:
+        check_tensor(op, name, t)
+    check_same_device(op, "q", q, k=k, v=v)
+    check_same_dtype(op, "q", q, k=k, v=v)
+    for name, t in tensors:
+        if t.dim() != len(dims):
+            raise ValueError(f"{op}: {name} must be {len(dims)}-D ({', '.join(dims)}), got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"{op}: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape ({', '.join(kv_dims)})")
+
+
+def _check_heads_strides_scale(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale) -> float:
+    """The checks both attention layouts share, heads at dim 1 and the head dim last in either:
+    matching head dims, GQA head counts, the head-dim limit, a contiguous last dim, and the scale
+    (returned; None gives 1/sqrt(D))."""
+    q_heads, head_dim = q.shape[1], q.shape[-1]
+    kv_heads, kv_dim = k.shape[1], k.shape[-1]
+    if kv_dim != head_dim:
+        raise ValueError(f"{op}: head dim D of k/v ({kv_dim}) does not match q ({head_dim})")
+    if kv_heads < 1 or q_heads % kv_heads:
+        raise ValueError(f"{op}: q heads Hq={q_heads} must be a multiple of the k/v heads Hkv={kv_heads} (GQA/MQA)")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"{op}: head dim D={head_dim} of q, k, v must be in 1..{MAX_HEAD_DIM}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{op}: {name} must be contiguous in its last dim (stride(-1) == 1), got strides "
+                             f"{t.stride()}; other dims may have any strides")
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise ValueError(f"{op}: scale must be a finite real number or None, got {scale!r}")
+    return float(scale)
+
+
 def check_attention_args(op: str, q, k, v, scale=None) -> float:
     """Validate the arguments of an attention op and return the softmax scale to use.
 
@@ -74,36 +112,89 @@ def check_attention_args(op: str, q, k, v, scale=None) -> float:
     (SUPPORTED_DTYPES), on one device, with Hq a multiple of Hkv, D in 1..MAX_HEAD_DIM, Nq and Nk
     at least 1, and a contiguous last dim (other strides free). ``scale`` None gives 1/sqrt(D);
     otherwise a finite real number. Every error starts with ``op`` and names the argument."""
-    tensors = (("q", q), ("k", k), ("v", v))
-    for name, t in tensors:
-        check_tensor(op, name, t)
-    check_same_device(op, "q", q, k=k, v=v)
-    check_same_dtype(op, "q", q, k=k, v=v)
-    for name, t in tensors:
-        if t.dim() != 4:
-            raise ValueError(f"{op}: {name} must be 4-D (B, H, N, D), got shape {tuple(t.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"{op}: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape (B, Hkv, Nk, D)")
-    batch, q_heads, q_len, head_dim = q.shape
-    kv_batch, kv_heads, k_len, kv_dim = k.shape
+    _check_qkv_tensors(op, q, k, v, dims=("B", "H", "N", "D"), kv_dims=("B", "Hkv", "Nk", "D"))
+    batch, kv_batch = q.shape[0], k.shape[0]
     if kv_batch != batch:
         raise ValueError(f"{op}: batch size of k/v ({kv_batch}) does not match q ({batch})")
-    if kv_dim != head_dim:
-        raise ValueError(f"{op}: head dim D of k/v ({kv_dim}) does not match q ({head_dim})")
-    if kv_heads < 1 or q_heads % kv_heads:
-        raise ValueError(f"{op}: q heads Hq={q_heads} must be a multiple of the k/v heads Hkv={kv_heads} (GQA/MQA)")
-    if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"{op}: head dim D={head_dim} of q, k, v must be in 1..{MAX_HEAD_DIM}")
-    if q_len == 0:
+    if q.shape[2] == 0:
         raise ValueError(f"{op}: q has no query positions (Nq=0, shape {tuple(q.shape)})")
-    if k_len == 0:
+    if k.shape[2] == 0:
         raise ValueError(f"{op}: k and v have no key positions (Nk=0, shape {tuple(k.shape)})")
-    for name, t in tensors:
-        if t.stride(-1) != 1:
-            raise ValueError(f"{op}: {name} must be contiguous in its last dim (stride(-1) == 1), got strides "
-                             f"{t.stride()}; other dims may have any strides")
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
-        raise ValueError(f"{op}: scale must be a finite real number or None, got {scale!r}")
-    return float(scale)
+    return _check_heads_strides_scale(op, q, k, v, scale)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_window(op: str, window) -> tuple[int, int]:
+    """``window`` as ``(left, right)`` ints if it is a pair of ints >= -1, else a ValueError naming it.
+
+    FlashAttention 2's sliding window: query i sees key j within ``left`` positions before and
+    ``right`` after its bottom-right-aligned diagonal; -1 leaves that side unbounded."""
+    if not (isinstance(window, (tuple, list)) and len(window) == 2
+            and all(_is_int(side) and side >= -1 for side in window)):
+        raise ValueError(f"{op}: window must be a pair (left, right) of ints >= -1 (-1 = unbounded), got {window!r}")
+    left, right = window
+    return int(left), int(right)
+
+
+def check_softcap(op: str, softcap) -> float:
+    """``softcap`` as a float if it is a finite real number >= 0 (not a bool; 0 = off), else a
+    ValueError naming it. A negative cap would flip the scores' order, and inf is no cap at all."""
+    if (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap)
+            or softcap < 0):
+        raise ValueError(f"{op}: softcap must be a finite real number >= 0 (0 = off), got {softcap!r}")
+    return float(softcap)
+
+
+def check_varlen_args(op: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=None) -> float:
+    """Validate the arguments of a variable-length attention op and return the softmax scale to use.
+
+    FlashAttention 2's ``flash_attn_varlen_func`` layout: the documents of a batch packed along
+    dim 0, q (total_q, Hq, D) and k, v (total_k, Hkv, D), with the tensor rules of
+    ``check_attention_args``. Document i is rows cu_seqlens_q[i]:cu_seqlens_q[i + 1] of q and
+    cu_seqlens_k[i]:cu_seqlens_k[i + 1] of k and v; both offsets are 1-D int32 tensors on q's device
+    of one length (documents + 1), starting at 0, non-decreasing (a document may be empty) and
+    ending at total_q and total_k. ``max_seqlen_q``/``max_seqlen_k`` are ints bounding every
+    document's length. The offsets' values are read on the host (one sync on a GPU), except under
+    torch.compile (reading them would break the graph) and on the meta device (no values), where
+    only their type, shape and device are checked. Every error starts with ``op`` and names the
+    argument."""
+    _check_qkv_tensors(op, q, k, v, dims=("total_q", "H", "D"), kv_dims=("total_k", "Hkv", "D"))
+    scale = _check_heads_strides_scale(op, q, k, v, scale)
+    offsets = (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
+    for name, cu_seqlens in offsets:
+        if not isinstance(cu_seqlens, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+        if cu_seqlens.dtype != torch.int32:
+            raise TypeError(f"{op}: {name} must have dtype torch.int32, got {cu_seqlens.dtype}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"{op}: {name} must be 1-D with (documents + 1) >= 2 entries, got shape "
+                             f"{tuple(cu_seqlens.shape)}")
+    check_same_device(op, "q", q, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"{op}: cu_seqlens_q has {cu_seqlens_q.numel()} entries but cu_seqlens_k has "
+                         f"{cu_seqlens_k.numel()}; both must be (documents + 1)")
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not _is_int(value) or value < 0:
+            raise ValueError(f"{op}: {name} must be an int >= 0, got {value!r}")
+    if torch.compiler.is_compiling() or q.device.type == "meta":
+        return scale
+    q_offsets, k_offsets = torch.stack([cu_seqlens_q, cu_seqlens_k]).tolist()
+    sides = (("cu_seqlens_q", q_offsets, "q", q.shape[0], "max_seqlen_q", max_seqlen_q),
+             ("cu_seqlens_k", k_offsets, "k and v", k.shape[0], "max_seqlen_k", max_seqlen_k))
+    for name, positions, packed, total, max_name, max_len in sides:
+        if positions[0] != 0:
+            raise ValueError(f"{op}: {name} must start at 0, got {positions[0]}")
+        for doc, (start, end) in enumerate(zip(positions, positions[1:])):
+            if end < start:
+                raise ValueError(f"{op}: {name} must be non-decreasing, got {name}[{doc + 1}]={end} < "
+                                 f"{name}[{doc}]={start}")
+            if end - start > max_len:
+                raise ValueError(f"{op}: document {doc} has length {end - start} in {name}, more than "
+                                 f"{max_name}={max_len}")
+        if positions[-1] != total:
+            raise ValueError(f"{op}: {name} must end at the number of rows of {packed} ({total}), "
+                             f"got {positions[-1]}")
+    return scale
