@@ -5,7 +5,9 @@ TRITON_INTERPRET=1, otherwise the plain-PyTorch reference in ``fused_remat.refer
 
 - ``layer_norm(x, weight, bias=None, eps=1e-5)`` and ``rms_norm(x, weight, eps=1e-6)``
 - ``gelu(x, approximate="none")`` and ``swiglu(gate, up)``
-- ``attention(q, k, v, *, causal=False, scale=None, return_lse=False)`` (FlashAttention-style, GQA)
+- ``attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, return_lse=False)``
+  (FlashAttention-style, GQA, sliding windows, softcapping) and ``attention_varlen(q, k, v,
+  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)`` (packed documents)
 - ``linear_cross_entropy(hidden, weight, targets, *, ignore_index=-100, chunk_tokens=None)``: the LM
   head and its loss in row chunks, never holding the (tokens x vocab) logits
 
@@ -24,11 +26,11 @@ never imported from here.
 
 from . import memory, reference
 from .activations import gelu, swiglu
-from .attention import attention
+from .attention import attention, attention_varlen
 from .block import TransformerBlock
 from .loss import linear_cross_entropy
 from .model import LanguageModel, ModelConfig
 from .norms import layer_norm, rms_norm
 from .remat import Remat
 
-__all__ = ["LanguageModel", "ModelConfig", "Remat", "TransformerBlock", "attention", "gelu", "layer_norm", "linear_cross_entropy", "memory", "reference", "rms_norm", "swiglu"]
+__all__ = ["LanguageModel", "ModelConfig", "Remat", "TransformerBlock", "attention", "attention_varlen", "gelu", "layer_norm", "linear_cross_entropy", "memory", "reference", "rms_norm", "swiglu"]

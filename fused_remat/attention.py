@@ -2,6 +2,9 @@
 
 The Nq x Nk probability matrix is never stored: the backward kernels rebuild it block by block
 from q, k and the log-sum-exp (P = exp(q k^T * scale - lse)) while they compute the gradients.
+Two layouts: dense batches (``attention``) and documents packed one after another with
+FlashAttention 2's ``cu_seqlens`` (``attention_varlen``). Both take FlashAttention 2's sliding
+window and softcap; key tiles that the mask hides from every row of a query tile are skipped.
 """
 
 from __future__ import annotations
@@ -10,37 +13,68 @@ import torch
 
 from . import custom_ops, reference
 from .backend import use_triton
-from .kernels.limits import check_attention_args
+from .kernels.limits import check_attention_args, check_softcap, check_varlen_args, check_window
 
 _OP = "attention"
+_VARLEN_OP = "attention_varlen"
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(q, k, v, causal: bool, scale: float):
-        return custom_ops.attention_fwd(q, k, v, causal, scale)
+    def forward(q, k, v, causal: bool, scale: float, window: list[int], softcap: float):
+        return custom_ops.attention_fwd(q, k, v, causal, scale, window, softcap)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, causal, scale = inputs
+        q, k, v, causal, scale, window, softcap = inputs
         o, lse = output
         # Everything kept for backward, in one place: the inputs q, k, v, the output o and the fp32
         # log-sum-exp (B, Hq, Nq). Nothing of size Nq x Nk.
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale = causal, scale
+        ctx.mask = (causal, scale, window, softcap)
         ctx.set_materialize_grads(False)  # an unused output (usually lse) brings None, not zeros
 
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, o, lse = ctx.saved_tensors
         if do is None and dlse is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None, None
         if do is None:
             do = torch.zeros_like(o)
         # The kernels recompute P = exp(q k^T * scale - lse) per block from q, k and the saved lse.
         # A gradient reaching lse (return_lse=True) enters as dS += P * dlse, folded into delta.
-        dq, dk, dv = custom_ops.attention_bwd(do, q, k, v, o, lse, dlse, ctx.causal, ctx.scale)
-        return custom_ops.first_order_only(_OP, dq, dk, dv, None, None)
+        dq, dk, dv = custom_ops.attention_bwd(do, q, k, v, o, lse, dlse, *ctx.mask)
+        return custom_ops.first_order_only(_OP, dq, dk, dv, None, None, None, None)
+
+
+class _VarlenAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                scale: float, window: list[int], softcap: float):
+        return custom_ops.attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                               causal, scale, window, softcap)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap = inputs
+        o, lse = output
+        # Everything kept for backward, in one place: q, k, v, o, the fp32 log-sum-exp (Hq, total_q)
+        # and the document offsets (int32, documents + 1 each).
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.mask = (max_seqlen_q, max_seqlen_k, causal, scale, window, softcap)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        nothing = (None,) * 8
+        if do is None and dlse is None:
+            return None, None, None, *nothing
+        if do is None:
+            do = torch.zeros_like(o)
+        dq, dk, dv = custom_ops.attention_varlen_bwd(do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k,
+                                                     *ctx.mask)
+        return custom_ops.first_order_only(_VARLEN_OP, dq, dk, dv, *nothing)
 
 
 def attention(
@@ -50,6 +84,8 @@ def attention(
     *,
     causal: bool = False,
     scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
     return_lse: bool = False,
 ):
     """softmax(q k^T * scale) v without materializing the attention matrix, forward or backward.
@@ -61,21 +97,74 @@ def attention(
         qkv projection). fp16, bf16 or fp32, all three the same, on one device.
     Returns:
         o: (B, Hq, Nq, D) in q's dtype; with ``return_lse=True`` also lse: (B, Hq, Nq) fp32, the
-        natural-log log-sum-exp of each row's scaled scores (differentiable).
+        natural-log log-sum-exp of each row's (softcapped) scaled scores (differentiable).
 
-    ``scale`` defaults to 1/sqrt(D). ``causal=True`` aligns the mask to the bottom-right, as in
-    FlashAttention 2: query i sees keys j <= i + Nk - Nq. When Nq > Nk the first Nq - Nk queries see
-    no key: their output and all gradients through them are 0 and their lse is -inf.
+    ``scale`` defaults to 1/sqrt(D). Masks are aligned to the bottom-right, as in FlashAttention 2:
+    query i's diagonal key is i + Nk - Nq. ``causal=True``: query i sees keys up to its diagonal.
+    ``window=(left, right)``: it sees keys from ``left`` before to ``right`` after its diagonal (-1:
+    unbounded; with causal, right is 0), and key tiles outside every row's window are skipped, so a
+    window W costs about N W, not N^2. ``softcap`` > 0 turns the scaled scores s into
+    softcap * tanh(s / softcap) before the softmax (Gemma 2); 0 is off. A row that sees no key
+    (causal with Nq > Nk, a window beyond the keys) gives output 0, zero gradients and lse -inf.
 
     For backward only q, k, v, o and lse are saved; P is recomputed from lse.
     """
     scale = check_attention_args(_OP, q, k, v, scale)
+    window = check_window(_OP, window)
+    softcap = check_softcap(_OP, softcap)
     causal = bool(causal)
     if use_triton(_OP, q.device):
-        o, lse = _Attention.apply(q, k, v, causal, scale)
+        o, lse = _Attention.apply(q, k, v, causal, scale, list(window), softcap)
     else:
-        o, lse = reference.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+        o, lse = reference.attention(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
+                                     return_lse=True)
     return (o, lse) if return_lse else o
 
 
-__all__ = ["attention"]
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+):
+    """``attention`` over documents packed one after another (FlashAttention 2's
+    ``flash_attn_varlen_func``): each document attends only within itself, and its cost is its own
+    length's, never the packed total's.
+
+    Shapes:
+        q: (total_q, Hq, D); k, v: (total_k, Hkv, D), dtypes, head counts and strides as in
+        ``attention``. cu_seqlens_q, cu_seqlens_k: int32 (documents + 1,) on q's device, starting
+        at 0, non-decreasing, ending at total_q / total_k: document i is rows
+        cu_seqlens_q[i]:cu_seqlens_q[i + 1] of q and cu_seqlens_k[i]:cu_seqlens_k[i + 1] of k and v
+        (empty documents allowed). max_seqlen_q, max_seqlen_k: at least the longest document.
+    Returns:
+        o: (total_q, Hq, D) in q's dtype; with ``return_lse=True`` also lse: (Hq, total_q) fp32.
+
+    ``causal``, ``window`` and ``softcap`` as in ``attention``, aligned to each document's own
+    bottom-right corner (its query and key lengths may differ). The offsets are checked on the host
+    (one device-to-host copy per call; skipped under torch.compile).
+    """
+    scale = check_varlen_args(_VARLEN_OP, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
+    window = check_window(_VARLEN_OP, window)
+    softcap = check_softcap(_VARLEN_OP, softcap)
+    causal = bool(causal)
+    if use_triton(_VARLEN_OP, q.device):
+        o, lse = _VarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                                        causal, scale, list(window), softcap)
+    else:
+        o, lse = reference.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                            causal=causal, scale=scale, window=window, softcap=softcap,
+                                            return_lse=True)
+    return (o, lse) if return_lse else o
+
+
+__all__ = ["attention", "attention_varlen"]

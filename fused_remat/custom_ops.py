@@ -120,42 +120,101 @@ def _(dy, x, weight, bias, mean, rstd, residual_grad, rms, has_bias, rebuild_out
 
 
 @_op("attention_fwd")
-def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    """(o (B, Hq, Nq, D) contiguous, lse (B, Hq, Nq) fp32)."""
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, window: list[int],
+                  softcap: float) -> tuple[Tensor, Tensor]:
+    """(o (B, Hq, Nq, D) contiguous, lse (B, Hq, Nq) fp32). window: (left, right)."""
     from .kernels.attention import attention_fwd as launch
 
-    return launch(q, k, v, causal, scale)
+    return launch(q, k, v, causal, scale, window=tuple(window), softcap=softcap)
 
 
 @attention_fwd.register_fake
-def _(q, k, v, causal, scale):
+def _(q, k, v, causal, scale, window, softcap):
     return _like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @flop_formula("attention_fwd")
-def _(q_shape, k_shape, v_shape, causal, *_, **__) -> int:
+def _(q_shape, k_shape, v_shape, causal, scale, window, *_, **__) -> int:
     batch, q_heads, q_len, head_dim = q_shape
-    return attention_op_flops(batch, q_heads, head_dim, visible_pairs(q_len, k_shape[2], causal))
+    return attention_op_flops(batch, q_heads, head_dim, visible_pairs(q_len, k_shape[2], causal, window))
 
 
 @_op("attention_bwd")
 def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Tensor | None,
-                  causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                  causal: bool, scale: float, window: list[int], softcap: float) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv), contiguous, in the shapes and dtypes of q, k, v."""
     from .kernels.attention import attention_bwd as launch
 
-    return launch(do, q, k, v, o, lse, causal, scale, dlse=dlse)
+    return launch(do, q, k, v, o, lse, causal, scale, window=tuple(window), softcap=softcap, dlse=dlse)
 
 
 @attention_bwd.register_fake
-def _(do, q, k, v, o, lse, dlse, causal, scale):
+def _(do, q, k, v, o, lse, dlse, causal, scale, window, softcap):
     return (_like(q), _like(k), _like(v))
 
 
 @flop_formula("attention_bwd")
-def _(do_shape, q_shape, k_shape, v_shape, o_shape, lse_shape, dlse_shape, causal, *_, **__) -> int:
+def _(do_shape, q_shape, k_shape, v_shape, o_shape, lse_shape, dlse_shape, causal, scale, window, *_, **__) -> int:
     batch, q_heads, q_len, head_dim = q_shape
-    return attention_op_flops(batch, q_heads, head_dim, visible_pairs(q_len, k_shape[2], causal), backward=True)
+    return attention_op_flops(batch, q_heads, head_dim, visible_pairs(q_len, k_shape[2], causal, window),
+                              backward=True)
+
+
+def _documents(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int):
+    from .kernels.attention import Documents
+
+    return Documents(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+@_op("attention_varlen_fwd")
+def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                         max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float, window: list[int],
+                         softcap: float) -> tuple[Tensor, Tensor]:
+    """Packed documents: (o (total_q, Hq, D) contiguous, lse (Hq, total_q) fp32)."""
+    from .kernels.attention import attention_fwd as launch
+
+    return launch(q, k, v, causal, scale, window=tuple(window), softcap=softcap,
+                  documents=_documents(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+
+
+@attention_varlen_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap):
+    return _like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def _varlen_flops(q, cu_seqlens_q, cu_seqlens_k, causal, window, backward: bool) -> int:
+    """Sum over documents of what visible_pairs counts for each alone."""
+    lengths = zip(torch.diff(cu_seqlens_q).tolist(), torch.diff(cu_seqlens_k).tolist())
+    pairs = sum(visible_pairs(q_len, k_len, causal, window) for q_len, k_len in lengths)
+    return attention_op_flops(1, q.shape[1], q.shape[2], pairs, backward)
+
+
+@flop_formula("attention_varlen_fwd", get_raw=True)
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, *_, **__) -> int:
+    return _varlen_flops(q, cu_seqlens_q, cu_seqlens_k, causal, window, backward=False)
+
+
+@_op("attention_varlen_bwd")
+def attention_varlen_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Tensor | None,
+                         cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                         causal: bool, scale: float, window: list[int], softcap: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of attention_varlen_fwd, contiguous, in the shapes and dtypes of q, k, v."""
+    from .kernels.attention import attention_bwd as launch
+
+    return launch(do, q, k, v, o, lse, causal, scale, window=tuple(window), softcap=softcap, dlse=dlse,
+                  documents=_documents(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+
+
+@attention_varlen_bwd.register_fake
+def _(do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window,
+      softcap):
+    return (_like(q), _like(k), _like(v))
+
+
+@flop_formula("attention_varlen_bwd", get_raw=True)
+def _(do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window,
+      *_, **__) -> int:
+    return _varlen_flops(q, cu_seqlens_q, cu_seqlens_k, causal, window, backward=True)
 
 
 def packed_attention_flops(tokens: int, width: int, batch: int, n_heads: int, n_kv_heads: int, causal: bool,

@@ -26,12 +26,25 @@ ATTENTION_BACKWARD_FACTOR = 2.5
 ATTENTION_BACKWARD_PRODUCTS = 7  # S and dP twice, dV, dK, dQ: each 2 D FLOPs per visible pair
 
 
-def visible_pairs(q_len: int, k_len: int, causal: bool) -> int:
-    """(query, key) pairs attention computes: all, or under the bottom-right-aligned causal mask
-    (query i sees keys j <= i + k_len - q_len) those it leaves."""
-    if not causal:
+def visible_pairs(q_len: int, k_len: int, causal: bool, window=(-1, -1)) -> int:
+    """(query, key) pairs attention computes: all, or those the bottom-right-aligned mask leaves:
+    query i sees keys j with i + d - left <= j <= i + d + right, d = k_len - q_len (causal: right
+    = 0; -1: that side unbounded)."""
+    left, right = window
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
         return q_len * k_len
-    first = k_len - q_len + 1  # keys row 0 sees, before clamping to [0, k_len]
+    if left < 0:
+        return _pairs_up_to_diagonal(q_len, k_len, k_len - q_len + right)
+    # the keys between the two bounds: those up to the right one less those left of the left one
+    right_pairs = _pairs_up_to_diagonal(q_len, k_len, k_len if right < 0 else k_len - q_len + right)
+    return right_pairs - _pairs_up_to_diagonal(q_len, k_len, k_len - q_len - left - 1)
+
+
+def _pairs_up_to_diagonal(q_len: int, k_len: int, offset: int) -> int:
+    """Pairs (i, j), i < q_len, j < k_len, with j <= i + offset."""
+    first = offset + 1  # keys row 0 sees, before clamping to [0, k_len]
     empty_rows = min(max(1 - first, 0), q_len)  # rows that see no key
     full_from = min(max(k_len - first, empty_rows), q_len)  # rows that see every key
     partial = full_from - empty_rows  # rows that see first + i keys

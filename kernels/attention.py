@@ -61,6 +61,7 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from .attention_configs import CONFIGS, INTERPRETER_CONFIG, PRUNERS, TUNE_KEY, target_family
 from .launch import ensure_scratch_allocator, next_power_of_2
@@ -95,9 +96,26 @@ def _head(base, batch, head, stride_b, stride_h):
 
 
 @triton.jit
-def _row_stats(base, batch, head, Hq, Nq):
-    """Pointer to the Nq values of one batch and head of a contiguous fp32 (B, Hq, Nq) tensor."""
-    return base + (batch * Hq + head) * Nq
+def _sequence(CU_SEQLENS, batch, n_rows, VARLEN: tl.constexpr):
+    """(first row, rows) of this program's sequence: all n_rows rows of batch entry ``batch`` in
+    the dense layout; document ``batch`` of the packed layout (VARLEN), read from cu_seqlens."""
+    if VARLEN:
+        first = tl.load(CU_SEQLENS + batch)
+        rows = tl.load(CU_SEQLENS + batch + 1) - first
+    else:
+        first = 0
+        rows = n_rows
+    return first, rows
+
+
+@triton.jit
+def _rows_of(base, batch, head, first, stride_b, stride_h, stride_n, VARLEN: tl.constexpr):
+    """Pointer to the first row of this program's sequence in one head: batch entry ``batch``
+    (dense), or the document that starts at packed row ``first`` (VARLEN; stride_b unused)."""
+    if VARLEN:
+        return base + head * stride_h + tl.cast(first, tl.int64) * stride_n
+    else:
+        return base + batch * stride_b + head * stride_h
 
 
 @triton.jit
@@ -163,31 +181,119 @@ def _store_rows(base, row0, offs_r, n_rows, stride_r, offs_d, D, value, EVEN_D: 
 
 
 @triton.jit
-def _key_ranges(start_m, Nq, Nk, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """For the query block starting at start_m: key blocks [0, full_end) need no mask, key blocks
-    [full_end, masked_end) need the causal and/or key-bound mask, keys from masked_end on are unseen."""
-    whole_blocks_end = (Nk // BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        # Query i sees keys j <= i + (Nk - Nq). A key block is unmasked for every row of the query
-        # block when its last key is visible from the block's first row.
-        first_row_sees = tl.maximum(start_m + (Nk - Nq) + 1, 0)  # keys visible to row start_m
-        full_end = tl.minimum((first_row_sees // BLOCK_N) * BLOCK_N, whole_blocks_end)
-        masked_end = tl.minimum(tl.maximum(start_m + BLOCK_M + (Nk - Nq), 0), Nk)
-        masked_end = tl.maximum(masked_end, full_end)
-    else:
-        full_end = whole_blocks_end
-        masked_end = Nk
-    return full_end, masked_end
+def _clamp_ranges(lo, full_lo, full_hi, hi, start, n_rows, VARLEN: tl.constexpr):
+    """(lo, full_lo, full_hi, hi) put in order, lo <= full_lo <= full_hi <= hi, where a range with
+    no whole tile leaves everything to the masked loops; and all empty for a VARLEN program whose
+    tile starts past the end of its document (the grid covers the longest one)."""
+    full_lo = tl.minimum(full_lo, hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    if VARLEN:
+        hi = tl.where(start < n_rows, hi, 0)
+        full_hi = tl.minimum(full_hi, hi)
+        full_lo = tl.minimum(full_lo, full_hi)
+        lo = tl.minimum(lo, full_lo)
+    return lo, full_lo, full_hi, hi
 
 
 @triton.jit
-def _visible(offs_m, keys, Nq, Nk, CAUSAL: tl.constexpr):
-    """(BLOCK_M, BLOCK_N) mask of the keys each query row sees: real keys, and for causal the
-    bottom-right-aligned diagonal (query i sees key j iff j <= i + Nk - Nq)."""
-    visible = keys[None, :] < Nk
+def _key_ranges(start_m, Nq, Nk, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Which keys the query block starting at start_m visits: (lo, full_lo, full_hi, hi). Key tiles
+    in [full_lo, full_hi) are seen whole by every row of the block and run without a mask; those in
+    [lo, full_lo) and [full_hi, hi) run with the mask; keys outside [lo, hi) are never loaded.
+
+    Query i's visible keys, aligned bottom-right (diagonal = Nk - Nq): j <= i + diagonal (CAUSAL),
+    or i + diagonal - left <= j <= i + diagonal + right (WINDOW; window = (left, right), an
+    unbounded side given as a bound past every key)."""
+    whole_blocks_end = (Nk // BLOCK_N) * BLOCK_N
+    diagonal = Nk - Nq
+    if WINDOW:
+        left, right = window
+        lo = (tl.maximum(start_m + diagonal - left, 0) // BLOCK_N) * BLOCK_N
+        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + diagonal + right, 0), Nk)
+        # keys every row sees: from the last row's left edge to the first row's right edge
+        full_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + diagonal - left, 0), BLOCK_N) * BLOCK_N
+        full_hi = tl.minimum((tl.maximum(start_m + diagonal + right + 1, 0) // BLOCK_N) * BLOCK_N, whole_blocks_end)
+    elif CAUSAL:
+        # A key tile is whole for every row of the block when the block's first row sees its last key.
+        lo = 0
+        full_lo = 0
+        full_hi = tl.minimum((tl.maximum(start_m + diagonal + 1, 0) // BLOCK_N) * BLOCK_N, whole_blocks_end)
+        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + diagonal, 0), Nk)
+    else:
+        lo = 0
+        full_lo = 0
+        full_hi = whole_blocks_end
+        hi = Nk
+    return _clamp_ranges(lo, full_lo, full_hi, hi, start_m, Nq, VARLEN=VARLEN)
+
+
+@triton.jit
+def _query_ranges(start_n, Nq, Nk, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The transpose of _key_ranges, for the key block starting at start_n: query rows
+    [full_lo, full_hi) see every key of the block, [lo, full_lo) and [full_hi, hi) some of them.
+    full_hi and hi may end inside a query tile: its rows past Nq have P = 0 (bias -inf)."""
+    diagonal = Nk - Nq
+    if WINDOW:
+        left, right = window
+        lo = (tl.maximum(start_n - diagonal - right, 0) // BLOCK_M) * BLOCK_M
+        hi = tl.minimum(tl.maximum(start_n + BLOCK_N + left - diagonal, 0), Nq)
+        # rows that see every key: from the last key's first viewer to the first key's last viewer
+        full_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diagonal - right, 0), BLOCK_M) * BLOCK_M
+        all_see_end = tl.maximum(start_n - diagonal + left + 1, 0)
+        full_hi = tl.where(all_see_end >= Nq, Nq, (all_see_end // BLOCK_M) * BLOCK_M)
+    elif CAUSAL:
+        # Key j is seen by queries i >= j - diagonal; every key of the block by i >= last - diagonal.
+        lo = (tl.maximum(start_n - diagonal, 0) // BLOCK_M) * BLOCK_M
+        full_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diagonal, 0), BLOCK_M) * BLOCK_M
+        full_hi = Nq
+        hi = Nq
+    else:
+        lo = 0
+        full_lo = 0
+        full_hi = Nq
+        hi = Nq
+    return _clamp_ranges(lo, full_lo, full_hi, hi, start_n, Nk, VARLEN=VARLEN)
+
+
+@triton.jit
+def _visible(queries, keys, Nq, Nk, window, CHECK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Which (query, key) pairs count, for broadcastable index tiles ``queries`` and ``keys`` (a
+    (BLOCK_M, 1) and a (1, BLOCK_N) tile, or the transpose): real keys (CHECK_KEYS), and the causal
+    or window bounds of _key_ranges, aligned bottom-right."""
+    diagonal = queries + (Nk - Nq)
+    if CHECK_KEYS:
+        visible = keys < Nk
+    else:
+        visible = keys >= 0
     if CAUSAL:
-        visible = visible & (keys[None, :] <= offs_m[:, None] + (Nk - Nq))
+        visible = visible & (keys <= diagonal)
+    if WINDOW:
+        left, right = window
+        visible = visible & (keys <= diagonal + right) & (keys >= diagonal - left)
     return visible
+
+
+@triton.jit
+def _tanh(x):
+    """tanh in fp32. Compiled: libdevice's __nv_tanhf (a few ulp). Interpreted, where libdevice
+    calls return None: (e^2x - 1) / (e^2x + 1) in float64, clamped where fp32's tanh is +-1."""
+    if INTERPRETED:
+        e = tl.exp(2.0 * tl.minimum(tl.maximum(x.to(tl.float64), -20.0), 20.0))
+        return ((e - 1.0) / (e + 1.0)).to(tl.float32)
+    else:
+        return libdevice.tanh(x)
+
+
+@triton.jit
+def _softcapped(qk, softcap):
+    """Raw scores q k^T to softcapped ones, cap * tanh(q k^T * scale / cap), and the tanh (the
+    gradient's factor 1 - tanh^2). softcap: (cap, scale / cap). The result is already scaled: the
+    exponent then takes scale 1 (see the kernels' exponent scales)."""
+    cap, cap_scale = softcap
+    t = _tanh(qk * cap_scale)
+    return cap * t, t
 
 
 @triton.jit
@@ -249,19 +355,29 @@ def _scaled_row_max(qk, scale, visible, MASKED: tl.constexpr, NEGATIVE_SCALE: tl
 
 
 @triton.jit
+def _exponent_scales(sm_scale, qk_scale, SOFTCAP: tl.constexpr):
+    """The scales of the exponent, (natural units, log2 units): the softmax scale, or 1 when the
+    softcap has already scaled the scores."""
+    if SOFTCAP:
+        return 1.0, LOG2E
+    else:
+        return sm_scale, qk_scale
+
+
+@triton.jit
 def _attn_fwd_inner(
     acc, l_i, m_i, q, keys,
     start_m, lo, hi,
-    sizes, scales,
+    sizes, scales, window, softcap,
     MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, NEGATIVE_SCALE: tl.constexpr,
-    NATURAL_EXP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
+    NEGATIVE_SCALE: tl.constexpr, NATURAL_EXP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Online softmax of the query block at start_m over the key blocks in [lo, hi): running max
     m_i, sum l_i and output acc. m_i is in the units NATURAL_EXP says (see _probs), so that
     lse = m_i + ln(l_i) matches the backward's P. The scale is applied once per row to the max and
-    inside the exponent's fma, never to the scores."""
+    inside the exponent's fma, never to the scores (softcapped scores come scaled: scales is 1)."""
     Nq, Nk, D = sizes
     sm_scale, qk_scale = scales
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -273,7 +389,13 @@ def _attn_fwd_inner(
     for start_n in range(lo, hi, BLOCK_N):
         k, v, qk = _key_block(q, keys, start_n, Nk, D, MASKED=MASKED, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
                               DOT_PRECISION=DOT_PRECISION, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N)
-        visible = _visible(offs_m, start_n + offs_n, Nq, Nk, CAUSAL=CAUSAL) if MASKED else None
+        if SOFTCAP:
+            qk, _ = _softcapped(qk, softcap)
+        if MASKED:
+            visible = _visible(offs_m[:, None], (start_n + offs_n)[None, :], Nq, Nk, window, CHECK_KEYS=True,
+                               CAUSAL=CAUSAL, WINDOW=WINDOW)
+        else:
+            visible = None
         m_new = tl.maximum(m_i, _scaled_row_max(qk, scale, visible, MASKED=MASKED, NEGATIVE_SCALE=NEGATIVE_SCALE))
         if MASKED:
             # A row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
@@ -293,51 +415,69 @@ def _attn_fwd_inner(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["Nq", "Nk"])  # lengths of 1 stay runtime values
+@triton.jit(do_not_specialize=["Nq", "Nk", "window_left", "window_right"])  # values of 1 stay runtime values
 def _attn_fwd(
-    Q, K, V, O, LSE,
+    Q, K, V, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on,
-    Hq, Nq, Nk, D, GROUP, sm_scale, qk_scale,
+    stride_lb, stride_lh,
+    Hq, Nq, Nk, D, GROUP, sm_scale, qk_scale, window_left, window_right, softcap, cap_scale,
     N_CTX_Q_KEY, N_CTX_K_KEY,
-    CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, NEGATIVE_SCALE: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
+    EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, NEGATIVE_SCALE: tl.constexpr,
     NATURAL_EXP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """o = softmax(q k^T * scale) v and lse per row. Grid: (query blocks, Hq, B); causal runs the
-    last query blocks (which see the most keys) first, for a shorter tail. K and V stream through
-    _tile_source (TMA descriptors when USE_TMA).
+    """o = softmax(q k^T * scale) v and lse per row. Grid: (query blocks, Hq, B or documents);
+    causal runs the last query blocks (which see the most keys) first, for a shorter tail. K and V
+    stream through _tile_source (TMA descriptors when USE_TMA). VARLEN: program (m, h, b) takes
+    query block m of document b, whose rows CU_SEQLENS_Q and CU_SEQLENS_K give (Nq and Nk are then
+    the packed totals).
 
     N_CTX_Q_KEY and N_CTX_K_KEY are unused here: they are the autotuner's length buckets."""
     start_m, head, kv_head, batch = _program_place(GROUP, REVERSE=CAUSAL, BLOCK=BLOCK_M)
+    q_first, Nq = _sequence(CU_SEQLENS_Q, batch, Nq, VARLEN=VARLEN)
+    k_first, Nk = _sequence(CU_SEQLENS_K, batch, Nk, VARLEN=VARLEN)
     offs_r = tl.arange(0, BLOCK_M)
     offs_m = start_m + offs_r
     offs_d = tl.arange(0, HEAD_DIM)
-    k_src = _tile_source(_head(K, batch, kv_head, stride_kb, stride_kh), Nk, D, stride_kn,
-                         USE_TMA=USE_TMA, BLOCK=BLOCK_N, HEAD_DIM=HEAD_DIM)
-    v_src = _tile_source(_head(V, batch, kv_head, stride_vb, stride_vh), Nk, D, stride_vn,
-                         USE_TMA=USE_TMA, BLOCK=BLOCK_N, HEAD_DIM=HEAD_DIM)
-    q = _load_rows(_head(Q, batch, head, stride_qb, stride_qh), start_m, offs_r, Nq, stride_qn, offs_d, D,
-                   CHECK_ROWS=True, EVEN_D=EVEN_D)
+    k_src = _tile_source(_rows_of(K, batch, kv_head, k_first, stride_kb, stride_kh, stride_kn, VARLEN=VARLEN),
+                         Nk, D, stride_kn, USE_TMA=USE_TMA, BLOCK=BLOCK_N, HEAD_DIM=HEAD_DIM)
+    v_src = _tile_source(_rows_of(V, batch, kv_head, k_first, stride_vb, stride_vh, stride_vn, VARLEN=VARLEN),
+                         Nk, D, stride_vn, USE_TMA=USE_TMA, BLOCK=BLOCK_N, HEAD_DIM=HEAD_DIM)
+    q = _load_rows(_rows_of(Q, batch, head, q_first, stride_qb, stride_qh, stride_qn, VARLEN=VARLEN),
+                   start_m, offs_r, Nq, stride_qn, offs_d, D, CHECK_ROWS=True, EVEN_D=EVEN_D)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    full_end, masked_end = _key_ranges(start_m, Nq, Nk, CAUSAL=CAUSAL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    window = (window_left, window_right)
+    lo, full_lo, full_hi, hi = _key_ranges(start_m, Nq, Nk, window, CAUSAL=CAUSAL, WINDOW=WINDOW, VARLEN=VARLEN,
+                                           BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     keys = (k_src, v_src, stride_kn, stride_vn)
     sizes = (Nq, Nk, D)
-    scales = (sm_scale, qk_scale)
+    scales = _exponent_scales(sm_scale, qk_scale, SOFTCAP=SOFTCAP)
+    softcaps = (softcap, cap_scale)
+    if WINDOW:
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, keys, start_m, lo, full_lo, sizes, scales, window, softcaps, MASKED=True,
+            CAUSAL=CAUSAL, WINDOW=WINDOW, SOFTCAP=SOFTCAP, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
+            NEGATIVE_SCALE=NEGATIVE_SCALE, NATURAL_EXP=NATURAL_EXP, DOT_PRECISION=DOT_PRECISION,
+            HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        )
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, keys, start_m, 0, full_end, sizes, scales, MASKED=False,
-        CAUSAL=CAUSAL, EVEN_D=EVEN_D, USE_TMA=USE_TMA, NEGATIVE_SCALE=NEGATIVE_SCALE, NATURAL_EXP=NATURAL_EXP,
-        DOT_PRECISION=DOT_PRECISION, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        acc, l_i, m_i, q, keys, start_m, full_lo, full_hi, sizes, scales, window, softcaps, MASKED=False,
+        CAUSAL=CAUSAL, WINDOW=WINDOW, SOFTCAP=SOFTCAP, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
+        NEGATIVE_SCALE=NEGATIVE_SCALE, NATURAL_EXP=NATURAL_EXP, DOT_PRECISION=DOT_PRECISION,
+        HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, keys, start_m, full_end, masked_end, sizes, scales, MASKED=True,
-        CAUSAL=CAUSAL, EVEN_D=EVEN_D, USE_TMA=USE_TMA, NEGATIVE_SCALE=NEGATIVE_SCALE, NATURAL_EXP=NATURAL_EXP,
-        DOT_PRECISION=DOT_PRECISION, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        acc, l_i, m_i, q, keys, start_m, full_hi, hi, sizes, scales, window, softcaps, MASKED=True,
+        CAUSAL=CAUSAL, WINDOW=WINDOW, SOFTCAP=SOFTCAP, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
+        NEGATIVE_SCALE=NEGATIVE_SCALE, NATURAL_EXP=NATURAL_EXP, DOT_PRECISION=DOT_PRECISION,
+        HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
 
     empty = l_i == 0.0  # rows that saw no key
@@ -346,9 +486,10 @@ def _attn_fwd(
         lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
     else:
         lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
-    _store_rows(_head(O, batch, head, stride_ob, stride_oh), start_m, offs_r, Nq, stride_on, offs_d, D,
-                round_to(o, O.dtype.element_ty), EVEN_D=EVEN_D)
-    tl.store(_row_stats(LSE, batch, head, Hq, Nq) + offs_m, lse, mask=offs_m < Nq)
+    _store_rows(_rows_of(O, batch, head, q_first, stride_ob, stride_oh, stride_on, VARLEN=VARLEN),
+                start_m, offs_r, Nq, stride_on, offs_d, D, round_to(o, O.dtype.element_ty), EVEN_D=EVEN_D)
+    tl.store(_rows_of(LSE, batch, head, q_first, stride_lb, stride_lh, 1, VARLEN=VARLEN) + offs_m, lse,
+             mask=offs_m < Nq)
 
 
 # --------------------------------------------------------------------------------------------
@@ -372,7 +513,8 @@ def _attn_bwd_preprocess(
 
     LSE and DLSE are contiguous (B, Hq, Nq); DELTA and BIAS (B, Hq, NQ_ROUNDED), where the rows
     from Nq up to NQ_ROUNDED (a multiple of every BLOCK_M) get delta 0 and bias -inf: the loops
-    load whole blocks without masks, and those rows add nothing. Grid: (NQ_ROUNDED / BLOCK_M, Hq, B)."""
+    load whole blocks without masks, and those rows add nothing. The packed variable-length layout
+    runs as one batch entry of all its rows (B = 1, Nq the total). Grid: (NQ_ROUNDED / BLOCK_M, Hq, B)."""
     start_m, head, _, batch = _program_place(1, REVERSE=False, BLOCK=BLOCK_M)
     offs_r = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -384,20 +526,37 @@ def _attn_bwd_preprocess(
     offs_m = start_m + offs_r
     real = offs_m < Nq
     if HAS_DLSE:
-        delta -= tl.load(_row_stats(DLSE, batch, head, Hq, Nq) + offs_m, mask=real, other=0.0).to(tl.float32)
-    lse = tl.load(_row_stats(LSE, batch, head, Hq, Nq) + offs_m, mask=real, other=float("-inf"))
+        delta -= tl.load(_head(DLSE, batch, head, Hq * Nq, Nq) + offs_m, mask=real, other=0.0).to(tl.float32)
+    lse = tl.load(_head(LSE, batch, head, Hq * Nq, Nq) + offs_m, mask=real, other=float("-inf"))
     if not NATURAL_EXP:
         lse = lse * LOG2E
-    tl.store(_row_stats(DELTA, batch, head, Hq, NQ_ROUNDED) + offs_m, delta)
-    tl.store(_row_stats(BIAS, batch, head, Hq, NQ_ROUNDED) + offs_m, tl.where(lse == float("-inf"), lse, -lse))
+    tl.store(_head(DELTA, batch, head, Hq * NQ_ROUNDED, NQ_ROUNDED) + offs_m, delta)
+    tl.store(_head(BIAS, batch, head, Hq * NQ_ROUNDED, NQ_ROUNDED) + offs_m,
+             tl.where(lse == float("-inf"), lse, -lse))
+
+
+@triton.jit
+def _load_row_stats(row_stats, offs_m, Nq, VARLEN: tl.constexpr):
+    """(bias, delta) of rows offs_m from the preprocess's output. Dense: rows past Nq are padding
+    (bias -inf, delta 0) and load without a mask. VARLEN: the rows past a document belong to the
+    next one, so they are masked to the same values."""
+    BIAS_row, DELTA_row = row_stats
+    if VARLEN:
+        bias = tl.load(BIAS_row + offs_m, mask=offs_m < Nq, other=float("-inf"))
+        delta = tl.load(DELTA_row + offs_m, mask=offs_m < Nq, other=0.0)
+    else:
+        bias = tl.load(BIAS_row + offs_m)
+        delta = tl.load(DELTA_row + offs_m)
+    return bias, delta
 
 
 @triton.jit
 def _attn_bwd_dkdv_inner(
     dk, dv, k, v, queries, row_stats,
     start_n, lo, hi,
-    sizes, scales,
+    sizes, scales, window, softcap,
     MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
     EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, NATURAL_EXP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -407,7 +566,6 @@ def _attn_bwd_dkdv_inner(
     the preprocess's output. Query rows past Nq read as zero with bias -inf, hence P = 0: they add
     nothing."""
     q_src, do_src, stride_qn, stride_don = queries
-    BIAS_row, DELTA_row = row_stats
     Nq, Nk, D = sizes
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_M)
@@ -417,8 +575,7 @@ def _attn_bwd_dkdv_inner(
                        BLOCK=BLOCK_M, HEAD_DIM=HEAD_DIM)
         do = _load_tile(do_src, start_m, Nq, stride_don, D, CHECK_ROWS=True, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
                         BLOCK=BLOCK_M, HEAD_DIM=HEAD_DIM)
-        bias = tl.load(BIAS_row + offs_m)  # padded: see _attn_bwd_preprocess
-        delta = tl.load(DELTA_row + offs_m)
+        bias, delta = _load_row_stats(row_stats, offs_m, Nq, VARLEN=VARLEN)
         # P^T recomputed from the saved lse: exp(S^T * scale - lse). The lse is only as good as the
         # match between these scores and the forward's, bit for bit: with logits ~100 a one-ulp
         # difference in S moves P by 1e-5. The GPU's fp32 (IEEE) dot is a sequential fma chain over
@@ -429,92 +586,102 @@ def _attn_bwd_dkdv_inner(
             qk_t = tl.trans(_dot(q, tl.trans(k), None, DOT_PRECISION=DOT_PRECISION))
         else:
             qk_t = _dot(k, tl.trans(q), None, DOT_PRECISION=DOT_PRECISION)
+        if SOFTCAP:
+            qk_t, tanh_t = _softcapped(qk_t, softcap)
         p_t = _probs(qk_t, scales, bias[None, :], NATURAL_EXP=NATURAL_EXP)
-        if MASKED:  # the causal diagonal: query i sees key j iff j <= i + Nk - Nq
-            p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + (Nk - Nq), p_t, 0.0)
+        if MASKED:  # keys past Nk need no mask here: their rows of dK and dV are never stored
+            p_t = tl.where(_visible(offs_m[None, :], offs_n[:, None], Nq, Nk, window, CHECK_KEYS=False,
+                                    CAUSAL=CAUSAL, WINDOW=WINDOW), p_t, 0.0)
         dv = _dot(p_t.to(do.dtype), do, dv, DOT_PRECISION=DOT_PRECISION)
         dp_t = _dot(v, tl.trans(do), None, DOT_PRECISION=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:
+            ds_t = ds_t * (1.0 - tanh_t * tanh_t)
         dk = _dot(ds_t.to(q.dtype), q, dk, DOT_PRECISION=DOT_PRECISION)
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["Nq", "Nk"])  # lengths of 1 stay runtime values
+@triton.jit(do_not_specialize=["Nq", "Nk", "window_left", "window_right"])  # values of 1 stay runtime values
 def _attn_bwd_dkdv(
-    Q, K, V, DO, BIAS, DELTA, DK, DV,
+    Q, K, V, DO, BIAS, DELTA, DK, DV, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
-    Hq, Nq, Nk, D, GROUP, sm_scale, qk_scale, NQ_ROUNDED,
+    Hq, Nq, Nk, D, GROUP, sm_scale, qk_scale, window_left, window_right, softcap, cap_scale, NQ_ROUNDED,
     N_CTX_Q_KEY, N_CTX_K_KEY,
-    CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
+    EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
     NATURAL_EXP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dK, dV for one key block of one kv head, summed over the GROUP query heads that share it.
-    Grid: (key blocks, Hkv, B). Rows of the key block past Nk are computed but never stored."""
+    Grid: (key blocks, Hkv, B or documents). Rows of the key block past Nk are computed but never
+    stored."""
     start_n, kv_head, _, batch = _program_place(1, REVERSE=False, BLOCK=BLOCK_N)
+    q_first, Nq = _sequence(CU_SEQLENS_Q, batch, Nq, VARLEN=VARLEN)
+    k_first, Nk = _sequence(CU_SEQLENS_K, batch, Nk, VARLEN=VARLEN)
     offs_r = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    k = _load_rows(_head(K, batch, kv_head, stride_kb, stride_kh), start_n, offs_r, Nk, stride_kn, offs_d, D,
-                   CHECK_ROWS=True, EVEN_D=EVEN_D)
-    v = _load_rows(_head(V, batch, kv_head, stride_vb, stride_vh), start_n, offs_r, Nk, stride_vn, offs_d, D,
-                   CHECK_ROWS=True, EVEN_D=EVEN_D)
+    k = _load_rows(_rows_of(K, batch, kv_head, k_first, stride_kb, stride_kh, stride_kn, VARLEN=VARLEN),
+                   start_n, offs_r, Nk, stride_kn, offs_d, D, CHECK_ROWS=True, EVEN_D=EVEN_D)
+    v = _load_rows(_rows_of(V, batch, kv_head, k_first, stride_vb, stride_vh, stride_vn, VARLEN=VARLEN),
+                   start_n, offs_r, Nk, stride_vn, offs_d, D, CHECK_ROWS=True, EVEN_D=EVEN_D)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
-    if CAUSAL:
-        # Key j is seen by queries i >= j - (Nk - Nq); every key of the block by i >= last - (Nk - Nq).
-        first_query = tl.maximum(start_n - (Nk - Nq), 0)
-        masked_lo = (first_query // BLOCK_M) * BLOCK_M
-        all_see = tl.maximum(start_n + BLOCK_N - 1 - (Nk - Nq), 0)
-        full_lo = tl.cdiv(all_see, BLOCK_M) * BLOCK_M
-        masked_hi = tl.minimum(full_lo, Nq)
-    else:
-        masked_lo = 0
-        full_lo = 0
-        masked_hi = 0
-
+    window = (window_left, window_right)
+    lo, full_lo, full_hi, hi = _query_ranges(start_n, Nq, Nk, window, CAUSAL=CAUSAL, WINDOW=WINDOW, VARLEN=VARLEN,
+                                             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     sizes = (Nq, Nk, D)
-    scales = (sm_scale, qk_scale)
+    scales = _exponent_scales(sm_scale, qk_scale, SOFTCAP=SOFTCAP)
+    softcaps = (softcap, cap_scale)
     for g in range(GROUP):
         head = kv_head * GROUP + g
-        q_src = _tile_source(_head(Q, batch, head, stride_qb, stride_qh), Nq, D, stride_qn,
-                             USE_TMA=USE_TMA, BLOCK=BLOCK_M, HEAD_DIM=HEAD_DIM)
-        do_src = _tile_source(_head(DO, batch, head, stride_dob, stride_doh), Nq, D, stride_don,
-                              USE_TMA=USE_TMA, BLOCK=BLOCK_M, HEAD_DIM=HEAD_DIM)
+        q_src = _tile_source(_rows_of(Q, batch, head, q_first, stride_qb, stride_qh, stride_qn, VARLEN=VARLEN),
+                             Nq, D, stride_qn, USE_TMA=USE_TMA, BLOCK=BLOCK_M, HEAD_DIM=HEAD_DIM)
+        do_src = _tile_source(_rows_of(DO, batch, head, q_first, stride_dob, stride_doh, stride_don, VARLEN=VARLEN),
+                              Nq, D, stride_don, USE_TMA=USE_TMA, BLOCK=BLOCK_M, HEAD_DIM=HEAD_DIM)
         queries = (q_src, do_src, stride_qn, stride_don)
-        row_stats = (_row_stats(BIAS, batch, head, Hq, NQ_ROUNDED), _row_stats(DELTA, batch, head, Hq, NQ_ROUNDED))
-        if CAUSAL:
+        row_stats = (_rows_of(BIAS, batch, head, q_first, Hq * NQ_ROUNDED, NQ_ROUNDED, 1, VARLEN=VARLEN),
+                     _rows_of(DELTA, batch, head, q_first, Hq * NQ_ROUNDED, NQ_ROUNDED, 1, VARLEN=VARLEN))
+        if CAUSAL or WINDOW:
             dk, dv = _attn_bwd_dkdv_inner(
-                dk, dv, k, v, queries, row_stats, start_n, masked_lo, masked_hi, sizes, scales, MASKED=True,
-                EVEN_D=EVEN_D, USE_TMA=USE_TMA, NATURAL_EXP=NATURAL_EXP, DOT_PRECISION=DOT_PRECISION,
-                HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                dk, dv, k, v, queries, row_stats, start_n, lo, full_lo, sizes, scales, window, softcaps, MASKED=True,
+                CAUSAL=CAUSAL, WINDOW=WINDOW, SOFTCAP=SOFTCAP, VARLEN=VARLEN, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
+                NATURAL_EXP=NATURAL_EXP, DOT_PRECISION=DOT_PRECISION, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M,
+                BLOCK_N=BLOCK_N,
             )
         dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, queries, row_stats, start_n, full_lo, Nq, sizes, scales, MASKED=False,
-            EVEN_D=EVEN_D, USE_TMA=USE_TMA, NATURAL_EXP=NATURAL_EXP, DOT_PRECISION=DOT_PRECISION,
-            HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            dk, dv, k, v, queries, row_stats, start_n, full_lo, full_hi, sizes, scales, window, softcaps, MASKED=False,
+            CAUSAL=CAUSAL, WINDOW=WINDOW, SOFTCAP=SOFTCAP, VARLEN=VARLEN, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
+            NATURAL_EXP=NATURAL_EXP, DOT_PRECISION=DOT_PRECISION, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         )
+        if WINDOW:
+            dk, dv = _attn_bwd_dkdv_inner(
+                dk, dv, k, v, queries, row_stats, start_n, full_hi, hi, sizes, scales, window, softcaps, MASKED=True,
+                CAUSAL=CAUSAL, WINDOW=WINDOW, SOFTCAP=SOFTCAP, VARLEN=VARLEN, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
+                NATURAL_EXP=NATURAL_EXP, DOT_PRECISION=DOT_PRECISION, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M,
+                BLOCK_N=BLOCK_N,
+            )
 
     dk = dk * sm_scale
-    _store_rows(_head(DK, batch, kv_head, stride_dkb, stride_dkh), start_n, offs_r, Nk, stride_dkn, offs_d, D,
-                round_to(dk, DK.dtype.element_ty), EVEN_D=EVEN_D)
-    _store_rows(_head(DV, batch, kv_head, stride_dvb, stride_dvh), start_n, offs_r, Nk, stride_dvn, offs_d, D,
-                round_to(dv, DV.dtype.element_ty), EVEN_D=EVEN_D)
+    _store_rows(_rows_of(DK, batch, kv_head, k_first, stride_dkb, stride_dkh, stride_dkn, VARLEN=VARLEN),
+                start_n, offs_r, Nk, stride_dkn, offs_d, D, round_to(dk, DK.dtype.element_ty), EVEN_D=EVEN_D)
+    _store_rows(_rows_of(DV, batch, kv_head, k_first, stride_dvb, stride_dvh, stride_dvn, VARLEN=VARLEN),
+                start_n, offs_r, Nk, stride_dvn, offs_d, D, round_to(dv, DV.dtype.element_ty), EVEN_D=EVEN_D)
 
 
 @triton.jit
 def _attn_bwd_dq_inner(
     dq, q, do, bias, delta, keys,
     start_m, lo, hi,
-    sizes, scales,
+    sizes, scales, window, softcap,
     MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, NATURAL_EXP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
+    NATURAL_EXP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Accumulate dQ (unscaled) of the query block at start_m over the key blocks in [lo, hi). Rows
@@ -525,63 +692,82 @@ def _attn_bwd_dq_inner(
     for start_n in range(lo, hi, BLOCK_N):
         k, v, qk = _key_block(q, keys, start_n, Nk, D, MASKED=MASKED, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
                               DOT_PRECISION=DOT_PRECISION, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N)
+        if SOFTCAP:
+            qk, tanh_s = _softcapped(qk, softcap)
         p = _probs(qk, scales, bias[:, None], NATURAL_EXP=NATURAL_EXP)
         if MASKED:
-            p = tl.where(_visible(offs_m, start_n + offs_n, Nq, Nk, CAUSAL=CAUSAL), p, 0.0)
+            p = tl.where(_visible(offs_m[:, None], (start_n + offs_n)[None, :], Nq, Nk, window, CHECK_KEYS=True,
+                                  CAUSAL=CAUSAL, WINDOW=WINDOW), p, 0.0)
         dp = _dot(do, tl.trans(v), None, DOT_PRECISION=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - tanh_s * tanh_s)
         dq = _dot(ds.to(k.dtype), k, dq, DOT_PRECISION=DOT_PRECISION)
     return dq
 
 
-@triton.jit(do_not_specialize=["Nq", "Nk"])  # lengths of 1 stay runtime values
+@triton.jit(do_not_specialize=["Nq", "Nk", "window_left", "window_right"])  # values of 1 stay runtime values
 def _attn_bwd_dq(
-    Q, K, V, DO, BIAS, DELTA, DQ,
+    Q, K, V, DO, BIAS, DELTA, DQ, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don,
     stride_dqb, stride_dqh, stride_dqn,
-    Hq, Nq, Nk, D, GROUP, sm_scale, qk_scale, NQ_ROUNDED,
+    Hq, Nq, Nk, D, GROUP, sm_scale, qk_scale, window_left, window_right, softcap, cap_scale, NQ_ROUNDED,
     N_CTX_Q_KEY, N_CTX_K_KEY,
-    CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
+    EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
     NATURAL_EXP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """dQ for one query block of one query head, looping over key blocks. Grid: (query blocks, Hq, B)."""
+    """dQ for one query block of one query head, looping over key blocks. Grid: (query blocks, Hq,
+    B or documents)."""
     start_m, head, kv_head, batch = _program_place(GROUP, REVERSE=CAUSAL, BLOCK=BLOCK_M)
+    q_first, Nq = _sequence(CU_SEQLENS_Q, batch, Nq, VARLEN=VARLEN)
+    k_first, Nk = _sequence(CU_SEQLENS_K, batch, Nk, VARLEN=VARLEN)
     offs_r = tl.arange(0, BLOCK_M)
     offs_m = start_m + offs_r
     offs_d = tl.arange(0, HEAD_DIM)
-    q = _load_rows(_head(Q, batch, head, stride_qb, stride_qh), start_m, offs_r, Nq, stride_qn, offs_d, D,
-                   CHECK_ROWS=True, EVEN_D=EVEN_D)
-    do = _load_rows(_head(DO, batch, head, stride_dob, stride_doh), start_m, offs_r, Nq, stride_don, offs_d, D,
-                    CHECK_ROWS=True, EVEN_D=EVEN_D)
-    bias = tl.load(_row_stats(BIAS, batch, head, Hq, NQ_ROUNDED) + offs_m)  # padded: see _attn_bwd_preprocess
-    delta = tl.load(_row_stats(DELTA, batch, head, Hq, NQ_ROUNDED) + offs_m)
-    k_src = _tile_source(_head(K, batch, kv_head, stride_kb, stride_kh), Nk, D, stride_kn,
-                         USE_TMA=USE_TMA, BLOCK=BLOCK_N, HEAD_DIM=HEAD_DIM)
-    v_src = _tile_source(_head(V, batch, kv_head, stride_vb, stride_vh), Nk, D, stride_vn,
-                         USE_TMA=USE_TMA, BLOCK=BLOCK_N, HEAD_DIM=HEAD_DIM)
+    q = _load_rows(_rows_of(Q, batch, head, q_first, stride_qb, stride_qh, stride_qn, VARLEN=VARLEN),
+                   start_m, offs_r, Nq, stride_qn, offs_d, D, CHECK_ROWS=True, EVEN_D=EVEN_D)
+    do = _load_rows(_rows_of(DO, batch, head, q_first, stride_dob, stride_doh, stride_don, VARLEN=VARLEN),
+                    start_m, offs_r, Nq, stride_don, offs_d, D, CHECK_ROWS=True, EVEN_D=EVEN_D)
+    row_stats = (_rows_of(BIAS, batch, head, q_first, Hq * NQ_ROUNDED, NQ_ROUNDED, 1, VARLEN=VARLEN),
+                 _rows_of(DELTA, batch, head, q_first, Hq * NQ_ROUNDED, NQ_ROUNDED, 1, VARLEN=VARLEN))
+    bias, delta = _load_row_stats(row_stats, offs_m, Nq, VARLEN=VARLEN)
+    k_src = _tile_source(_rows_of(K, batch, kv_head, k_first, stride_kb, stride_kh, stride_kn, VARLEN=VARLEN),
+                         Nk, D, stride_kn, USE_TMA=USE_TMA, BLOCK=BLOCK_N, HEAD_DIM=HEAD_DIM)
+    v_src = _tile_source(_rows_of(V, batch, kv_head, k_first, stride_vb, stride_vh, stride_vn, VARLEN=VARLEN),
+                         Nk, D, stride_vn, USE_TMA=USE_TMA, BLOCK=BLOCK_N, HEAD_DIM=HEAD_DIM)
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    full_end, masked_end = _key_ranges(start_m, Nq, Nk, CAUSAL=CAUSAL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    window = (window_left, window_right)
+    lo, full_lo, full_hi, hi = _key_ranges(start_m, Nq, Nk, window, CAUSAL=CAUSAL, WINDOW=WINDOW, VARLEN=VARLEN,
+                                           BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     keys = (k_src, v_src, stride_kn, stride_vn)
     sizes = (Nq, Nk, D)
-    scales = (sm_scale, qk_scale)
+    scales = _exponent_scales(sm_scale, qk_scale, SOFTCAP=SOFTCAP)
+    softcaps = (softcap, cap_scale)
+    if WINDOW:
+        dq = _attn_bwd_dq_inner(
+            dq, q, do, bias, delta, keys, start_m, lo, full_lo, sizes, scales, window, softcaps, MASKED=True,
+            CAUSAL=CAUSAL, WINDOW=WINDOW, SOFTCAP=SOFTCAP, EVEN_D=EVEN_D, USE_TMA=USE_TMA, NATURAL_EXP=NATURAL_EXP,
+            DOT_PRECISION=DOT_PRECISION, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        )
     dq = _attn_bwd_dq_inner(
-        dq, q, do, bias, delta, keys, start_m, 0, full_end, sizes, scales, MASKED=False,
-        CAUSAL=CAUSAL, EVEN_D=EVEN_D, USE_TMA=USE_TMA, NATURAL_EXP=NATURAL_EXP, DOT_PRECISION=DOT_PRECISION,
-        HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        dq, q, do, bias, delta, keys, start_m, full_lo, full_hi, sizes, scales, window, softcaps, MASKED=False,
+        CAUSAL=CAUSAL, WINDOW=WINDOW, SOFTCAP=SOFTCAP, EVEN_D=EVEN_D, USE_TMA=USE_TMA, NATURAL_EXP=NATURAL_EXP,
+        DOT_PRECISION=DOT_PRECISION, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
     dq = _attn_bwd_dq_inner(
-        dq, q, do, bias, delta, keys, start_m, full_end, masked_end, sizes, scales, MASKED=True,
-        CAUSAL=CAUSAL, EVEN_D=EVEN_D, USE_TMA=USE_TMA, NATURAL_EXP=NATURAL_EXP, DOT_PRECISION=DOT_PRECISION,
-        HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        dq, q, do, bias, delta, keys, start_m, full_hi, hi, sizes, scales, window, softcaps, MASKED=True,
+        CAUSAL=CAUSAL, WINDOW=WINDOW, SOFTCAP=SOFTCAP, EVEN_D=EVEN_D, USE_TMA=USE_TMA, NATURAL_EXP=NATURAL_EXP,
+        DOT_PRECISION=DOT_PRECISION, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
     dq = dq * sm_scale
-    _store_rows(_head(DQ, batch, head, stride_dqb, stride_dqh), start_m, offs_r, Nq, stride_dqn, offs_d, D,
-                round_to(dq, DQ.dtype.element_ty), EVEN_D=EVEN_D)
+    _store_rows(_rows_of(DQ, batch, head, q_first, stride_dqb, stride_dqh, stride_dqn, VARLEN=VARLEN),
+                start_m, offs_r, Nq, stride_dqn, offs_d, D, round_to(dq, DQ.dtype.element_ty), EVEN_D=EVEN_D)
 
 
 # CUDA autotunes over every configuration of attention_configs; the pruner keeps the target's.
@@ -609,8 +795,32 @@ _attn_bwd_dkdv_tuned = triton.autotune(
 
 
 @dataclasses.dataclass(frozen=True)
+class Documents:
+    """The packed variable-length layout of FlashAttention 2's varlen API: q (total_q, Hq, D) and
+    k, v (total_k, Hkv, D) hold documents one after another; document i is rows
+    cu_seqlens_q[i]:cu_seqlens_q[i + 1] of q and cu_seqlens_k[i]:cu_seqlens_k[i + 1] of k and v
+    (int32, on the tensors' device), and no document is longer than max_seqlen_q / max_seqlen_k.
+    Validated by ``limits.check_varlen_args``."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def count(self) -> int:
+        return self.cu_seqlens_q.shape[0] - 1
+
+
+def _heads_view(t: torch.Tensor) -> torch.Tensor:
+    """A packed (total, H, D) tensor as the (1, H, total, D) view the kernels address."""
+    return t.unsqueeze(0).transpose(1, 2)
+
+
+@dataclasses.dataclass(frozen=True)
 class _Problem:
-    """One attention call's sizes and options, as every launch needs them."""
+    """One attention call's sizes and options, as every launch needs them. With documents, the
+    lengths are the packed totals and the longest document's (the grid's extent)."""
 
     batch: int
     q_heads: int
@@ -621,12 +831,31 @@ class _Problem:
     causal: bool
     sm_scale: float
     fp32: bool  # fp32 inputs: IEEE dots and the softmax in natural units
+    window: tuple[int, int]  # (left, right), -1 unbounded, causal's right bound 0 folded in
+    softcap: float
+    documents: Documents | None
 
     @classmethod
-    def of(cls, q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> _Problem:
+    def of(cls, q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, window=(-1, -1), softcap: float = 0.0,
+           documents: Documents | None = None) -> _Problem:
+        """q, k as the kernels see them: (B, H, N, D), or (1, H, total, D) views with documents."""
         batch, q_heads, q_len, head_dim = q.shape
+        left, right = window
+        if causal:
+            right = 0  # FlashAttention 2: causal is the window's right bound 0
         return cls(batch, q_heads, k.shape[1], q_len, k.shape[2], head_dim, bool(causal), float(scale),
-                   q.dtype == torch.float32)
+                   q.dtype == torch.float32, (int(left), int(right)), float(softcap), documents)
+
+    @property
+    def grid_batch(self) -> int:
+        return self.documents.count if self.documents else self.batch
+
+    @property
+    def grid_lengths(self) -> tuple[int, int]:
+        """The longest query and key sequence one program may see."""
+        if self.documents:
+            return self.documents.max_seqlen_q, self.documents.max_seqlen_k
+        return self.q_len, self.k_len
 
     @property
     def padded_head_dim(self) -> int:
@@ -637,11 +866,33 @@ class _Problem:
         """The softmax scale with log2(e) folded in: the scale of the log2-unit softmax."""
         return self.sm_scale * LOG2E.value
 
-    def scalars(self, *scales: float) -> tuple:
-        """The kernels' arguments after the strides: Hq, Nq, Nk, D, GROUP, ``scales``, and the
-        autotuner's length buckets (N_CTX_Q_KEY, N_CTX_K_KEY)."""
-        return (self.q_heads, self.q_len, self.k_len, self.head_dim, self.q_heads // self.kv_heads, *scales,
-                next_power_of_2(self.q_len), next_power_of_2(self.k_len))
+    @property
+    def mask_kind(self) -> str:
+        """"window" when a bound other than causal's applies, else "causal" or "none"."""
+        left, right = self.window
+        if left < 0 and right < 0:
+            return "none"
+        return "causal" if left < 0 and right == 0 else "window"
+
+    @property
+    def window_bounds(self) -> tuple[int, int]:
+        """The kernels' (window_left, window_right): an unbounded side as a bound past every key."""
+        unbounded = sum(self.grid_lengths) + 1
+        return tuple(unbounded if side < 0 else side for side in self.window)
+
+    def scalars(self, *extra) -> tuple:
+        """The kernels' arguments after the strides: Hq, Nq, Nk, D, GROUP, the scales, the window,
+        the softcap, ``extra``, and the autotuner's length buckets (N_CTX_Q_KEY, N_CTX_K_KEY)."""
+        cap_scale = self.sm_scale / self.softcap if self.softcap else 0.0
+        return (self.q_heads, self.q_len, self.k_len, self.head_dim, self.q_heads // self.kv_heads, self.sm_scale,
+                self.qk_scale, *self.window_bounds, self.softcap, cap_scale, *extra,
+                *(next_power_of_2(n) for n in self.grid_lengths))
+
+    def sequence_args(self, placeholder: torch.Tensor) -> tuple:
+        """CU_SEQLENS_Q, CU_SEQLENS_K (any tensor in the dense layout, where they are not read)."""
+        if self.documents:
+            return self.documents.cu_seqlens_q, self.documents.cu_seqlens_k
+        return placeholder, placeholder
 
     @property
     def dot_precision(self) -> str:
@@ -658,8 +909,11 @@ class _Problem:
         return self.fp32
 
     def constexprs(self, use_tma: bool) -> dict:
+        mask = self.mask_kind
         return dict(
-            CAUSAL=self.causal, EVEN_D=self.head_dim == self.padded_head_dim, USE_TMA=use_tma,
+            CAUSAL=mask == "causal", WINDOW=mask == "window", SOFTCAP=self.softcap > 0,
+            VARLEN=self.documents is not None,
+            EVEN_D=self.head_dim == self.padded_head_dim, USE_TMA=use_tma,
             NATURAL_EXP=self.natural_exp, DOT_PRECISION=self.dot_precision, HEAD_DIM=self.padded_head_dim,
         )
 
@@ -723,49 +977,73 @@ def _output(name: str, given, like: torch.Tensor) -> torch.Tensor:
     return given
 
 
-def attention_fwd(q, k, v, causal: bool, scale: float, *, out=None, config: dict | None = None,
+def attention_fwd(q, k, v, causal: bool, scale: float, *, window=(-1, -1), softcap: float = 0.0,
+                  documents: Documents | None = None, out=None, config: dict | None = None,
                   tma: bool | None = None):
     """q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D), last dims contiguous, as
-    ``limits.check_attention_args`` accepts them (not checked again here; Nq or Nk may be 0).
+    ``limits.check_attention_args`` accepts them (not checked again here; Nq or Nk may be 0). With
+    ``documents`` (a Documents), the packed variable-length layout instead: q (total_q, Hq, D), k and v
+    (total_k, Hkv, D), as ``limits.check_varlen_args`` accepts them.
 
-    Returns o (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq) fp32, natural log, -inf on rows that
-    see no key. o is ``out`` when given (any strides with a contiguous last dim: a block passes a
-    (B, Nq, Hq, D) buffer's transpose so o is already laid out for the output projection), else a
-    new contiguous tensor. ``config`` ({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}) pins the
-    launch configuration; by default CUDA autotunes and the interpreter uses INTERPRETER_CONFIG.
-    ``tma``: k and v stream through tensor descriptors (TMA) where their alignment allows (None),
-    never (False), or always (True: an error where they cannot)."""
+    ``window`` = (left, right): query i sees keys i + diagonal - left .. i + diagonal + right
+    (diagonal = Nk - Nq per sequence, -1 = unbounded side; causal sets right to 0), and key tiles
+    outside every row's window are skipped. ``softcap`` > 0 turns the scaled scores s into
+    softcap * tanh(s / softcap) before the softmax.
+
+    Returns o in q's shape and dtype and lse fp32, natural log, -inf on rows that see no key:
+    (B, Hq, Nq), or (Hq, total_q) with documents (FlashAttention 2's varlen layout). o is ``out``
+    when given (any strides with a contiguous last dim: a block passes a (B, Nq, Hq, D) buffer's
+    transpose so o is already laid out for the output projection), else a new contiguous tensor.
+    ``config`` ({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}) pins the launch configuration;
+    by default CUDA autotunes and the interpreter uses INTERPRETER_CONFIG. ``tma``: k and v stream
+    through tensor descriptors (TMA) where their alignment allows (None), never (False), or always
+    (True: an error where they cannot)."""
     _require_contiguous_last_dim({"q": q, "k": k, "v": v})
-    p = _Problem.of(q, k, causal, scale)
     o = _output("out", out, q)
+    if documents is not None:
+        q, k, v, o_heads = (_heads_view(t) for t in (q, k, v, o))
+    else:
+        o_heads = o
+    p = _Problem.of(q, k, causal, scale, window, softcap, documents)
     lse = torch.empty((p.batch, p.q_heads, p.q_len), device=q.device, dtype=torch.float32)
-    if o.numel() == 0:
-        return o, lse
+    if o.numel() == 0 or p.grid_batch == 0:
+        return o, lse[0] if documents is not None else lse
     use_tma = _use_tma(tma, {"k": k, "v": v})
     kernel, cfg = _pick(_attn_fwd, _attn_fwd_tuned, config)
-    kernel[lambda meta: (triton.cdiv(p.q_len, meta["BLOCK_M"]), p.q_heads, p.batch)](
-        q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-        *p.scalars(p.sm_scale, p.qk_scale), **p.constexprs(use_tma), NEGATIVE_SCALE=p.sm_scale < 0, **cfg,
+    kernel[lambda meta: (triton.cdiv(p.grid_lengths[0], meta["BLOCK_M"]), p.q_heads, p.grid_batch)](
+        q, k, v, o_heads, lse, *p.sequence_args(lse), *_strides(q), *_strides(k), *_strides(v), *_strides(o_heads),
+        lse.stride(0), lse.stride(1), *p.scalars(), **p.constexprs(use_tma),
+        NEGATIVE_SCALE=p.sm_scale < 0 and not p.softcap, **cfg,
     )
-    return o, lse
+    return o, lse[0] if documents is not None else lse
 
 
-def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, dlse=None, out=None,
-                  config: dict | None = None, dkdv_config: dict | None = None, tma: bool | None = None):
-    """Gradients of attention_fwd (q, k, v as there). do like o (last dim contiguous; other strides
-    free); lse as returned by attention_fwd; dlse (optional, (B, Hq, Nq)) the gradient reaching lse.
+def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, window=(-1, -1), softcap: float = 0.0,
+                  documents: Documents | None = None, dlse=None, out=None, config: dict | None = None,
+                  dkdv_config: dict | None = None, tma: bool | None = None):
+    """Gradients of attention_fwd (q, k, v, window, softcap and documents as there). do like o
+    (last dim contiguous; other strides free); lse as returned by attention_fwd; dlse (optional,
+    lse's shape) the gradient reaching lse.
 
-    Returns dq, dk, dv in the dtypes of q, k, v: ``out`` = (dq, dk, dv) when given (any strides
-    with a contiguous last dim, e.g. views of one packed dqkv buffer), else new contiguous tensors.
-    ``config`` pins the dQ kernel's launch configuration and ``dkdv_config`` the dK/dV kernel's
-    (default: ``config``). ``tma`` as in attention_fwd, for the streamed k, v (dQ) and q, dO (dK/dV)."""
+    Returns dq, dk, dv in the shapes and dtypes of q, k, v: ``out`` = (dq, dk, dv) when given (any
+    strides with a contiguous last dim, e.g. views of one packed dqkv buffer), else new contiguous
+    tensors. ``config`` pins the dQ kernel's launch configuration and ``dkdv_config`` the dK/dV
+    kernel's (default: ``config``). ``tma`` as in attention_fwd, for the streamed k, v (dQ) and
+    q, dO (dK/dV)."""
     _require_contiguous_last_dim({"q": q, "k": k, "v": v, "o": o})
-    p = _Problem.of(q, k, causal, scale)
     if do.stride(-1) != 1:
         do = do.contiguous()
-    dq, dk, dv = (_output(name, given, like) for name, given, like in zip(("dq", "dk", "dv"), out or (None,) * 3, (q, k, v)))
-    if dq.numel() == 0:
-        return dq, dk.zero_(), dv.zero_()
+    grads = [_output(name, given, like) for name, given, like in zip(("dq", "dk", "dv"), out or (None,) * 3, (q, k, v))]
+    if documents is not None:
+        q, k, v, o, do = (_heads_view(t) for t in (q, k, v, o, do))
+        dq, dk, dv = (_heads_view(t) for t in grads)
+        lse = lse.unsqueeze(0)
+        dlse = None if dlse is None else dlse.unsqueeze(0)
+    else:
+        dq, dk, dv = grads
+    p = _Problem.of(q, k, causal, scale, window, softcap, documents)
+    if dq.numel() == 0 or p.grid_batch == 0:
+        return grads[0], grads[1].zero_(), grads[2].zero_()
     lse = lse.contiguous()
     if dlse is not None:
         dlse = dlse.contiguous()
@@ -783,21 +1061,22 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, dlse=None,
         BLOCK_M=pre_block,
     )
 
-    scalars = p.scalars(p.sm_scale, p.qk_scale, nq_rounded)
+    scalars = p.scalars(nq_rounded)
     constexprs = p.constexprs(_use_tma(tma, {"q": q, "k": k, "v": v, "do": do}))
+    cu_seqlens = p.sequence_args(lse)
     kernel, cfg = _pick(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, dkdv_config or config)
-    kernel[lambda meta: (triton.cdiv(p.k_len, meta["BLOCK_N"]), p.kv_heads, p.batch)](
-        q, k, v, do, bias, delta, dk, dv,
+    kernel[lambda meta: (triton.cdiv(p.grid_lengths[1], meta["BLOCK_N"]), p.kv_heads, p.grid_batch)](
+        q, k, v, do, bias, delta, dk, dv, *cu_seqlens,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
         *scalars, **constexprs, **cfg,
     )
     kernel, cfg = _pick(_attn_bwd_dq, _attn_bwd_dq_tuned, config)
-    kernel[lambda meta: (triton.cdiv(p.q_len, meta["BLOCK_M"]), p.q_heads, p.batch)](
-        q, k, v, do, bias, delta, dq,
+    kernel[lambda meta: (triton.cdiv(p.grid_lengths[0], meta["BLOCK_M"]), p.q_heads, p.grid_batch)](
+        q, k, v, do, bias, delta, dq, *cu_seqlens,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
         *scalars, **constexprs, **cfg,
     )
-    return dq, dk, dv
+    return tuple(grads)
 
 
 def _pick(plain, tuned, config):
@@ -809,4 +1088,4 @@ def _pick(plain, tuned, config):
     return tuned, {}
 
 
-__all__ = ["attention_fwd", "attention_bwd", "INTERPRETER_CONFIG"]
+__all__ = ["Documents", "attention_fwd", "attention_bwd", "INTERPRETER_CONFIG"]

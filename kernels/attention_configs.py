@@ -20,7 +20,7 @@ INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages"
 
 # Autotuning key: the length buckets (next powers of two of Nq, Nk), the padded head dim and
 # causality. dK/dV adds GROUP (its loop runs over the query heads of a kv head).
-TUNE_KEY = ["N_CTX_Q_KEY", "N_CTX_K_KEY", "HEAD_DIM", "CAUSAL"]
+TUNE_KEY = ["N_CTX_Q_KEY", "N_CTX_K_KEY", "HEAD_DIM", "CAUSAL", "WINDOW", "SOFTCAP", "VARLEN"]
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and GPU family: 90 = Hopper (sm_90) and
 # newer, 80 = Ampere/Ada. Forward and dQ stream key tiles past a resident query tile; dK/dV streams

@@ -135,13 +135,20 @@ def test_custom_ops_fake_implementations_agree_with_the_kernels(device, triton_b
     qkv = torch.randn(14, (HEADS + 2 * KV_HEADS) * 16, device=device)
     rows, weight, u = (torch.randn(*shape, device=device) for shape in ((6, DIM), (DIM,), (6, 2 * FFN)))
     _, mean, rstd, _ = custom_ops.norm_fwd(rows, weight, weight, None, 1e-5, False, None)
-    o, lse = custom_ops.attention_fwd(q, k, v, True, 0.25)
+    o, lse = custom_ops.attention_fwd(q, k, v, True, 0.25, [3, -1], 0.0)
+    # three documents (one empty) of q rows and key rows, packed
+    cu_q, cu_k = (torch.tensor(offsets, dtype=torch.int32, device=device) for offsets in ([0, 5, 5, 14], [0, 4, 9, 14]))
+    q_docs, k_docs, v_docs = (t.transpose(1, 2).reshape(14, t.shape[1], 16) for t in (q, k, v))
+    o_docs, lse_docs = custom_ops.attention_varlen_fwd(q_docs, k_docs, v_docs, cu_q, cu_k, 9, 5, True, 0.25, [-1, -1], 5.0)
     o_packed, lse_packed = custom_ops.attention_packed_fwd(qkv, 2, HEADS, KV_HEADS, True, 0.25)
     cases = [
         (custom_ops.norm_fwd, (rows, weight, weight, rows.clone(), 1e-5, False, torch.bfloat16)),
         (custom_ops.norm_bwd, (rows.clone(), rows, weight, weight, mean, rstd, rows.clone(), False, True, True, None)),
-        (custom_ops.attention_fwd, (q, k, v, True, 0.25)),
-        (custom_ops.attention_bwd, (torch.randn_like(o), q, k, v, o, lse, None, True, 0.25)),
+        (custom_ops.attention_fwd, (q, k, v, True, 0.25, [3, -1], 0.0)),
+        (custom_ops.attention_bwd, (torch.randn_like(o), q, k, v, o, lse, None, True, 0.25, [3, -1], 0.0)),
+        (custom_ops.attention_varlen_fwd, (q_docs, k_docs, v_docs, cu_q, cu_k, 9, 5, True, 0.25, [-1, -1], 5.0)),
+        (custom_ops.attention_varlen_bwd, (torch.randn_like(o_docs), q_docs, k_docs, v_docs, o_docs, lse_docs, None,
+                                           cu_q, cu_k, 9, 5, True, 0.25, [-1, -1], 5.0)),
         (custom_ops.attention_packed_fwd, (qkv, 2, HEADS, KV_HEADS, True, 0.25)),
         (custom_ops.attention_packed_bwd, (torch.randn_like(o_packed), qkv, o_packed, lse_packed, 2, HEADS, KV_HEADS,
                                            True, 0.25)),
