@@ -230,11 +230,14 @@ class Case:
     width: int = 4096  # norms and activations: columns
     config: tuple | None = None  # (BLOCK_M, BLOCK_N, num_warps, num_stages); backward: the dQ kernel's
     dkdv_config: tuple | None = None  # backward: the dK/dV kernel's (default: config)
+    variant: str = "dense"  # attention: "dense", or one of VARIANTS (the masks of real batches)
 
     @property
     def id(self) -> str:
         if self.op.startswith(("attention", "tutorial")):
             parts = [self.op, self.dtype, f"D{self.head_dim}", "causal" if self.causal else "full", "gqa" if self.gqa else "mha"]
+            if self.variant != "dense":
+                parts.append(self.variant)
             if self.config:
                 parts.append("M{}N{}w{}s{}".format(*self.config))
             if self.dkdv_config:
@@ -244,6 +247,15 @@ class Case:
         else:
             parts = [self.op, self.dtype, f"N{self.width}"]
         return "-".join(parts)
+
+
+# The attention variants beside the dense kernels: their launch keywords (varlen adds its documents).
+VARIANTS = {
+    "dense": {},
+    "window": {"window": (1024, -1)},  # a 1024-key sliding window (with causal: Mistral's)
+    "softcap": {"softcap": 50.0},  # Gemma 2's attention softcap
+    "varlen": {},  # packed documents (cu_seqlens)
+}
 
 
 def _run_case(case: Case) -> None:
@@ -263,12 +275,19 @@ def _run_case(case: Case) -> None:
         scale = case.head_dim ** -0.5
         config, dkdv_config = (None if c is None else dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), c))
                                for c in (case.config, case.dkdv_config))
+        mask = VARIANTS[case.variant]
+        if case.variant == "varlen":  # the same tokens as documents of `length` packed along the rows
+            q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], case.head_dim) for t in (q, k, v))
+            offsets = torch.empty(batch + 1, device="meta", dtype=torch.int32)
+            mask = dict(mask, documents=attention.Documents(offsets, offsets, length, length))
         if case.op == "attention_fwd":
-            attention.attention_fwd(q, k, v, case.causal, scale, config=config)
+            attention.attention_fwd(q, k, v, case.causal, scale, config=config, **mask)
         elif case.op == "attention_bwd":
-            o, lse = torch.empty_like(q), torch.empty(batch, q_heads, length, device="meta", dtype=torch.float32)
+            lse = torch.empty(q.shape[:-1] if case.variant != "varlen" else q.shape[1::-1], device="meta",
+                              dtype=torch.float32)
+            o = torch.empty_like(q)
             attention.attention_bwd(torch.empty_like(q), q, k, v, o, lse, case.causal, scale, config=config,
-                                    dkdv_config=dkdv_config)
+                                    dkdv_config=dkdv_config, **mask)
         else:
             _tutorial_launch(case.op, q, k, v, case.causal, scale, config, dkdv_config)
         return
@@ -754,18 +773,18 @@ def compile_case(case: Case, target: str) -> list[dict]:
 
 
 def sweep(full: bool) -> list[tuple[Case, str]]:
-    """(case, target) pairs. Default: bf16, D 64/128, causal and not, every configuration the
-    launchers can choose; GQA (which changes dK/dV's loop over the group) on sm_90a only. ``full``:
+    """(case, target) pairs. Default: bf16, D 64/128, causal and not, dense and every VARIANT,
+    every configuration the launchers can choose; GQA (which changes dK/dV's loop over the group) on sm_90a only. ``full``:
     every dtype, D 64/128/256, MHA and GQA everywhere, sm_100a too."""
     dtypes = ("bfloat16", "float16", "float32") if full else ("bfloat16",)
     dims = (64, 128, 256) if full else (64, 128)
     targets = ("sm_90a", "sm_80", "sm_100a") if full else ("sm_90a", "sm_80")
     pairs = []
     for target in targets:
-        for dtype, dim, causal in itertools.product(dtypes, dims, (False, True)):
-            pairs.append((Case("attention_fwd", dtype, dim, causal), target))
+        for dtype, dim, causal, variant in itertools.product(dtypes, dims, (False, True), VARIANTS):
+            pairs.append((Case("attention_fwd", dtype, dim, causal, variant=variant), target))
             for gqa in (False, True) if full or target == "sm_90a" else (False,):
-                pairs.append((Case("attention_bwd", dtype, dim, causal, gqa), target))
+                pairs.append((Case("attention_bwd", dtype, dim, causal, gqa, variant=variant), target))
         for op, dim, causal in itertools.product(("tutorial_fwd", "tutorial_tma_fwd", "tutorial_bwd"), (64, 128),
                                                  (False, True)):
             pairs.append((Case(op, "bfloat16", dim, causal), target))

@@ -207,19 +207,20 @@ def _key_ranges(start_m, Nq, Nk, window, CAUSAL: tl.constexpr, WINDOW: tl.conste
     unbounded side given as a bound past every key)."""
     whole_blocks_end = (Nk // BLOCK_N) * BLOCK_N
     diagonal = Nk - Nq
+    rows_end = tl.minimum(start_m + BLOCK_M, Nq)  # a last, partial block's rows past Nq see nothing
     if WINDOW:
         left, right = window
         lo = (tl.maximum(start_m + diagonal - left, 0) // BLOCK_N) * BLOCK_N
-        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + diagonal + right, 0), Nk)
+        hi = tl.minimum(tl.maximum(rows_end + diagonal + right, 0), Nk)
         # keys every row sees: from the last row's left edge to the first row's right edge
-        full_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + diagonal - left, 0), BLOCK_N) * BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(rows_end - 1 + diagonal - left, 0), BLOCK_N) * BLOCK_N
         full_hi = tl.minimum((tl.maximum(start_m + diagonal + right + 1, 0) // BLOCK_N) * BLOCK_N, whole_blocks_end)
     elif CAUSAL:
         # A key tile is whole for every row of the block when the block's first row sees its last key.
         lo = 0
         full_lo = 0
         full_hi = tl.minimum((tl.maximum(start_m + diagonal + 1, 0) // BLOCK_N) * BLOCK_N, whole_blocks_end)
-        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + diagonal, 0), Nk)
+        hi = tl.minimum(tl.maximum(rows_end + diagonal, 0), Nk)
     else:
         lo = 0
         full_lo = 0
@@ -233,20 +234,22 @@ def _query_ranges(start_n, Nq, Nk, window, CAUSAL: tl.constexpr, WINDOW: tl.cons
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The transpose of _key_ranges, for the key block starting at start_n: query rows
     [full_lo, full_hi) see every key of the block, [lo, full_lo) and [full_hi, hi) some of them.
-    full_hi and hi may end inside a query tile: its rows past Nq have P = 0 (bias -inf)."""
+    full_hi and hi may end inside a query tile: its rows past Nq have P = 0 (bias -inf). VARLEN
+    leaves the partial tile to the masked range."""
     diagonal = Nk - Nq
+    keys_end = tl.minimum(start_n + BLOCK_N, Nk)  # keys past Nk are never stored: no one needs to see them
     if WINDOW:
         left, right = window
         lo = (tl.maximum(start_n - diagonal - right, 0) // BLOCK_M) * BLOCK_M
-        hi = tl.minimum(tl.maximum(start_n + BLOCK_N + left - diagonal, 0), Nq)
+        hi = tl.minimum(tl.maximum(keys_end + left - diagonal, 0), Nq)
         # rows that see every key: from the last key's first viewer to the first key's last viewer
-        full_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diagonal - right, 0), BLOCK_M) * BLOCK_M
+        full_lo = tl.cdiv(tl.maximum(keys_end - 1 - diagonal - right, 0), BLOCK_M) * BLOCK_M
         all_see_end = tl.maximum(start_n - diagonal + left + 1, 0)
         full_hi = tl.where(all_see_end >= Nq, Nq, (all_see_end // BLOCK_M) * BLOCK_M)
     elif CAUSAL:
         # Key j is seen by queries i >= j - diagonal; every key of the block by i >= last - diagonal.
         lo = (tl.maximum(start_n - diagonal, 0) // BLOCK_M) * BLOCK_M
-        full_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diagonal, 0), BLOCK_M) * BLOCK_M
+        full_lo = tl.cdiv(tl.maximum(keys_end - 1 - diagonal, 0), BLOCK_M) * BLOCK_M
         full_hi = Nq
         hi = Nq
     else:
@@ -254,6 +257,10 @@ def _query_ranges(start_n, Nq, Nk, window, CAUSAL: tl.constexpr, WINDOW: tl.cons
         full_lo = 0
         full_hi = Nq
         hi = Nq
+    if VARLEN:
+        # A document's last, partial query tile goes to the masked loop, which masks its row
+        # statistics (past Nq they are the next document's), so the unmasked loop loads them bare.
+        full_hi = tl.minimum(full_hi, (Nq // BLOCK_M) * BLOCK_M)
     return _clamp_ranges(lo, full_lo, full_hi, hi, start_n, Nk, VARLEN=VARLEN)
 
 
@@ -276,23 +283,28 @@ def _visible(queries, keys, Nq, Nk, window, CHECK_KEYS: tl.constexpr, CAUSAL: tl
 
 
 @triton.jit
-def _tanh(x):
-    """tanh in fp32. Compiled: libdevice's __nv_tanhf (a few ulp). Interpreted, where libdevice
-    calls return None: (e^2x - 1) / (e^2x + 1) in float64, clamped where fp32's tanh is +-1."""
+def _tanh(x, APPROX: tl.constexpr):
+    """tanh of fp32 x. Compiled: the hardware's tanh.approx.f32 (one MUFU op, relative error about
+    2^-11) where APPROX, for 16-bit inputs whose own rounding of the scores is coarser; else
+    libdevice's __nv_tanhf (a few ulp, about 40 instructions). Interpreted, where neither exists:
+    (e^2x - 1) / (e^2x + 1) in float64, clamped where fp32's tanh is +-1."""
     if INTERPRETED:
         e = tl.exp(2.0 * tl.minimum(tl.maximum(x.to(tl.float64), -20.0), 20.0))
         return ((e - 1.0) / (e + 1.0)).to(tl.float32)
+    elif APPROX:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
     else:
         return libdevice.tanh(x)
 
 
 @triton.jit
-def _softcapped(qk, softcap):
+def _softcapped(qk, softcap, APPROX: tl.constexpr):
     """Raw scores q k^T to softcapped ones, cap * tanh(q k^T * scale / cap), and the tanh (the
     gradient's factor 1 - tanh^2). softcap: (cap, scale / cap). The result is already scaled: the
-    exponent then takes scale 1 (see the kernels' exponent scales)."""
+    exponent then takes scale 1 (see _exponent_scales). APPROX: see _tanh."""
     cap, cap_scale = softcap
-    t = _tanh(qk * cap_scale)
+    t = _tanh(qk * cap_scale, APPROX=APPROX)
     return cap * t, t
 
 
@@ -390,7 +402,7 @@ def _attn_fwd_inner(
         k, v, qk = _key_block(q, keys, start_n, Nk, D, MASKED=MASKED, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
                               DOT_PRECISION=DOT_PRECISION, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N)
         if SOFTCAP:
-            qk, _ = _softcapped(qk, softcap)
+            qk, _ = _softcapped(qk, softcap, APPROX=not NATURAL_EXP)
         if MASKED:
             visible = _visible(offs_m[:, None], (start_n + offs_n)[None, :], Nq, Nk, window, CHECK_KEYS=True,
                                CAUSAL=CAUSAL, WINDOW=WINDOW)
@@ -536,12 +548,12 @@ def _attn_bwd_preprocess(
 
 
 @triton.jit
-def _load_row_stats(row_stats, offs_m, Nq, VARLEN: tl.constexpr):
-    """(bias, delta) of rows offs_m from the preprocess's output. Dense: rows past Nq are padding
-    (bias -inf, delta 0) and load without a mask. VARLEN: the rows past a document belong to the
-    next one, so they are masked to the same values."""
+def _load_row_stats(row_stats, offs_m, Nq, CHECK_ROWS: tl.constexpr):
+    """(bias, delta) of rows offs_m from the preprocess's output. Rows past Nq are padding (bias
+    -inf, delta 0) and load without a mask, except in the packed layout, where they belong to the
+    next document: CHECK_ROWS masks them to the same values."""
     BIAS_row, DELTA_row = row_stats
-    if VARLEN:
+    if CHECK_ROWS:
         bias = tl.load(BIAS_row + offs_m, mask=offs_m < Nq, other=float("-inf"))
         delta = tl.load(DELTA_row + offs_m, mask=offs_m < Nq, other=0.0)
     else:
@@ -575,7 +587,7 @@ def _attn_bwd_dkdv_inner(
                        BLOCK=BLOCK_M, HEAD_DIM=HEAD_DIM)
         do = _load_tile(do_src, start_m, Nq, stride_don, D, CHECK_ROWS=True, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
                         BLOCK=BLOCK_M, HEAD_DIM=HEAD_DIM)
-        bias, delta = _load_row_stats(row_stats, offs_m, Nq, VARLEN=VARLEN)
+        bias, delta = _load_row_stats(row_stats, offs_m, Nq, CHECK_ROWS=VARLEN and MASKED)
         # P^T recomputed from the saved lse: exp(S^T * scale - lse). The lse is only as good as the
         # match between these scores and the forward's, bit for bit: with logits ~100 a one-ulp
         # difference in S moves P by 1e-5. The GPU's fp32 (IEEE) dot is a sequential fma chain over
@@ -587,7 +599,7 @@ def _attn_bwd_dkdv_inner(
         else:
             qk_t = _dot(k, tl.trans(q), None, DOT_PRECISION=DOT_PRECISION)
         if SOFTCAP:
-            qk_t, tanh_t = _softcapped(qk_t, softcap)
+            qk_t, tanh_t = _softcapped(qk_t, softcap, APPROX=not NATURAL_EXP)
         p_t = _probs(qk_t, scales, bias[None, :], NATURAL_EXP=NATURAL_EXP)
         if MASKED:  # keys past Nk need no mask here: their rows of dK and dV are never stored
             p_t = tl.where(_visible(offs_m[None, :], offs_n[:, None], Nq, Nk, window, CHECK_KEYS=False,
@@ -659,7 +671,7 @@ def _attn_bwd_dkdv(
             CAUSAL=CAUSAL, WINDOW=WINDOW, SOFTCAP=SOFTCAP, VARLEN=VARLEN, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
             NATURAL_EXP=NATURAL_EXP, DOT_PRECISION=DOT_PRECISION, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         )
-        if WINDOW:
+        if WINDOW or VARLEN:
             dk, dv = _attn_bwd_dkdv_inner(
                 dk, dv, k, v, queries, row_stats, start_n, full_hi, hi, sizes, scales, window, softcaps, MASKED=True,
                 CAUSAL=CAUSAL, WINDOW=WINDOW, SOFTCAP=SOFTCAP, VARLEN=VARLEN, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
@@ -693,7 +705,7 @@ def _attn_bwd_dq_inner(
         k, v, qk = _key_block(q, keys, start_n, Nk, D, MASKED=MASKED, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
                               DOT_PRECISION=DOT_PRECISION, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N)
         if SOFTCAP:
-            qk, tanh_s = _softcapped(qk, softcap)
+            qk, tanh_s = _softcapped(qk, softcap, APPROX=not NATURAL_EXP)
         p = _probs(qk, scales, bias[:, None], NATURAL_EXP=NATURAL_EXP)
         if MASKED:
             p = tl.where(_visible(offs_m[:, None], (start_n + offs_n)[None, :], Nq, Nk, window, CHECK_KEYS=True,
@@ -735,7 +747,7 @@ def _attn_bwd_dq(
                     start_m, offs_r, Nq, stride_don, offs_d, D, CHECK_ROWS=True, EVEN_D=EVEN_D)
     row_stats = (_rows_of(BIAS, batch, head, q_first, Hq * NQ_ROUNDED, NQ_ROUNDED, 1, VARLEN=VARLEN),
                  _rows_of(DELTA, batch, head, q_first, Hq * NQ_ROUNDED, NQ_ROUNDED, 1, VARLEN=VARLEN))
-    bias, delta = _load_row_stats(row_stats, offs_m, Nq, VARLEN=VARLEN)
+    bias, delta = _load_row_stats(row_stats, offs_m, Nq, CHECK_ROWS=VARLEN)
     k_src = _tile_source(_rows_of(K, batch, kv_head, k_first, stride_kb, stride_kh, stride_kn, VARLEN=VARLEN),
                          Nk, D, stride_kn, USE_TMA=USE_TMA, BLOCK=BLOCK_N, HEAD_DIM=HEAD_DIM)
     v_src = _tile_source(_rows_of(V, batch, kv_head, k_first, stride_vb, stride_vh, stride_vn, VARLEN=VARLEN),

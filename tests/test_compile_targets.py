@@ -32,6 +32,7 @@ D 256) were not all verified by a run: see known_failure.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import zlib
@@ -70,7 +71,22 @@ CI_SM90_CASES = [
     Case("attention_fwd", "float32", 128, causal=True, config=(16, 16, 8, 2)),
     Case("attention_bwd", "float32", 128, gqa=True, config=(16, 16, 8, 2), dkdv_config=(32, 16, 8, 2)),
 ]
-CI_PAIRS = [(c, t) for c in CI_CASES for t in ("sm_90a", "sm_80")] + [(c, "sm_90a") for c in CI_SM90_CASES]
+# The masks of real batches (bench/static.py's VARIANTS), on sm_90a, each with the tile and head dim
+# of a dense case above: its twin for the instruction comparison (test_variant_hot_loop_near_dense).
+VARIANT_CASES = [
+    Case("attention_fwd", "bfloat16", 128, causal=True, config=(128, 128, 8, 3), variant="window"),
+    Case("attention_fwd", "bfloat16", 128, causal=True, config=(128, 128, 8, 3), variant="softcap"),
+    Case("attention_bwd", "bfloat16", 64, causal=True, config=(128, 64, 8, 3), dkdv_config=(32, 128, 8, 3),
+         variant="window"),
+    Case("attention_bwd", "bfloat16", 64, causal=True, config=(128, 64, 8, 3), dkdv_config=(32, 128, 8, 3),
+         variant="softcap"),
+    Case("attention_fwd", "bfloat16", 128, causal=True, config=(128, 128, 8, 3), variant="varlen"),
+    Case("attention_bwd", "bfloat16", 128, config=(128, 64, 8, 3), dkdv_config=(64, 128, 8, 2), variant="varlen"),
+    Case("attention_bwd", "bfloat16", 128, causal=True, gqa=True, config=(128, 32, 8, 3), dkdv_config=(16, 128, 8, 3),
+         variant="varlen"),
+]
+CI_PAIRS = ([(c, t) for c in CI_CASES for t in ("sm_90a", "sm_80")]
+            + [(c, "sm_90a") for c in CI_SM90_CASES + VARIANT_CASES])
 
 
 def picked_configs(kernel: str, target: str, dtype: str, head_dim: int, causal: bool, gqa: bool) -> list[tuple]:
@@ -298,6 +314,46 @@ def test_hot_loop_at_or_below_the_tutorial(facts_cache, kernel, dim):
                     yard_kernels)
     assert ours[0] <= SLACK[kernel] * tutorial[0], \
         f"{kernel} D={dim}: {ours[0]} warp instructions per million multiply-adds ({ours[1]}) against the tutorial's {tutorial[0]} ({tutorial[1]})"
+
+
+# Within 5% of the dense twin's warp instructions per multiply-add: a window or the documents of a
+# packed batch only change which tiles a program visits, not the work of a visited tile.
+VARIANT_SLACK = 1.05
+
+
+def _variant_params():
+    params = []
+    for case in VARIANT_CASES:
+        for kernel in _kernels(case):
+            if kernel not in MMA_KERNELS:
+                continue
+            marks = []
+            if case.variant == "softcap":
+                marks.append(pytest.mark.xfail(strict=True, reason=(
+                    "softcap is work of its own: a multiply, a tanh (one MUFU op) and the 1 - tanh^2 "
+                    "factor per score, on top of the dense loop's few instructions per score "
+                    "(measured +19% to +38% at these tiles, Triton 3.9)")))
+            if case.variant == "varlen" and case.gqa and kernel == "_attn_bwd_dkdv":
+                marks.append(pytest.mark.xfail(strict=True, reason=(
+                    "a document's bounds are loaded from cu_seqlens, so ptxas cannot prove them warp-uniform: "
+                    "the TMA pipeline's counters of the GQA loop move from uniform to vector registers "
+                    "(measured 1823 against 1663 at M16 N128, +10%; MHA tiles stay within 5%)")))
+            params.append(pytest.param(case, kernel, marks=marks, id=f"{case.id}-{kernel.lstrip('_')}"))
+    return params
+
+
+@pytest.mark.parametrize("case, kernel", _variant_params())
+def test_variant_hot_loop_near_dense(facts_cache, case, kernel):
+    def per_mac(c):
+        rows = [r for r in _facts(facts_cache, c, "sm_90a") if r["kernel"] == kernel]
+        assert len(rows) == 1 and "error" not in rows[0], rows
+        return rows[0]["hot_loop"]["warp_instructions_per_million_macs"]
+
+    dense = dataclasses.replace(case, variant="dense")
+    assert (dense, "sm_90a") in CI_PAIRS, f"{case.id}: its dense twin {dense.id} must be a case too"
+    ours, twin = per_mac(case), per_mac(dense)
+    assert ours <= VARIANT_SLACK * twin, \
+        f"{case.id} {kernel}: {ours} warp instructions per million multiply-adds against the dense {twin}"
 
 
 def _recording_writes(monkeypatch) -> list:
