@@ -56,9 +56,10 @@ def _case_id(case):
     return f"b{b}-h{hq}:{hkv}-{nq}x{nk}-d{d}-{'causal' if causal else 'full'}-{str(dtype).removeprefix('torch.')}"
 
 
-def manual_attention(q, k, v, do, causal, scale, dtype):
+def manual_attention(q, k, v, do, causal, scale, dtype, window=(-1, -1), softcap=0.0):
     """Plain PyTorch attention forward and backward, every product in ``dtype``, one query head at
-    a time (so long GPU cases fit). Returns o, lse, dq, dk, dv. Rows that see no key give zeros."""
+    a time (so long GPU cases fit). Returns o, lse, dq, dk, dv. Rows that see no key give zeros.
+    ``window`` and ``softcap`` as in fused_remat.attention (the softcap's tanh in ``dtype`` too)."""
     q, k, v, do = (t.to(dtype) for t in (q, k, v, do))
     batch, q_heads, q_len, _ = q.shape
     kv_heads, k_len = k.shape[1], k.shape[2]
@@ -66,22 +67,32 @@ def manual_attention(q, k, v, do, causal, scale, dtype):
     o, dq = torch.zeros_like(q), torch.zeros_like(q)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-    visible = None
+    left, right = window
     if causal:
-        rows = torch.arange(q_len, device=q.device)[:, None]
-        visible = torch.arange(k_len, device=q.device)[None, :] <= rows + (k_len - q_len)
+        right = 0
+    diagonal = torch.arange(q_len, device=q.device)[:, None] + (k_len - q_len)
+    keys = torch.arange(k_len, device=q.device)[None, :]
+    visible = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device)
+    if right >= 0:
+        visible &= keys <= diagonal + right
+    if left >= 0:
+        visible &= keys >= diagonal - left
     for b in range(batch):
         for h in range(q_heads):
             qh, kh, vh, doh = q[b, h], k[b, h // group], v[b, h // group], do[b, h]
             s = (qh @ kh.T) * scale
-            if visible is not None:
-                s = s.masked_fill(~visible, float("-inf"))
+            if softcap:
+                tanh = torch.tanh(s / softcap)
+                s = softcap * tanh
+            s = s.masked_fill(~visible, float("-inf"))
             p = torch.softmax(s, dim=-1).nan_to_num(0.0)
             lse[b, h] = torch.logsumexp(s.to(lse.dtype), dim=-1)
             o[b, h] = p @ vh
             dv[b, h // group] += p.T @ doh
             dp = doh @ vh.T
             ds = p * (dp - (doh * o[b, h]).sum(-1, keepdim=True))
+            if softcap:
+                ds = ds * (1 - tanh * tanh)
             dq[b, h] = (ds @ kh) * scale
             dk[b, h // group] += (ds.T @ qh) * scale
     return o, lse, dq, dk, dv
@@ -94,9 +105,9 @@ def _inputs(b, hq, hkv, nq, nk, d, dtype, device):
     return q, k, v
 
 
-def _reference64(q, k, v, do, causal, scale):
+def _reference64(q, k, v, do, causal, scale, window=(-1, -1), softcap=0.0):
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    o, lse = reference.attention(*leaves, causal=causal, scale=scale, return_lse=True)
+    o, lse = reference.attention(*leaves, causal=causal, scale=scale, window=window, softcap=softcap, return_lse=True)
     grads = torch.autograd.grad(o, leaves, do.double())
     return o, lse, grads
 
@@ -110,15 +121,16 @@ def _assert_lse(lse, lse64):
         torch.testing.assert_close(lse[seen].double(), lse64[seen], rtol=0, atol=1e-5 * max(1.0, lse64[seen].abs().max().item()))
 
 
-def _check(q, k, v, causal, scale=None):
+def _check(q, k, v, causal, scale=None, window=(-1, -1), softcap=0.0):
     dtype = q.dtype
-    o, lse = fused_remat.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    o, lse = fused_remat.attention(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, return_lse=True)
     assert o.dtype == dtype and o.shape == q.shape
     do = torch.randn_like(o)
     grads = torch.autograd.grad(o, (q, k, v), do)
     used_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    o64, lse64, grads64 = _reference64(q, k, v, do, causal, used_scale)
-    same_o, _, *same_grads = manual_attention(q.detach(), k.detach(), v.detach(), do, causal, used_scale, dtype)
+    o64, lse64, grads64 = _reference64(q, k, v, do, causal, used_scale, window, softcap)
+    same_o, _, *same_grads = manual_attention(q.detach(), k.detach(), v.detach(), do, causal, used_scale, dtype,
+                                              window, softcap)
     assert_error_rule("o", o, same_o, o64, dtype)
     _assert_lse(lse, lse64)
     for name, got, same, ref in zip(("dq", "dk", "dv"), grads, same_grads, grads64):
