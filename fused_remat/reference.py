@@ -130,21 +130,26 @@ def rope_inverse_frequencies(head_dim: int, theta: float, device=None) -> torch.
     return (1.0 / theta**exponents).to(torch.float32)
 
 
-def rope(x: torch.Tensor, theta: float, *, inverse: bool = False) -> torch.Tensor:
-    """Rotary position embedding of x (B, N, H, D), positions 0..N-1 along dim 1.
+def rope(x: torch.Tensor, theta: float, *, inverse: bool = False,
+         positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotary position embedding of x (B, N, H, D), positions 0..N-1 along dim 1, or token (b, n)
+    at ``positions[b, n]`` for integer ``positions`` of shape (B, N) (packed documents, position_ids).
 
     Half-split pairing (element i rotates with element i + D/2), as Hugging Face's LLaMA: per pair,
     (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with angle = position * theta^(-2i/D).
     ``inverse=True`` rotates by the opposite angle (the transpose, which is the backward).
     Angles in fp32 (fp64 for fp64 x), as the kernel; output in x's dtype.
     """
+    if positions is not None and positions.shape != x.shape[:2]:
+        raise ValueError(f"rope: positions must have shape (B, N) = {tuple(x.shape[:2])}, got {tuple(positions.shape)}")
     compute = _statistics_dtype(x)
     head_dim = x.shape[-1]
     inv_freq = rope_inverse_frequencies(head_dim, theta, x.device).to(compute)
-    positions = torch.arange(x.shape[1], device=x.device, dtype=compute)
-    angles = positions[:, None] * inv_freq[None, :]
-    cos = torch.cos(angles)[None, :, None, :]
-    sin = torch.sin(angles)[None, :, None, :]
+    if positions is None:
+        positions = torch.arange(x.shape[1], device=x.device)[None, :]
+    angles = positions.to(compute)[:, :, None] * inv_freq
+    cos = torch.cos(angles)[:, :, None, :]
+    sin = torch.sin(angles)[:, :, None, :]
     if inverse:
         sin = -sin
     x1, x2 = x.to(compute).chunk(2, dim=-1)

@@ -9,6 +9,11 @@ Math as ``fused_remat.reference.rope``: half-split pairs (i, i + D/2), angle =
 float32(position) * inv_freq[i] as one fp32 product (bitwise the reference's angle), cos and sin in
 fp32, (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin); ``inverse`` negates sin.
 
+Positions: token n of each row sits at n by default, at one of two chunk starts for context
+parallelism (``chunk_starts``), or wherever a (B, N) ``positions`` tensor puts it: packed documents
+whose positions restart at each document, or a user's ``position_ids``. The choice is a constexpr, so
+the kernel without positions compiles to the same code as before they existed.
+
 Tiling: a program owns BLOCK_T tokens x BLOCK_H heads x all D/2 pairs. cos and sin depend only on
 (token, pair), so each program computes them once for its [BLOCK_T, pairs] tile and reuses them for
 every head it holds: with ~40 heads per token the trigonometry is amortised away and the kernel stays
@@ -30,6 +35,7 @@ from .precision import INTERPRETED, round_to
 PAIRS_PER_PROGRAM = 2048
 NUM_WARPS = 4
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+POSITION_DTYPES = (torch.int32, torch.int64)
 
 
 @triton.jit
@@ -50,19 +56,25 @@ def _cos_sin(angle):
 
 @triton.jit
 def _rope(
-    X, INV_FREQ,
+    X, INV_FREQ, POSITIONS,
     n_tokens, seq_len, n_heads, half,
     split, first_start, second_start,
     stride_b, stride_n, stride_h,
-    INVERSE: tl.constexpr,
+    stride_positions_b, stride_positions_n,
+    INVERSE: tl.constexpr, HAS_POSITIONS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     token_mask = tokens < n_tokens
     batch = tokens // seq_len
     position = tokens - batch * seq_len
-    # Local tokens before ``split`` sit at first_start + i, the rest at second_start + (i - split).
-    absolute = tl.where(position < split, position + first_start, position - split + second_start)
+    if HAS_POSITIONS:
+        # int64 offsets (batch and position are int64), as for x: B * N may pass 2^31.
+        absolute = tl.load(POSITIONS + batch * stride_positions_b + position * stride_positions_n,
+                           mask=token_mask, other=0)
+    else:
+        # Local tokens before ``split`` sit at first_start + i, the rest at second_start + (i - split).
+        absolute = tl.where(position < split, position + first_start, position - split + second_start)
 
     pairs = tl.arange(0, BLOCK_HALF)
     pair_mask = pairs < half
@@ -121,18 +133,42 @@ def _blocks(n_tokens: int, n_heads: int, half: int) -> tuple[int, int, int]:
     return block_t, block_h, block_half
 
 
-def rope_(x: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False,
-                      chunk_starts: tuple[int, int] | None = None) -> torch.Tensor:
+def _check_positions(x: torch.Tensor, positions, chunk_starts) -> None:
+    if chunk_starts is not None:
+        raise ValueError("rope_: give positions or chunk_starts, not both (each places every token)")
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(f"rope_: positions must be a torch.Tensor, got {type(positions).__name__}")
+    if positions.dtype not in POSITION_DTYPES:
+        raise TypeError(f"rope_: positions must be int32 or int64, got {positions.dtype}")
+    if positions.shape != x.shape[:2]:
+        raise ValueError(
+            f"rope_: positions must have shape (B, N) = {tuple(x.shape[:2])} of x, got {tuple(positions.shape)}"
+        )
+    if positions.device != x.device:
+        raise ValueError(f"rope_: positions is on {positions.device} but x is on {x.device}")
+
+
+def rope_(x: torch.Tensor, inv_freq: torch.Tensor, *, inverse: bool = False,
+          chunk_starts: tuple[int, int] | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate x (B, N, H, D) in place by the rotary embedding of positions 0..N-1 and return x.
 
     ``chunk_starts=(first, second)`` (N even) instead places x's first N/2 tokens at positions
     first.. and the last N/2 at second..: a context-parallel rank's two zigzag chunks.
 
+    ``positions`` (int32 or int64 (B, N) on x's device, any strides) instead places token (b, n) at
+    positions[b, n]: documents packed in one row with positions restarting at each, or a user's
+    position_ids. ``positions = arange(N)`` gives bitwise the default. Not with ``chunk_starts``.
+
     x: fp32/fp16/bf16, any strides with a contiguous last dim (e.g. the q,k heads of a packed qkv
     buffer). inv_freq: contiguous fp32 (D/2,), as ``reference.rope_inverse_frequencies``.
     ``inverse=True`` rotates by the opposite angles: the transpose, which maps dq, dk back.
+
+    Every position must be below 2^24 in magnitude: it becomes an fp32 before the product with
+    inv_freq, and fp32 holds integers exactly only up to 2^24. Negative positions rotate backwards.
     """
     _check(x, inv_freq)
+    if positions is not None:
+        _check_positions(x, positions, chunk_starts)
     batch, seq_len, n_heads, head_dim = x.shape
     if x.numel() == 0:
         return x
@@ -141,12 +177,15 @@ def rope_(x: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False,
     block_t, block_h, block_half = _blocks(n_tokens, n_heads, half)
     grid = (triton.cdiv(n_tokens, block_t), triton.cdiv(n_heads, block_h))
     split, first_start, second_start = (seq_len, 0, 0) if chunk_starts is None else (seq_len // 2, *chunk_starts)
+    has_positions = positions is not None
     _rope[grid](
-        x, inv_freq,
+        # Without positions the pointer is never read: inv_freq stands in.
+        x, inv_freq, positions if has_positions else inv_freq,
         n_tokens, seq_len, n_heads, half,
         split, first_start, second_start,
         x.stride(0), x.stride(1), x.stride(2),
-        INVERSE=bool(inverse),
+        *(positions.stride() if has_positions else (0, 0)),
+        INVERSE=bool(inverse), HAS_POSITIONS=has_positions,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_HALF=block_half,
         num_warps=NUM_WARPS,
     )

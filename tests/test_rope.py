@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fused_remat import reference
+from fused_remat import custom_ops, reference
 from fused_remat.kernels.rope import rope_
 from numerics import assert_error_rule
 
@@ -21,10 +21,10 @@ SHAPES = [
 ]
 
 
-def _check_against_references(name, ours, x, theta, inverse, dtype):
+def _check_against_references(name, ours, x, theta, inverse, dtype, positions=None):
     """ours = rotation of x (taken before the in-place call) under the error rule."""
-    same = reference.rope(x, theta, inverse=inverse)
-    ref64 = reference.rope(x.double(), theta, inverse=inverse)
+    same = reference.rope(x, theta, inverse=inverse, positions=positions)
+    ref64 = reference.rope(x.double(), theta, inverse=inverse, positions=positions)
     assert ours.dtype == dtype
     assert_error_rule(name, ours, same, ref64, dtype)
 
@@ -139,6 +139,126 @@ def test_bad_arguments(device):
         rope_(torch.randn(1, 2, 1, 16, device=device)[..., ::2], inv8)
     with pytest.raises(ValueError, match="dtype"):
         rope_(torch.randn(1, 2, 1, 8, device=device, dtype=torch.float64), inv8)
+
+
+# Two packed rows of 100 tokens, each its own split into documents (empty ones included).
+DOCUMENT_LENGTHS = [[5, 1, 70, 0, 24], [24, 0, 33, 42, 1]]
+POSITION_DTYPES = [torch.int32, torch.int64]
+
+
+def _document_positions(lengths_per_row, dtype, device):
+    """(B, N) positions restarting at 0 at each document, as a packed batch's position_ids."""
+    rows = [torch.cat([torch.arange(length) for length in lengths]) for lengths in lengths_per_row]
+    return torch.stack(rows).to(device=device, dtype=dtype)
+
+
+def _random_position_ids(batch, seq, dtype, device):
+    """Arbitrary positions < 10000, as a non-contiguous (every other column) view."""
+    positions = torch.randint(0, 10000, (batch, 2 * seq), device=device, dtype=dtype)[:, ::2]
+    assert not positions.is_contiguous()
+    return positions
+
+
+def _positions(kind, dtype, device):
+    if kind == "documents":
+        return _document_positions(DOCUMENT_LENGTHS, dtype, device)
+    return _random_position_ids(2, 100, dtype, device)
+
+
+@pytest.mark.parametrize("inverse", [False, True], ids=["forward", "inverse"])
+@pytest.mark.parametrize("position_dtype", POSITION_DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["documents", "position_ids"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_positions_match_references(dtype, kind, position_dtype, inverse, device):
+    theta = 10000.0
+    positions = _positions(kind, position_dtype, device)
+    x = torch.randn(*positions.shape, 3, 80, device=device).to(dtype)
+    original = x.clone()
+    out = rope_(x, reference.rope_inverse_frequencies(80, theta, device), inverse=inverse, positions=positions)
+    assert out is x
+    _check_against_references(f"rope {kind}", x, original, theta, inverse, dtype, positions=positions)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_documents_rotate_as_if_alone(dtype, device):
+    """Positions restarting per document give bitwise each document rotated alone from position 0."""
+    theta, head_dim = 10000.0, 16
+    inv_freq = reference.rope_inverse_frequencies(head_dim, theta, device)
+    positions = _document_positions(DOCUMENT_LENGTHS, torch.int32, device)
+    x = torch.randn(*positions.shape, 3, head_dim, device=device).to(dtype)
+    packed = rope_(x.clone(), inv_freq, positions=positions)
+    packed_reference = reference.rope(x.double(), theta, positions=positions)
+    for row, lengths in enumerate(DOCUMENT_LENGTHS):
+        start = 0
+        for length in lengths:
+            document = x[row:row + 1, start:start + length]
+            alone = rope_(document.clone(), inv_freq)
+            where = f"row {row}, tokens {start}..{start + length}"
+            assert torch.equal(packed[row:row + 1, start:start + length], alone), f"kernel differs at {where}"
+            torch.testing.assert_close(packed_reference[row:row + 1, start:start + length],
+                                       reference.rope(document.double(), theta), msg=f"reference differs at {where}")
+            start += length
+
+
+@pytest.mark.parametrize("inverse", [False, True], ids=["forward", "inverse"])
+@pytest.mark.parametrize("position_dtype", POSITION_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_arange_positions_are_the_default(dtype, position_dtype, inverse, device):
+    """positions = arange(N) (broadcast over the batch: stride 0) gives bitwise the default rotation."""
+    batch, seq, heads, head_dim = 3, 130, 2, 80
+    inv_freq = reference.rope_inverse_frequencies(head_dim, 500000.0, device)
+    x = torch.randn(batch, seq, heads, head_dim, device=device).to(dtype)
+    positions = torch.arange(seq, device=device, dtype=position_dtype).expand(batch, seq)
+    by_positions = rope_(x.clone(), inv_freq, inverse=inverse, positions=positions)
+    assert torch.equal(by_positions, rope_(x.clone(), inv_freq, inverse=inverse))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_inverse_undoes_forward_with_positions(dtype, device):
+    positions = _random_position_ids(3, 130, torch.int64, device)
+    x = torch.randn(3, 130, 3, 80, device=device).to(dtype)
+    original = x.clone()
+    inv_freq = reference.rope_inverse_frequencies(80, 10000.0, device)
+    rope_(rope_(x, inv_freq, positions=positions), inv_freq, inverse=True, positions=positions)
+    # As test_inverse_undoes_forward: both rotations use the same fp32 angles, each rounds once.
+    ulps = {torch.float32: 8, torch.float16: 4, torch.bfloat16: 4}[dtype]
+    tol = ulps * torch.finfo(dtype).eps * original.abs().max().item()
+    err = (x.double() - original.double()).abs().max().item()
+    assert err <= tol, f"inverse(forward(x)) off by {err:.3e} > {tol:.3e} ({dtype})"
+
+
+def test_packed_qkv_operator_takes_positions(device, triton_backend):
+    """rope_qk_ passes positions to the kernel; its fake and schema agree (opcheck)."""
+    batch, seq, q_heads, kv_heads, head_dim = 2, 100, 4, 2, 16
+    inv_freq = reference.rope_inverse_frequencies(head_dim, 10000.0, device)
+    positions = _document_positions(DOCUMENT_LENGTHS, torch.int64, device)
+    qkv = torch.randn(batch * seq, (q_heads + 2 * kv_heads) * head_dim, device=device)
+    expected = qkv.clone()
+    rope_(expected.view(batch, seq, -1, head_dim)[:, :, :q_heads + kv_heads], inv_freq, positions=positions)
+    custom_ops.rope_qk_(qkv, inv_freq, batch, q_heads, kv_heads, False, None, positions)
+    assert torch.equal(qkv, expected)
+    torch.library.opcheck(custom_ops.rope_qk_, (qkv, inv_freq, batch, q_heads, kv_heads, False, None, positions),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_bad_positions(device):
+    inv8 = reference.rope_inverse_frequencies(8, 10000.0, device)
+    x = torch.randn(2, 5, 1, 8, device=device)
+    positions = torch.arange(5, device=device).expand(2, 5)
+    for bad_shape in [(5,), (2, 6), (5, 2), (2, 5, 1)]:
+        with pytest.raises(ValueError, match="positions"):
+            rope_(x, inv8, positions=torch.zeros(bad_shape, device=device, dtype=torch.int64))
+    for bad_dtype in (torch.float32, torch.int16, torch.bool):
+        with pytest.raises(TypeError, match="positions"):
+            rope_(x, inv8, positions=positions.to(bad_dtype))
+    with pytest.raises(TypeError, match="positions"):
+        rope_(x, inv8, positions=[[0, 1, 2, 3, 4]] * 2)
+    other_device = "meta" if device.type == "cpu" else "cpu"
+    with pytest.raises(ValueError, match="positions"):
+        rope_(x, inv8, positions=positions.to(other_device))
+    with pytest.raises(ValueError, match="positions or chunk_starts"):
+        rope_(torch.randn(2, 4, 1, 8, device=device), inv8, chunk_starts=(0, 6),
+              positions=torch.arange(4, device=device).expand(2, 4))
 
 
 @pytest.mark.gpu
