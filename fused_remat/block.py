@@ -48,6 +48,9 @@ class _BlockCall:
     remat: Remat
     compute_dtype: torch.dtype
     context_parallel: str = ""  # the context-parallel process group's name; "" for one process
+    window: tuple[int, int] = (-1, -1)  # attention's sliding window (left, right), -1 unbounded
+    softcap: float = 0.0  # attention's softcap, 0 off
+    max_seqlen: int = 0  # the longest document when the tokens are packed documents, else 0
 
     @property
     def tokens(self) -> int:
@@ -57,18 +60,25 @@ class _BlockCall:
     def norm(self) -> str:
         return "rmsnorm" if self.rms else "layernorm"
 
+    @property
+    def attention_mask(self) -> tuple:
+        """(causal, scale, window, softcap) as the attention operators take them."""
+        return self.causal, self.head_dim**-0.5, list(self.window), self.softcap
+
     def op_args(self) -> tuple:
         """The call as the block custom ops take it (``from_op_args`` reverses it): an operator's
         schema takes the policy by name."""
         sizes = [self.batch, self.seq, self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim,
-                 int(self.rms), int(self.causal)]
-        return sizes, self.eps, self.rope_theta, self.activation, self.remat.value, self.compute_dtype, self.context_parallel
+                 int(self.rms), int(self.causal), *self.window, self.max_seqlen]
+        return (sizes, self.eps, self.softcap, self.rope_theta, self.activation, self.remat.value, self.compute_dtype,
+                self.context_parallel)
 
     @classmethod
-    def from_op_args(cls, sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel) -> _BlockCall:
-        batch, seq, dim, n_heads, n_kv_heads, head_dim, ffn_dim, rms, causal = sizes
+    def from_op_args(cls, sizes, eps, softcap, rope_theta, activation, remat, compute_dtype,
+                     context_parallel) -> _BlockCall:
+        batch, seq, dim, n_heads, n_kv_heads, head_dim, ffn_dim, rms, causal, left, right, max_seqlen = sizes
         return cls(batch, seq, dim, n_heads, n_kv_heads, head_dim, ffn_dim, bool(rms), activation, bool(causal), eps,
-                   rope_theta, Remat(remat), compute_dtype, context_parallel)
+                   rope_theta, Remat(remat), compute_dtype, context_parallel, (left, right), softcap, max_seqlen)
 
     def context_parallel_group(self):
         """The process group the sequence is split over, or None."""
@@ -103,7 +113,7 @@ class _Activations:
 
     qkv: torch.Tensor  # (T, (Hq + 2 Hkv) D), q and k already rotated
     o: torch.Tensor  # (T, dim): attention output, token-major
-    lse: torch.Tensor  # (B, Hq, N) fp32
+    lse: torch.Tensor  # (B, Hq, N) fp32; (Hq, T) for packed documents
     h: torch.Tensor  # (T, dim): residual stream after attention
     u: torch.Tensor  # (T, F): fc1 output, the activation's input
     mean1: torch.Tensor  # fp32 statistics per token (mean is empty for RMSNorm)
@@ -127,13 +137,31 @@ def block_widths(dim: int, n_heads: int, n_kv_heads: int | None, ffn_dim: int | 
     )
 
 
-def _rope_qk_(qkv: torch.Tensor, g: _BlockCall, inverse: bool) -> None:
+@dataclass(frozen=True)
+class _Sequences:
+    """Where the tokens' sequences and positions come from, besides the (B, N) shape: the documents
+    packed in the B N tokens (int32 offsets, None: one sequence per row) and the RoPE positions
+    ((B, N) ints, None: each row's or each document's own 0, 1, ...)."""
+
+    cu_seqlens: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
+
+    def rope_positions(self, g: _BlockCall) -> torch.Tensor | None:
+        if self.position_ids is not None:
+            return self.position_ids
+        if self.cu_seqlens is not None:
+            return reference.document_positions(self.cu_seqlens, g.tokens).view(g.batch, g.seq)
+        return None
+
+
+def _rope_qk_(qkv: torch.Tensor, g: _BlockCall, seqs: _Sequences, inverse: bool) -> None:
     """RoPE on the q and k heads of a packed qkv (or, inverse, dqkv) buffer, in place."""
     # D/2 frequencies, computed per call rather than cached: a cache would be invisible to torch.compile.
     inv_freq = reference.rope_inverse_frequencies(g.head_dim, g.rope_theta, qkv.device)
     group = g.context_parallel_group()
     chunk_starts = None if group is None else list(context_parallel.local_chunk_starts(g.seq, group))
-    custom_ops.rope_qk_(qkv, inv_freq, g.batch, g.n_heads, g.n_kv_heads, inverse, chunk_starts)
+    custom_ops.rope_qk_(qkv, inv_freq, g.batch, g.n_heads, g.n_kv_heads, inverse, chunk_starts,
+                        seqs.rope_positions(g))
 
 
 def _norm_forward(x, weights, g: _BlockCall, residual=None):
@@ -153,7 +181,7 @@ def _approximation(g: _BlockCall) -> str:
     return "tanh" if g.activation == "gelu_tanh" else "none"
 
 
-def _forward_pass(x: torch.Tensor, w: _Weights, g: _BlockCall, finish: bool, attention=None):
+def _forward_pass(x: torch.Tensor, w: _Weights, g: _BlockCall, seqs: _Sequences, finish: bool, attention=None):
     """Runs the block on x (T, dim). Returns (activations, y (T, dim) or None).
 
     The norm and activation outputs are held on to where the policy keeps them (``none``);
@@ -163,12 +191,13 @@ def _forward_pass(x: torch.Tensor, w: _Weights, g: _BlockCall, finish: bool, att
     y1, mean1, rstd1, _ = _norm_forward(x, w.norm1, g)
     qkv = F.linear(y1, w.qkv, w.qkv_bias)
     if g.rope_theta is not None:
-        _rope_qk_(qkv, g, inverse=False)
+        _rope_qk_(qkv, g, seqs, inverse=False)
     group = g.context_parallel_group()
     if attention is not None:
         o, lse = attention
     elif group is None:
-        o, lse = custom_ops.attention_packed_fwd(qkv, g.batch, g.n_heads, g.n_kv_heads, g.causal, g.head_dim**-0.5)
+        o, lse = custom_ops.attention_packed_fwd(qkv, g.batch, g.n_heads, g.n_kv_heads, *g.attention_mask,
+                                                 seqs.cu_seqlens, g.max_seqlen)
     else:
         o = qkv.new_empty(g.tokens, g.n_heads * g.head_dim)
         _, lse = context_parallel.ring_attention_fwd(*custom_ops.split_heads(qkv, g.batch, g.n_heads, g.n_kv_heads),
@@ -208,22 +237,25 @@ def _slots_kept(remat: Remat) -> list[bool]:
 
 
 @torch.library.custom_op("fused_remat::block_fwd", mutates_args=())
-def _block_fwd(x: torch.Tensor, params: list[torch.Tensor], has_param: list[bool], sizes: list[int], eps: float,
+def _block_fwd(x: torch.Tensor, cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | None,
+               params: list[torch.Tensor], has_param: list[bool], sizes: list[int], eps: float, softcap: float,
                rope_theta: float | None, activation: str, remat: str, compute_dtype: torch.dtype,
                context_parallel: str) -> list[torch.Tensor]:
     """[y (T, dim), then each of _SLOTS: the activation if ``remat`` keeps it, else empty] for x (T, dim).
 
-    ``params`` holds the block's parameters that exist (``has_param`` says which of _PARAMETERS)."""
-    g = _BlockCall.from_op_args(sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel)
+    ``params`` holds the block's parameters that exist (``has_param`` says which of _PARAMETERS);
+    ``cu_seqlens`` and ``position_ids`` as in _Sequences."""
+    g = _BlockCall.from_op_args(sizes, eps, softcap, rope_theta, activation, remat, compute_dtype, context_parallel)
     with torch.autocast(x.device.type, enabled=False):
         weights = _Weights(_with_absent(params, has_param), compute_dtype)
-        acts, y = _forward_pass(x, weights, g, finish=True)
+        acts, y = _forward_pass(x, weights, g, _Sequences(cu_seqlens, position_ids), finish=True)
     return [y, *(getattr(acts, k.name) if keeps else x.new_empty(0) for k, keeps in zip(_SLOTS, _slots_kept(g.remat)))]
 
 
 @_block_fwd.register_fake
-def _(x, params, has_param, sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel):
-    g = _BlockCall.from_op_args(sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel)
+def _(x, cu_seqlens, position_ids, params, has_param, sizes, eps, softcap, rope_theta, activation, remat,
+      compute_dtype, context_parallel):
+    g = _BlockCall.from_op_args(sizes, eps, softcap, rope_theta, activation, remat, compute_dtype, context_parallel)
     return [torch.empty_like(x),
             *(_kept_like(k, g, x) if keeps else x.new_empty(0) for k, keeps in zip(_SLOTS, _slots_kept(g.remat)))]
 
@@ -233,7 +265,7 @@ def _kept_like(kept: Kept, g: _BlockCall, x: torch.Tensor) -> torch.Tensor:
     width = block_widths(g.dim, g.n_heads, g.n_kv_heads, g.ffn_dim, g.norm, g.activation)[kept.width_key]
     dtype = {RESIDUAL: x.dtype, COMPUTE: g.compute_dtype, FP32: torch.float32}[kept.dtype]
     if kept.width_key == "heads":
-        shape = (g.batch, g.n_heads, g.seq)
+        shape = (g.n_heads, g.tokens) if g.max_seqlen else (g.batch, g.n_heads, g.seq)
     elif kept.width_key in ("mean", "rstd"):
         shape = (g.tokens * width,)
     else:
@@ -242,12 +274,14 @@ def _kept_like(kept: Kept, g: _BlockCall, x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("fused_remat::block_bwd", mutates_args=())
-def _block_bwd(dy: torch.Tensor, x: torch.Tensor, kept: list[torch.Tensor], params: list[torch.Tensor],
-               has_param: list[bool], needs: list[bool], sizes: list[int], eps: float, rope_theta: float | None,
-               activation: str, remat: str, compute_dtype: torch.dtype, context_parallel: str) -> list[torch.Tensor]:
+def _block_bwd(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | None,
+               kept: list[torch.Tensor], params: list[torch.Tensor], has_param: list[bool], needs: list[bool],
+               sizes: list[int], eps: float, softcap: float, rope_theta: float | None, activation: str, remat: str,
+               compute_dtype: torch.dtype, context_parallel: str) -> list[torch.Tensor]:
     """[dx, then the gradient of each of ``params`` (empty where ``needs`` is False)] from dy (T, dim),
     x and the ``_SLOTS`` the forward returned."""
-    g = _BlockCall.from_op_args(sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel)
+    g = _BlockCall.from_op_args(sizes, eps, softcap, rope_theta, activation, remat, compute_dtype, context_parallel)
+    seqs = _Sequences(cu_seqlens, position_ids)
     named = dict(zip(_PARAMETERS, _with_absent(params, has_param)))
     needed = _needed(has_param, needs)
     with torch.autocast(dy.device.type, enabled=False):
@@ -256,16 +290,17 @@ def _block_bwd(dy: torch.Tensor, x: torch.Tensor, kept: list[torch.Tensor], para
         if g.remat.replays:
             # The same kernels on the same x give bitwise the same activations.
             attention = None if g.remat.replays_attention else (kept_acts["o"], kept_acts["lse"])
-            acts, _ = _forward_pass(x, w, g, finish=False, attention=attention)
+            acts, _ = _forward_pass(x, w, g, seqs, finish=False, attention=attention)
         else:
             acts = _Activations(**kept_acts)
         needs = {name: needed.get(name, False) for name in _PARAMETERS}
-        grads = _backward_pass(dy.contiguous(), x, acts, w, g, needs, named)
+        grads = _backward_pass(dy.contiguous(), x, acts, w, g, seqs, needs, named)
     return [grads["x"], *(grads.get(name, x.new_empty(0)) for name in needed)]
 
 
 @_block_bwd.register_fake
-def _(dy, x, kept, params, has_param, needs, sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel):
+def _(dy, x, cu_seqlens, position_ids, kept, params, has_param, needs, sizes, eps, softcap, rope_theta, activation,
+      remat, compute_dtype, context_parallel):
     return [torch.empty_like(x), *(torch.empty_like(p) if need else x.new_empty(0) for p, need in zip(params, needs))]
 
 
@@ -278,40 +313,44 @@ def _linear_shapes(g: _BlockCall) -> dict[str, tuple[int, int]]:
             "fc1": (g.dim, widths["pre_activation"]), "fc2": (widths["ffn"], g.dim)}
 
 
-def _attention_pairs(g: _BlockCall) -> int:
-    """(query, key) pairs per sequence and head this process computes: under context parallelism its
-    share of the whole sequence's, which the zigzag layout makes equal on every rank."""
+def _attention_pairs(g: _BlockCall, cu_seqlens: torch.Tensor | None) -> int:
+    """(query, key) pairs per head this process computes, over all its sequences or documents: under
+    context parallelism its share of the whole sequences', which the zigzag layout makes equal on
+    every rank."""
+    if cu_seqlens is not None:
+        return sum(visible_pairs(n, n, g.causal, g.window) for n in torch.diff(cu_seqlens).tolist())
     group = g.context_parallel_group()
     world = 1 if group is None else group.size()
-    return visible_pairs(g.seq * world, g.seq * world, g.causal) // world
+    return g.batch * (visible_pairs(g.seq * world, g.seq * world, g.causal, g.window) // world)
 
 
-def _forward_flops(g: _BlockCall, finish: bool) -> int:
+def _forward_flops(g: _BlockCall, cu_seqlens: torch.Tensor | None, finish: bool) -> int:
     """The forward (``finish=False``: the replay, which stops after fc1 and runs attention only
     where the policy did not keep its results)."""
     layers = ("qkv", "out_proj", "fc1", "fc2") if finish else ("qkv", "out_proj", "fc1")
     linear = sum(matmul_flops(g.tokens, *_linear_shapes(g)[name]) for name in layers)
     if not (finish or g.remat.replays_attention):
         return linear
-    return linear + attention_op_flops(g.batch, g.n_heads, g.head_dim, _attention_pairs(g))
+    return linear + attention_op_flops(1, g.n_heads, g.head_dim, _attention_pairs(g, cu_seqlens))
 
 
 @flop_formula("block_fwd", get_raw=True)
-def _(x, params, has_param, sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel, **_) -> int:
-    return _forward_flops(_BlockCall.from_op_args(sizes, eps, rope_theta, activation, remat, compute_dtype,
-                                                  context_parallel), finish=True)
+def _(x, cu_seqlens, position_ids, params, has_param, sizes, eps, softcap, rope_theta, activation, remat,
+      compute_dtype, context_parallel, **_) -> int:
+    g = _BlockCall.from_op_args(sizes, eps, softcap, rope_theta, activation, remat, compute_dtype, context_parallel)
+    return _forward_flops(g, cu_seqlens, finish=True)
 
 
 @flop_formula("block_bwd", get_raw=True)
-def _(dy, x, kept, params, has_param, needs, sizes, eps, rope_theta, activation, remat, compute_dtype,
-      context_parallel, **_) -> int:
-    g = _BlockCall.from_op_args(sizes, eps, rope_theta, activation, remat, compute_dtype, context_parallel)
+def _(dy, x, cu_seqlens, position_ids, kept, params, has_param, needs, sizes, eps, softcap, rope_theta, activation,
+      remat, compute_dtype, context_parallel, **_) -> int:
+    g = _BlockCall.from_op_args(sizes, eps, softcap, rope_theta, activation, remat, compute_dtype, context_parallel)
     needed = _needed(has_param, needs)
     # Each linear layer's input gradient always (it carries dx), its weight gradient where asked.
     linear = sum(matmul_flops(g.tokens, *shape) * (1 + needed.get(f"{name}.weight", False))
                  for name, shape in _linear_shapes(g).items())
-    attention = attention_op_flops(g.batch, g.n_heads, g.head_dim, _attention_pairs(g), backward=True)
-    return linear + attention + (_forward_flops(g, finish=False) if g.remat.replays else 0)
+    attention = attention_op_flops(1, g.n_heads, g.head_dim, _attention_pairs(g, cu_seqlens), backward=True)
+    return linear + attention + (_forward_flops(g, cu_seqlens, finish=False) if g.remat.replays else 0)
 
 
 def _needed(has_param, needs) -> dict[str, bool]:
@@ -329,18 +368,22 @@ class _BlockFunction(torch.autograd.Function):
     """The block's autograd: the two custom operators above, and what is kept between them."""
 
     @staticmethod
-    def forward(x, g: _BlockCall, *params):
+    def forward(x, g: _BlockCall, cu_seqlens, position_ids, *params):
         has_param = [p is not None for p in params]
-        return tuple(_block_fwd(x, [p for p in params if p is not None], has_param, *g.op_args()))
+        return tuple(_block_fwd(x, cu_seqlens, position_ids, [p for p in params if p is not None], has_param,
+                                *g.op_args()))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, g, *params = inputs
+        x, g, cu_seqlens, position_ids, *params = inputs
         # Everything kept for backward, in one place: x (or, offloaded, its host copy), the policy's
-        # activations (``remat.kept()``), and the parameters as themselves (no copies; under
-        # autocast backward casts them again).
+        # activations (``remat.kept()``), the parameters as themselves (no copies; under autocast
+        # backward casts them again), and the documents' offsets and positions where given (the
+        # model's inputs, shared by every layer).
         ctx.host_copy = offload.HostCopy(x) if g.remat.host_resident else None
+        ctx.sequences = [t is not None for t in (cu_seqlens, position_ids)]
         ctx.save_for_backward(x if ctx.host_copy is None else ctx.host_copy.host,
+                              *(t for t in (cu_seqlens, position_ids) if t is not None),
                               *(t for t, keeps in zip(output[1:], _slots_kept(g.remat)) if keeps),
                               *(p for p in params if p is not None))
         ctx.call, ctx.has_param = g, [p is not None for p in params]
@@ -352,16 +395,21 @@ class _BlockFunction(torch.autograd.Function):
         x, *saved = ctx.saved_tensors
         if ctx.host_copy is not None:
             x = ctx.host_copy.fetch()
+        saved = iter(saved)
+        cu_seqlens, position_ids = (next(saved) if given else None for given in ctx.sequences)
+        saved = list(saved)
         slots_kept = _slots_kept(g.remat)
         kept_tensors, params = iter(saved[:sum(slots_kept)]), saved[sum(slots_kept):]
         kept = [next(kept_tensors) if keeps else x.new_empty(0) for keeps in slots_kept]
-        needs = [need for need, has in zip(ctx.needs_input_grad[2:], ctx.has_param) if has]
-        dx, *dparams = _block_bwd(dy, x, kept, params, ctx.has_param, needs, *g.op_args())
+        needs = [need for need, has in zip(ctx.needs_input_grad[4:], ctx.has_param) if has]
+        dx, *dparams = _block_bwd(dy, x, cu_seqlens, position_ids, kept, params, ctx.has_param, needs, *g.op_args())
         dparams = iter(d if need else None for d, need in zip(dparams, needs))
-        return custom_ops.first_order_only(_OP, dx, None, *(next(dparams) if has else None for has in ctx.has_param))
+        return custom_ops.first_order_only(_OP, dx, None, None, None,
+                                           *(next(dparams) if has else None for has in ctx.has_param))
 
 
-def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, needs: dict, named: dict) -> dict:
+def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, seqs: _Sequences, needs: dict,
+                   named: dict) -> dict:
     """Gradients of the block from dy (T, dim), in the order the forward ran, reversed.
 
     Where a policy did not keep a norm or activation output (``remat.rebuilds_outputs``), the
@@ -392,7 +440,7 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, needs:
     group = g.context_parallel_group()
     if group is None:
         dqkv = custom_ops.attention_packed_bwd(d_attn @ w.out, acts.qkv, acts.o, acts.lse, g.batch, g.n_heads,
-                                               g.n_kv_heads, g.causal, g.head_dim**-0.5)
+                                               g.n_kv_heads, *g.attention_mask, seqs.cu_seqlens, g.max_seqlen)
     else:
         dqkv = torch.empty_like(acts.qkv)
         grads_qkv = context_parallel.ring_attention_bwd(
@@ -403,7 +451,7 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, needs:
             packed.copy_(grad)
     del d_attn
     if g.rope_theta is not None:
-        _rope_qk_(dqkv, g, inverse=True)
+        _rope_qk_(dqkv, g, seqs, inverse=True)
 
     grads["qkv.bias"] = _bias_grad(needs["qkv.bias"], dqkv, named["qkv.bias"])
     grads["x"], grads["norm1.weight"], grads["norm1.bias"], rebuilt = _norm_backward(dqkv @ w.qkv, x, w.norm1, acts.mean1,
@@ -467,10 +515,11 @@ class TransformerBlock(reference.TransformerBlock):
 
     def __init__(self, dim: int, n_heads: int, *, n_kv_heads: int | None = None, ffn_dim: int | None = None,
                  norm: str = "layernorm", activation: str = "gelu", bias: bool = True, causal: bool = True,
-                 eps: float = 1e-5, rope_theta: float | None = None, remat: Remat | str = Remat.CHEAP, device=None, dtype=None):
+                 eps: float = 1e-5, rope_theta: float | None = None, window: tuple[int, int] = (-1, -1),
+                 softcap: float = 0.0, remat: Remat | str = Remat.CHEAP, device=None, dtype=None):
         super().__init__(dim, n_heads, n_kv_heads=n_kv_heads, ffn_dim=ffn_dim, norm=norm, activation=activation,
-                         bias=bias, causal=causal, eps=eps, rope_theta=rope_theta, remat=remat, device=device,
-                         dtype=dtype)
+                         bias=bias, causal=causal, eps=eps, rope_theta=rope_theta, window=window, softcap=softcap,
+                         remat=remat, device=device, dtype=dtype)
         self.context_parallel = None
 
     @classmethod
@@ -484,8 +533,16 @@ class TransformerBlock(reference.TransformerBlock):
             ours.requires_grad_(theirs.requires_grad)
         return fused
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, N, dim) -> (B, N, dim); ``cu_seqlens``, ``max_seqlen`` and ``position_ids`` as the
+        reference block's (documents packed in the B N tokens, and RoPE's positions)."""
         self._check_input(x)
+        max_seqlen = self._check_sequences(x, cu_seqlens, max_seqlen, position_ids)
+        if self.context_parallel is not None and (cu_seqlens is not None or position_ids is not None
+                                                  or self.window != (-1, -1) or self.softcap):
+            raise ValueError(f"{_OP}: context parallelism runs the causal ring only: documents (cu_seqlens), "
+                             "position_ids, a window and a softcap are not supported with it")
         if self.context_parallel is not None:
             context_parallel.check_local_sequence(_OP, x.shape[1], self.context_parallel)
             if not use_triton(_OP, x.device):
@@ -493,17 +550,18 @@ class TransformerBlock(reference.TransformerBlock):
                                    f"with TRITON_INTERPRET=1 on CPU); this call would use the reference block")
         params = [self._parameter(name) for name in _PARAMETERS]
         compute_dtype = self._compute_dtype(x, params)  # the same dtype check on both paths
-        if not use_triton(_OP, x.device):
-            return super().forward(x)  # the reference math; a policy that replays through torch.utils.checkpoint
+        if not use_triton(_OP, x.device):  # the reference math; a policy that replays through torch.utils.checkpoint
+            return super().forward(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen or None, position_ids=position_ids)
         call = _BlockCall(
             batch=x.shape[0], seq=x.shape[1], dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
             head_dim=self.head_dim, ffn_dim=self.ffn_dim, rms=self.norm == "rmsnorm",
             activation=self.activation, causal=self.causal, eps=self.eps, rope_theta=self.rope_theta,
             remat=self.remat, compute_dtype=compute_dtype,
             context_parallel="" if self.context_parallel is None else self.context_parallel.group_name,
+            window=self.window, softcap=self.softcap, max_seqlen=max_seqlen,
         )
         apply = _eager_block_function() if call.remat.host_resident else _BlockFunction.apply
-        y, *_ = apply(x.reshape(call.tokens, self.dim).contiguous(), call, *params)
+        y, *_ = apply(x.reshape(call.tokens, self.dim).contiguous(), call, cu_seqlens, position_ids, *params)
         return y.view(x.shape)
 
     def _parameter(self, name: str) -> torch.nn.Parameter | None:

@@ -217,12 +217,18 @@ def _(do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     return _varlen_flops(q, cu_seqlens_q, cu_seqlens_k, causal, window, backward=True)
 
 
-def packed_attention_flops(tokens: int, width: int, batch: int, n_heads: int, n_kv_heads: int, causal: bool,
-                           backward: bool = False) -> int:
-    """FLOPs of attention on a packed (T, (Hq + 2 Hkv) D) qkv of ``batch`` equal sequences."""
-    seq = tokens // batch
+def packed_attention_flops(qkv: Tensor, batch: int, n_heads: int, n_kv_heads: int, causal: bool, window,
+                           cu_seqlens: Tensor | None, backward: bool = False) -> int:
+    """FLOPs of attention on a packed (T, (Hq + 2 Hkv) D) qkv: ``batch`` equal sequences, or the
+    documents ``cu_seqlens`` marks in the T tokens."""
+    tokens, width = qkv.shape
     head_dim = width // (n_heads + 2 * n_kv_heads)
-    return attention_op_flops(batch, n_heads, head_dim, visible_pairs(seq, seq, causal), backward)
+    if cu_seqlens is None:
+        seq = tokens // batch
+        pairs = batch * visible_pairs(seq, seq, causal, window)
+    else:
+        pairs = sum(visible_pairs(n, n, causal, window) for n in torch.diff(cu_seqlens).tolist())
+    return attention_op_flops(1, n_heads, head_dim, pairs, backward)
 
 
 def split_heads(qkv: Tensor, batch: int, n_heads: int, n_kv_heads: int):
@@ -232,56 +238,81 @@ def split_heads(qkv: Tensor, batch: int, n_heads: int, n_kv_heads: int):
     return heads[:, :n_heads], heads[:, n_heads:n_heads + n_kv_heads], heads[:, n_heads + n_kv_heads:]
 
 
+def split_token_heads(qkv: Tensor, n_heads: int, n_kv_heads: int):
+    """q (T, Hq, D), k and v (T, Hkv, D), the packed-documents layout, as views of a packed
+    (T, (Hq + 2 Hkv) D) buffer."""
+    heads = qkv.view(qkv.shape[0], n_heads + 2 * n_kv_heads, qkv.shape[1] // (n_heads + 2 * n_kv_heads))
+    return heads[:, :n_heads], heads[:, n_heads:n_heads + n_kv_heads], heads[:, n_heads + n_kv_heads:]
+
+
 def token_major_heads(t: Tensor, batch: int, n_heads: int) -> Tensor:
     """A (T, H D) token-major buffer seen as (B, H, N, D)."""
     return t.view(batch, t.shape[0] // batch, n_heads, t.shape[1] // n_heads).transpose(1, 2)
 
 
+def _packed_layout(batch: int, n_heads: int, n_kv_heads: int, cu_seqlens: Tensor | None, max_seqlen: int):
+    """(q/k/v views of a packed buffer, the token-major view of o and dO, the launchers' documents)
+    for ``batch`` equal sequences, or for the documents of ``cu_seqlens``."""
+    if cu_seqlens is None:
+        return (lambda t: split_heads(t, batch, n_heads, n_kv_heads),
+                lambda t: token_major_heads(t, batch, n_heads), None)
+    return (lambda t: split_token_heads(t, n_heads, n_kv_heads),
+            lambda t: t.view(t.shape[0], n_heads, t.shape[1] // n_heads),
+            _documents(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen))
+
+
 @_op("attention_packed_fwd")
-def attention_packed_fwd(qkv: Tensor, batch: int, n_heads: int, n_kv_heads: int, causal: bool,
-                         scale: float) -> tuple[Tensor, Tensor]:
-    """Attention of a packed qkv: (o (T, Hq D) token-major, ready for the output projection, lse)."""
+def attention_packed_fwd(qkv: Tensor, batch: int, n_heads: int, n_kv_heads: int, causal: bool, scale: float,
+                         window: list[int], softcap: float, cu_seqlens: Tensor | None,
+                         max_seqlen: int) -> tuple[Tensor, Tensor]:
+    """Attention of a packed qkv: (o (T, Hq D) token-major, ready for the output projection, lse).
+    ``batch`` equal sequences (lse (B, Hq, N)), or the documents ``cu_seqlens`` marks in the T
+    tokens (lse (Hq, T))."""
     from .kernels.attention import attention_fwd as launch
 
-    q, k, v = split_heads(qkv, batch, n_heads, n_kv_heads)
+    heads, token_major, documents = _packed_layout(batch, n_heads, n_kv_heads, cu_seqlens, max_seqlen)
+    q, k, v = heads(qkv)
     o = qkv.new_empty(qkv.shape[0], n_heads * q.shape[-1])
-    _, lse = launch(q, k, v, causal, scale, out=token_major_heads(o, batch, n_heads))
+    _, lse = launch(q, k, v, causal, scale, window=tuple(window), softcap=softcap, documents=documents,
+                    out=token_major(o))
     return o, lse
 
 
 @attention_packed_fwd.register_fake
-def _(qkv, batch, n_heads, n_kv_heads, causal, scale):
+def _(qkv, batch, n_heads, n_kv_heads, causal, scale, window, softcap, cu_seqlens, max_seqlen):
     head_dim = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
-    lse = qkv.new_empty(batch, n_heads, qkv.shape[0] // batch, dtype=torch.float32)
-    return qkv.new_empty(qkv.shape[0], n_heads * head_dim), lse
+    tokens = qkv.shape[0]
+    lse_shape = (batch, n_heads, tokens // batch) if cu_seqlens is None else (n_heads, tokens)
+    return qkv.new_empty(tokens, n_heads * head_dim), qkv.new_empty(lse_shape, dtype=torch.float32)
 
 
-@flop_formula("attention_packed_fwd")
-def _(qkv_shape, batch, n_heads, n_kv_heads, causal, *_, **__) -> int:
-    return packed_attention_flops(*qkv_shape, batch, n_heads, n_kv_heads, causal)
+@flop_formula("attention_packed_fwd", get_raw=True)
+def _(qkv, batch, n_heads, n_kv_heads, causal, scale, window, softcap, cu_seqlens, *_, **__) -> int:
+    return packed_attention_flops(qkv, batch, n_heads, n_kv_heads, causal, window, cu_seqlens)
 
 
 @_op("attention_packed_bwd")
 def attention_packed_bwd(do: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, batch: int, n_heads: int,
-                         n_kv_heads: int, causal: bool, scale: float) -> Tensor:
+                         n_kv_heads: int, causal: bool, scale: float, window: list[int], softcap: float,
+                         cu_seqlens: Tensor | None, max_seqlen: int) -> Tensor:
     """dqkv (T, (Hq + 2 Hkv) D), packed like qkv, from do and o (T, Hq D) token-major."""
     from .kernels.attention import attention_bwd as launch
 
+    heads, token_major, documents = _packed_layout(batch, n_heads, n_kv_heads, cu_seqlens, max_seqlen)
     dqkv = torch.empty_like(qkv)
-    launch(token_major_heads(do, batch, n_heads), *split_heads(qkv, batch, n_heads, n_kv_heads),
-           token_major_heads(o, batch, n_heads), lse, causal, scale,
-           out=split_heads(dqkv, batch, n_heads, n_kv_heads))
+    launch(token_major(do), *heads(qkv), token_major(o), lse, causal, scale, window=tuple(window), softcap=softcap,
+           documents=documents, out=heads(dqkv))
     return dqkv
 
 
 @attention_packed_bwd.register_fake
-def _(do, qkv, o, lse, batch, n_heads, n_kv_heads, causal, scale):
+def _(do, qkv, o, lse, batch, n_heads, n_kv_heads, causal, scale, window, softcap, cu_seqlens, max_seqlen):
     return torch.empty_like(qkv)
 
 
-@flop_formula("attention_packed_bwd")
-def _(do_shape, qkv_shape, o_shape, lse_shape, batch, n_heads, n_kv_heads, causal, *_, **__) -> int:
-    return packed_attention_flops(*qkv_shape, batch, n_heads, n_kv_heads, causal, backward=True)
+@flop_formula("attention_packed_bwd", get_raw=True)
+def _(do, qkv, o, lse, batch, n_heads, n_kv_heads, causal, scale, window, softcap, cu_seqlens, *_, **__) -> int:
+    return packed_attention_flops(qkv, batch, n_heads, n_kv_heads, causal, window, cu_seqlens, backward=True)
 
 
 @_op("rope_qk_", mutates_args=("qkv",))

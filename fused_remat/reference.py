@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from .kernels.limits import MAX_HEAD_DIM, check_eps
+from .kernels.limits import MAX_HEAD_DIM, check_documents, check_eps, check_position_ids, check_softcap, check_window
 from .remat import Remat
 
 
@@ -156,6 +156,15 @@ def rope(x: torch.Tensor, theta: float, *, inverse: bool = False,
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+def document_positions(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Each token's position inside its document (int32, (tokens,)), for documents packed by the
+    int32 offsets ``cu_seqlens``: 0, 1, ... restarting at every offset."""
+    lengths = torch.diff(cu_seqlens)
+    document = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths,
+                                       output_size=tokens)
+    return torch.arange(tokens, device=cu_seqlens.device, dtype=torch.int32) - cu_seqlens[document]
+
+
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 
@@ -180,7 +189,9 @@ class TransformerBlock(nn.Module):
     x: (B, N, dim) -> (B, N, dim). Attention has ``n_heads`` query heads of dim // n_heads and
     ``n_kv_heads`` key/value heads (GQA when fewer), through F.scaled_dot_product_attention; the
     qkv projection packs [q heads | k heads | v heads] along its output. With ``rope_theta`` set,
-    q and k get rotary embeddings (``rope``). ``activation="swiglu"`` makes fc1 the
+    q and k get rotary embeddings (``rope``). ``window`` and ``softcap`` are attention's
+    (``fused_remat.attention``; a model alternating local and global layers sets them per layer).
+    ``activation="swiglu"`` makes fc1 the
     packed [gate | up] projection of width 2 * ffn_dim and computes silu(gate) * up; fc2 is the down
     projection. ffn_dim defaults to 4 * dim (GELU) or LLaMA's rounded 8/3 * dim (SwiGLU). ``bias``
     switches the linear and LayerNorm biases (RMSNorm has none).
@@ -194,9 +205,12 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, dim: int, n_heads: int, *, n_kv_heads: int | None = None, ffn_dim: int | None = None,
                  norm: str = "layernorm", activation: str = "gelu", bias: bool = True, causal: bool = True,
-                 eps: float = 1e-5, rope_theta: float | None = None, remat: Remat | str = Remat.NONE, device=None, dtype=None):
+                 eps: float = 1e-5, rope_theta: float | None = None, window: tuple[int, int] = (-1, -1),
+                 softcap: float = 0.0, remat: Remat | str = Remat.NONE, device=None, dtype=None):
         super().__init__()
         self.remat = remat
+        self.window = check_window("TransformerBlock", window)
+        self.softcap = check_softcap("TransformerBlock", softcap)
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         _check_block_config(dim, n_heads, n_kv_heads, ffn_dim, norm, activation, eps, rope_theta)
         self.dim, self.n_heads, self.n_kv_heads = dim, n_heads, n_kv_heads
@@ -226,26 +240,53 @@ class TransformerBlock(nn.Module):
             return nn.RMSNorm(self.dim, eps=self.eps, **factory)
         return nn.LayerNorm(self.dim, eps=self.eps, bias=bias, **factory)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, N, dim). ``cu_seqlens``: documents packed in the B N tokens (int32 offsets, as
+        ``attention_varlen``'s; each attends only within itself, and RoPE restarts at each);
+        ``max_seqlen`` their longest length (read from the offsets when None); ``position_ids``
+        (B, N) ints: RoPE's positions instead."""
+        max_seqlen = self._check_sequences(x, cu_seqlens, max_seqlen, position_ids)
         if self.remat.replays and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(self._eager, x, use_reentrant=False)
-        return self._eager(x)
+            return torch.utils.checkpoint.checkpoint(self._eager, x, cu_seqlens, max_seqlen, position_ids,
+                                                     use_reentrant=False)
+        return self._eager(x, cu_seqlens, max_seqlen, position_ids)
 
-    def _eager(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self._attention(self.norm1(x))
+    def _check_sequences(self, x, cu_seqlens, max_seqlen, position_ids) -> int:
+        """The longest document (0 without documents), after checking the documents' arguments."""
+        if position_ids is not None:
+            check_position_ids("TransformerBlock", position_ids, x.shape[:2], x.device)
+        if cu_seqlens is None:
+            if max_seqlen is not None:
+                raise ValueError("TransformerBlock: max_seqlen is given without cu_seqlens")
+            return 0
+        return check_documents("TransformerBlock", cu_seqlens, x.shape[0] * x.shape[1], x.device, max_seqlen)
+
+    def _eager(self, x: torch.Tensor, cu_seqlens=None, max_seqlen: int = 0, position_ids=None) -> torch.Tensor:
+        h = x + self._attention(self.norm1(x), cu_seqlens, max_seqlen, position_ids)
         return h + self.fc2(self._activate(self.fc1(self.norm2(h))))
 
-    def _attention(self, y: torch.Tensor) -> torch.Tensor:
+    def _attention(self, y: torch.Tensor, cu_seqlens, max_seqlen: int, position_ids) -> torch.Tensor:
         batch, seq, _ = y.shape
         heads = self.qkv(y).view(batch, seq, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
         q, k, v = heads.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)
         if self.rope_theta is not None:
-            q, k = rope(q, self.rope_theta), rope(k, self.rope_theta)
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            is_causal=self.causal, enable_gqa=self.n_kv_heads != self.n_heads,
-        )
-        return self.out_proj(o.transpose(1, 2).reshape(batch, seq, self.dim))
+            if position_ids is None and cu_seqlens is not None:
+                position_ids = document_positions(cu_seqlens, batch * seq).view(batch, seq)
+            q = rope(q, self.rope_theta, positions=position_ids)
+            k = rope(k, self.rope_theta, positions=position_ids)
+        mask = dict(causal=self.causal, window=self.window, softcap=self.softcap)
+        if cu_seqlens is not None:
+            o = attention_varlen(*(t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v)), cu_seqlens, cu_seqlens,
+                                 max_seqlen, max_seqlen, **mask)
+        elif self.window != (-1, -1) or self.softcap:
+            o = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **mask).transpose(1, 2)
+        else:
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                is_causal=self.causal, enable_gqa=self.n_kv_heads != self.n_heads,
+            ).transpose(1, 2)
+        return self.out_proj(o.reshape(batch, seq, self.dim))
 
     def _activate(self, u: torch.Tensor) -> torch.Tensor:
         if self.activation == "swiglu":
@@ -257,12 +298,14 @@ class TransformerBlock(nn.Module):
         """The constructor's keyword arguments that rebuild this block (any block class of either twin)."""
         return dict(dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, ffn_dim=self.ffn_dim,
                     norm=self.norm, activation=self.activation, bias=self.has_bias, causal=self.causal,
-                    eps=self.eps, rope_theta=self.rope_theta)
+                    eps=self.eps, rope_theta=self.rope_theta, window=self.window, softcap=self.softcap)
 
     def extra_repr(self) -> str:
         rope_text = "" if self.rope_theta is None else f", rope_theta={self.rope_theta:g}"
+        mask_text = ("" if self.window == (-1, -1) else f", window={self.window}") + (
+            f", softcap={self.softcap:g}" if self.softcap else "")
         return (f"dim={self.dim}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, ffn_dim={self.ffn_dim}, "
-                f"norm={self.norm!r}, activation={self.activation!r}, causal={self.causal}{rope_text}")
+                f"norm={self.norm!r}, activation={self.activation!r}, causal={self.causal}{rope_text}{mask_text}")
 
 
 def _check_block_config(dim, n_heads, n_kv_heads, ffn_dim, norm, activation, eps, rope_theta) -> None:

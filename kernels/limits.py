@@ -163,15 +163,8 @@ def check_varlen_args(op: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     argument."""
     _check_qkv_tensors(op, q, k, v, dims=("total_q", "H", "D"), kv_dims=("total_k", "Hkv", "D"))
     scale = _check_heads_strides_scale(op, q, k, v, scale)
-    offsets = (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
-    for name, cu_seqlens in offsets:
-        if not isinstance(cu_seqlens, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-        if cu_seqlens.dtype != torch.int32:
-            raise TypeError(f"{op}: {name} must have dtype torch.int32, got {cu_seqlens.dtype}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(f"{op}: {name} must be 1-D with (documents + 1) >= 2 entries, got shape "
-                             f"{tuple(cu_seqlens.shape)}")
+    for name, cu_seqlens in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        _check_offsets_tensor(op, name, cu_seqlens)
     check_same_device(op, "q", q, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(f"{op}: cu_seqlens_q has {cu_seqlens_q.numel()} entries but cu_seqlens_k has "
@@ -182,19 +175,66 @@ def check_varlen_args(op: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     if torch.compiler.is_compiling() or q.device.type == "meta":
         return scale
     q_offsets, k_offsets = torch.stack([cu_seqlens_q, cu_seqlens_k]).tolist()
-    sides = (("cu_seqlens_q", q_offsets, "q", q.shape[0], "max_seqlen_q", max_seqlen_q),
-             ("cu_seqlens_k", k_offsets, "k and v", k.shape[0], "max_seqlen_k", max_seqlen_k))
-    for name, positions, packed, total, max_name, max_len in sides:
-        if positions[0] != 0:
-            raise ValueError(f"{op}: {name} must start at 0, got {positions[0]}")
-        for doc, (start, end) in enumerate(zip(positions, positions[1:])):
-            if end < start:
-                raise ValueError(f"{op}: {name} must be non-decreasing, got {name}[{doc + 1}]={end} < "
-                                 f"{name}[{doc}]={start}")
-            if end - start > max_len:
-                raise ValueError(f"{op}: document {doc} has length {end - start} in {name}, more than "
-                                 f"{max_name}={max_len}")
-        if positions[-1] != total:
-            raise ValueError(f"{op}: {name} must end at the number of rows of {packed} ({total}), "
-                             f"got {positions[-1]}")
+    _check_offsets(op, "cu_seqlens_q", q_offsets, "q", q.shape[0], "max_seqlen_q", max_seqlen_q)
+    _check_offsets(op, "cu_seqlens_k", k_offsets, "k and v", k.shape[0], "max_seqlen_k", max_seqlen_k)
     return scale
+
+
+def _check_offsets_tensor(op: str, name: str, cu_seqlens) -> None:
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise TypeError(f"{op}: {name} must have dtype torch.int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"{op}: {name} must be 1-D with (documents + 1) >= 2 entries, got shape "
+                         f"{tuple(cu_seqlens.shape)}")
+
+
+def _check_offsets(op: str, name: str, offsets: list[int], packed: str, total: int, max_name: str,
+                   max_len: int | None) -> None:
+    """Document offsets read on the host: from 0, non-decreasing, to ``total`` rows of ``packed``,
+    no document longer than ``max_len`` (None: no bound)."""
+    if offsets[0] != 0:
+        raise ValueError(f"{op}: {name} must start at 0, got {offsets[0]}")
+    for doc, (start, end) in enumerate(zip(offsets, offsets[1:])):
+        if end < start:
+            raise ValueError(f"{op}: {name} must be non-decreasing, got {name}[{doc + 1}]={end} < "
+                             f"{name}[{doc}]={start}")
+        if max_len is not None and end - start > max_len:
+            raise ValueError(f"{op}: document {doc} has length {end - start} in {name}, more than "
+                             f"{max_name}={max_len}")
+    if offsets[-1] != total:
+        raise ValueError(f"{op}: {name} must end at the number of rows of {packed} ({total}), got {offsets[-1]}")
+
+
+def check_documents(op: str, cu_seqlens, tokens: int, device: torch.device, max_seqlen=None) -> int:
+    """The longest document of ``cu_seqlens``, the documents packed in a block's or a model's
+    ``tokens`` = B N tokens (int32 offsets on ``device``, as check_varlen_args's). ``max_seqlen``
+    None reads it from the offsets (one sync on a GPU; under torch.compile, pass it); given, it is
+    checked like the varlen op's. Errors name the argument."""
+    _check_offsets_tensor(op, "cu_seqlens", cu_seqlens)
+    if cu_seqlens.device != device:
+        raise ValueError(f"{op}: cu_seqlens is on {cu_seqlens.device} but x is on {device}")
+    if max_seqlen is not None and (not _is_int(max_seqlen) or max_seqlen < 0):
+        raise ValueError(f"{op}: max_seqlen must be an int >= 0 or None, got {max_seqlen!r}")
+    if torch.compiler.is_compiling() or device.type == "meta":
+        if max_seqlen is None:
+            raise ValueError(f"{op}: pass max_seqlen with cu_seqlens under torch.compile or on the meta device "
+                             "(reading it from the offsets needs their values)")
+        return int(max_seqlen)
+    offsets = cu_seqlens.tolist()
+    _check_offsets(op, "cu_seqlens", offsets, "x (B N tokens)", tokens, "max_seqlen", max_seqlen)
+    longest = max(end - start for start, end in zip(offsets, offsets[1:]))
+    return longest if max_seqlen is None else int(max_seqlen)
+
+
+def check_position_ids(op: str, position_ids, shape: tuple[int, int], device: torch.device) -> None:
+    """``position_ids``: an int32 or int64 (B, N) tensor on ``device``, RoPE's position per token."""
+    if not isinstance(position_ids, torch.Tensor):
+        raise TypeError(f"{op}: position_ids must be a torch.Tensor, got {type(position_ids).__name__}")
+    if position_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{op}: position_ids must be int32 or int64, got {position_ids.dtype}")
+    if tuple(position_ids.shape) != tuple(shape):
+        raise ValueError(f"{op}: position_ids must have shape (B, N) = {tuple(shape)}, got {tuple(position_ids.shape)}")
+    if position_ids.device != device:
+        raise ValueError(f"{op}: position_ids is on {position_ids.device} but x is on {device}")

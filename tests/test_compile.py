@@ -140,7 +140,9 @@ def test_custom_ops_fake_implementations_agree_with_the_kernels(device, triton_b
     cu_q, cu_k = (torch.tensor(offsets, dtype=torch.int32, device=device) for offsets in ([0, 5, 5, 14], [0, 4, 9, 14]))
     q_docs, k_docs, v_docs = (t.transpose(1, 2).reshape(14, t.shape[1], 16) for t in (q, k, v))
     o_docs, lse_docs = custom_ops.attention_varlen_fwd(q_docs, k_docs, v_docs, cu_q, cu_k, 9, 5, True, 0.25, [-1, -1], 5.0)
-    o_packed, lse_packed = custom_ops.attention_packed_fwd(qkv, 2, HEADS, KV_HEADS, True, 0.25)
+    o_packed, lse_packed = custom_ops.attention_packed_fwd(qkv, 2, HEADS, KV_HEADS, True, 0.25, [-1, -1], 0.0, None, 0)
+    o_docs_packed, lse_docs_packed = custom_ops.attention_packed_fwd(qkv, 2, HEADS, KV_HEADS, True, 0.25, [4, -1], 3.0,
+                                                                     cu_k, 5)
     cases = [
         (custom_ops.norm_fwd, (rows, weight, weight, rows.clone(), 1e-5, False, torch.bfloat16)),
         (custom_ops.norm_bwd, (rows.clone(), rows, weight, weight, mean, rstd, rows.clone(), False, True, True, None)),
@@ -149,10 +151,15 @@ def test_custom_ops_fake_implementations_agree_with_the_kernels(device, triton_b
         (custom_ops.attention_varlen_fwd, (q_docs, k_docs, v_docs, cu_q, cu_k, 9, 5, True, 0.25, [-1, -1], 5.0)),
         (custom_ops.attention_varlen_bwd, (torch.randn_like(o_docs), q_docs, k_docs, v_docs, o_docs, lse_docs, None,
                                            cu_q, cu_k, 9, 5, True, 0.25, [-1, -1], 5.0)),
-        (custom_ops.attention_packed_fwd, (qkv, 2, HEADS, KV_HEADS, True, 0.25)),
+        (custom_ops.attention_packed_fwd, (qkv, 2, HEADS, KV_HEADS, True, 0.25, [-1, -1], 0.0, None, 0)),
+        (custom_ops.attention_packed_fwd, (qkv, 2, HEADS, KV_HEADS, True, 0.25, [4, -1], 3.0, cu_k, 5)),
+        (custom_ops.attention_packed_bwd, (torch.randn_like(o_docs_packed), qkv, o_docs_packed, lse_docs_packed, 2, HEADS,
+                                           KV_HEADS, True, 0.25, [4, -1], 3.0, cu_k, 5)),
         (custom_ops.attention_packed_bwd, (torch.randn_like(o_packed), qkv, o_packed, lse_packed, 2, HEADS, KV_HEADS,
-                                           True, 0.25)),
+                                           True, 0.25, [-1, -1], 0.0, None, 0)),
         (custom_ops.rope_qk_, (qkv.clone(), torch.rand(8, device=device), 2, HEADS, KV_HEADS, False)),
+        (custom_ops.rope_qk_, (qkv.clone(), torch.rand(8, device=device), 2, HEADS, KV_HEADS, False, None,
+                               torch.randint(0, 50, (2, 7), device=device))),
         (custom_ops.gelu_bwd, (u.clone(), u, "none", True)),
         (custom_ops.swiglu_packed_bwd, (rows.new_ones(6, FFN), u, True)),
     ]
