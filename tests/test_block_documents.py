@@ -1,0 +1,117 @@
+"""The block on packed documents, RoPE positions, sliding windows and softcap: against its twin in
+float64 and in the same dtype (the error rule) for every policy, bitwise equal across policies and
+to the dense block when each row is one document, the memory contract, and the errors."""
+
+import copy
+
+import pytest
+import torch
+from test_block import POLICIES, _config, _fused_block, _reference_block
+
+from fused_remat.block import block_widths
+from fused_remat.memory import saved_memory
+from fused_remat.remat import kept_bytes_per_token
+from numerics import assert_error_rule
+
+
+def _offsets(lengths, device):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+def _run(block, x, dy, **sequences):
+    x = x.detach().clone().requires_grad_()
+    y = block(x, **sequences)
+    names, params = zip(*block.named_parameters())
+    grads = torch.autograd.grad(y, [x, *params], dy)
+    return y.detach(), dict(zip(("x", *names), grads))
+
+
+# (block options, batch, seq, document lengths over the batch x seq tokens or None, position ids)
+CASES = [
+    (dict(rope=True), 2, 40, [10, 1, 29, 0, 40], None),  # a document crosses the row boundary
+    (dict(rope=True, kv_heads=1), 1, 70, [33, 37], None),
+    (dict(norm="rmsnorm", activation="swiglu", rope=True, window=(8, -1)), 2, 45, [45, 20, 25], None),
+    (dict(window=(5, 5), softcap=4.0, causal=False), 2, 30, None, None),
+    (dict(rope=True, softcap=3.0), 2, 24, [24, 24], "random"),
+]
+
+
+def _case_id(case):
+    options, batch, seq, lengths, positions = case
+    text = "-".join(f"{k}{v}" for k, v in options.items())
+    return f"{text}-{batch}x{seq}-{'docs' if lengths else 'dense'}{'-positions' if positions else ''}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_block_on_documents_matches_its_twin_for_every_policy(case, device, triton_backend):
+    options, batch, seq, lengths, positions = case
+    options = dict(options)
+    mask = {k: options.pop(k) for k in ("window", "softcap") if k in options}
+    config = dict(_config(**options), **mask)
+    sequences = {}
+    if lengths:
+        sequences["cu_seqlens"] = _offsets(lengths, device)
+    if positions:
+        sequences["position_ids"] = torch.randint(0, 500, (batch, seq), device=device)
+    ref = _reference_block(config, device)
+    x, dy = (torch.randn(batch, seq, config["dim"], device=device) for _ in range(2))
+    y64, grads64 = _run(copy.deepcopy(ref).double(), x.double(), dy.double(), **sequences)
+    y_same, grads_same = _run(ref, x, dy, **sequences)
+    results = []
+    for policy in POLICIES + ("offload",):
+        y, grads = _run(_fused_block(ref, config, policy), x, dy, **sequences)
+        assert_error_rule(f"{policy} y", y, y_same, y64, torch.float32)
+        for name, grad in grads.items():
+            assert_error_rule(f"{policy} d{name}", grad, grads_same[name], grads64[name], torch.float32)
+        results.append((y, grads))
+    for y, grads in results[1:]:
+        assert torch.equal(y, results[0][0]) and all(torch.equal(grads[n], results[0][1][n]) for n in grads)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_one_document_per_row_is_bitwise_the_dense_block(policy, device, triton_backend):
+    config = _config(rope=True, kv_heads=1)
+    block = _fused_block(_reference_block(config, device), config, policy)
+    x, dy = (torch.randn(3, 37, config["dim"], device=device) for _ in range(2))
+    y, grads = _run(block, x, dy)
+    y_docs, grads_docs = _run(block, x, dy, cu_seqlens=_offsets([37] * 3, device))
+    assert torch.equal(y, y_docs)
+    assert all(torch.equal(grads[name], grads_docs[name]) for name in grads)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_documents_keep_the_memory_contract(policy, device, triton_backend):
+    """Packed documents shrink attention's work, not what a policy keeps: the contract's bytes per
+    token, plus the document offsets (the model's input, shared by every layer)."""
+    config = _config(rope=True)
+    block = _fused_block(_reference_block(config, device), config, policy)
+    cu_seqlens = _offsets([30, 2, 32], device)
+    x = torch.randn(2, 32, config["dim"], device=device, requires_grad=True)
+    with saved_memory() as meter:
+        block(x, cu_seqlens=cu_seqlens)
+    widths = block_widths(config["dim"], config["n_heads"], config["n_kv_heads"], config["ffn_dim"], config["norm"],
+                          config["activation"])
+    per_token = kept_bytes_per_token(policy, widths, residual_bytes=4, compute_bytes=4)
+    assert meter.device_bytes == 64 * per_token + cu_seqlens.numel() * 4
+
+
+def test_document_arguments_are_checked(device, triton_backend):
+    config = _config(rope=True)
+    block = _fused_block(_reference_block(config, device), config, "cheap")
+    x = torch.randn(2, 8, config["dim"], device=device)
+    with pytest.raises(ValueError, match=r"cu_seqlens must end at the number of rows of x"):
+        block(x, cu_seqlens=_offsets([8, 7], device))
+    with pytest.raises(TypeError, match="cu_seqlens must have dtype torch.int32"):
+        block(x, cu_seqlens=_offsets([8, 8], device).long())
+    with pytest.raises(ValueError, match="document 1 has length 8 in cu_seqlens, more than max_seqlen=4"):
+        block(x, cu_seqlens=_offsets([4, 8, 4], device), max_seqlen=4)
+    with pytest.raises(ValueError, match="max_seqlen is given without cu_seqlens"):
+        block(x, max_seqlen=8)
+    with pytest.raises(ValueError, match=r"position_ids must have shape \(B, N\) = \(2, 8\)"):
+        block(x, position_ids=torch.zeros(2, 7, dtype=torch.long, device=device))
+    with pytest.raises(TypeError, match="position_ids must be int32 or int64"):
+        block(x, position_ids=torch.zeros(2, 8, device=device))
+    with pytest.raises(ValueError, match="window must be a pair"):
+        type(block)(32, 2, window=(3,))
+    with pytest.raises(ValueError, match="softcap must be a finite real number >= 0"):
+        type(block)(32, 2, softcap=-1.0)
