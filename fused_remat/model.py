@@ -24,7 +24,7 @@ from torch import nn
 from . import context_parallel as cp
 from . import reference
 from .block import TransformerBlock
-from .kernels.limits import check_eps
+from .kernels.limits import check_documents, check_eps, check_softcap, check_window
 from .loss import linear_cross_entropy
 from .norms import layer_norm, rms_norm
 from .remat import Remat, parse_per_layer
@@ -52,6 +52,8 @@ class ModelConfig:
     rope_theta: float | None = 10000.0
     eps: float = 1e-5
     tie_embeddings: bool = True
+    window: tuple[int, int] = (-1, -1)  # every layer's sliding window (left, right); -1 unbounded
+    softcap: float = 0.0  # every layer's attention softcap; 0 off
 
     def __post_init__(self):
         for name in ("vocab_size", "n_layers"):
@@ -59,11 +61,15 @@ class ModelConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ModelConfig: {name} must be a positive int, got {value!r}")
         check_eps("ModelConfig", self.eps)
+        # a window read back from JSON is a list: kept as the tuple the blocks compare against
+        object.__setattr__(self, "window", check_window("ModelConfig", self.window))
+        object.__setattr__(self, "softcap", check_softcap("ModelConfig", self.softcap))
 
     def block_kwargs(self) -> dict:
         """Keyword arguments of ``TransformerBlock`` (either twin) for one layer."""
         return dict(n_kv_heads=self.n_kv_heads, ffn_dim=self.ffn_dim, norm=self.norm, activation=self.activation,
-                    bias=self.bias, causal=True, eps=self.eps, rope_theta=self.rope_theta)
+                    bias=self.bias, causal=True, eps=self.eps, rope_theta=self.rope_theta, window=self.window,
+                    softcap=self.softcap)
 
     def describe(self) -> str:
         kv = "" if self.n_kv_heads in (None, self.n_heads) else f"/{self.n_kv_heads} kv"
@@ -162,16 +168,30 @@ class LanguageModel(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.head is None else self.head.weight
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
+                cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, N, vocab), or with ``targets`` the mean loss. ``cu_seqlens``: documents packed
+        in the B N tokens (int32 offsets; each attends only within itself, and RoPE restarts at each),
+        ``max_seqlen`` the longest (read once from the offsets when None), ``position_ids`` (B, N)
+        RoPE positions instead; every layer gets them."""
         self._check_tokens("tokens", tokens)
         if targets is not None:
             # Before the blocks run: a bad target would otherwise surface only after the whole forward.
             if isinstance(targets, torch.Tensor) and targets.shape != tokens.shape:
                 raise ValueError(f"targets must have the shape of tokens {tuple(tokens.shape)}, got {tuple(targets.shape)}")
             self._check_tokens("targets", targets, ignore_index=IGNORE_INDEX)
+        sequences = {}
+        if cu_seqlens is not None:
+            max_seqlen = check_documents("LanguageModel", cu_seqlens, tokens.numel(), tokens.device, max_seqlen)
+            sequences.update(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        elif max_seqlen is not None:
+            raise ValueError("LanguageModel: max_seqlen is given without cu_seqlens")
+        if position_ids is not None:
+            sequences["position_ids"] = position_ids
         x = self.embed(tokens)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, **sequences)
         x = self._final_norm(x)
         if targets is None:
             return F.linear(x, self.head_weight)

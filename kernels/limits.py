@@ -222,10 +222,17 @@ def check_documents(op: str, cu_seqlens, tokens: int, device: torch.device, max_
             raise ValueError(f"{op}: pass max_seqlen with cu_seqlens under torch.compile or on the meta device "
                              "(reading it from the offsets needs their values)")
         return int(max_seqlen)
+    # A model hands the same offsets to every layer: they are read once, and the result is kept on
+    # the tensor with its version counter, which any in-place change of the offsets moves.
+    checked = getattr(cu_seqlens, "_fused_remat_checked", None)
+    if checked is not None and checked[:2] == (cu_seqlens._version, tokens) and max_seqlen in (None, checked[2]):
+        return checked[2]
     offsets = cu_seqlens.tolist()
     _check_offsets(op, "cu_seqlens", offsets, "x (B N tokens)", tokens, "max_seqlen", max_seqlen)
     longest = max(end - start for start, end in zip(offsets, offsets[1:]))
-    return longest if max_seqlen is None else int(max_seqlen)
+    longest = longest if max_seqlen is None else int(max_seqlen)
+    cu_seqlens._fused_remat_checked = (cu_seqlens._version, tokens, longest)
+    return longest
 
 
 def check_position_ids(op: str, position_ids, shape: tuple[int, int], device: torch.device) -> None:

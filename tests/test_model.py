@@ -1,6 +1,7 @@
 """The language model and the remat planner: the model matches its reference twin, every policy
 mix trains identically, and the planner's predicted bytes are what the saved-memory meter measures."""
 
+import dataclasses
 import itertools
 import math
 import re
@@ -269,3 +270,40 @@ def test_token_and_target_ids_out_of_range_are_named(device):
     ignored = torch.full_like(tokens, -100)
     ignored[0, 0] = 199
     assert torch.isfinite(model(tokens, ignored))  # IGNORE_INDEX and the last id are valid targets
+
+
+def test_documents_attend_only_within_themselves(device, triton_backend, monkeypatch):
+    """Packed documents (cu_seqlens) reach every layer: each document's logits are those of the
+    model on that document alone, RoPE restarting at its start; one document per row is bitwise the
+    dense model; the offsets are read once for all layers."""
+    config = dataclasses.replace(LLAMA_LIKE, window=(6, -1), softcap=20.0)
+    model = LanguageModel(config, "cheap", device=device)
+    tokens = _tokens(config, 2, 24, device)[:, :-1]
+    lengths = [5, 11, 15, 0, 17]
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+    logits = model(tokens, cu_seqlens=cu_seqlens).reshape(-1, config.vocab_size)
+    flat = tokens.reshape(-1)
+    for start, end in zip(cu_seqlens.tolist(), cu_seqlens.tolist()[1:]):
+        if end > start:
+            alone = model(flat[start:end][None]).reshape(-1, config.vocab_size)
+            torch.testing.assert_close(logits[start:end], alone, rtol=1e-4, atol=1e-5)
+    rows = torch.tensor([0, 24, 48], dtype=torch.int32, device=device)
+    from fused_remat.kernels import limits
+
+    reads, check_offsets = [], limits._check_offsets
+    monkeypatch.setattr(limits, "_check_offsets", lambda *args: reads.append(1) or check_offsets(*args))
+    assert torch.equal(model(tokens, cu_seqlens=rows), model(tokens))
+    assert len(reads) == 1, "the offsets are read once, not once per layer"
+    with pytest.raises(ValueError, match="max_seqlen is given without cu_seqlens"):
+        model(tokens, max_seqlen=4)
+    with pytest.raises(ValueError, match=r"LanguageModel: cu_seqlens must end at the number of rows"):
+        model(tokens, cu_seqlens=rows[:2])
+
+
+def test_model_config_window_and_softcap_reach_every_layer():
+    config = ModelConfig(n_layers=3, window=[16, 0], softcap=30.0)
+    assert config.window == (16, 0)
+    model = LanguageModel(config, device="meta")
+    assert all(block.window == (16, 0) and block.softcap == 30.0 for block in model.blocks)
+    with pytest.raises(ValueError, match="ModelConfig: window must be a pair"):
+        ModelConfig(window=(1, 2, 3))
