@@ -6,6 +6,12 @@ bf16, head dims 64 and 128, causal and not, N from 1k to 16k with B x N = 16k to
 H x D = 2048. FLOPs: ``fused_remat.flops.attention_flops`` (4 B H Nq Nk D forward, half when
 causal; backward 2.5x forward).
 
+The masks of real batches (MASKS): one row of 16k tokens packed with documents of mixed lengths
+(``attention_varlen``), and a 1024-key causal sliding window (``attention(window=)``), at D = 128,
+counted on useful work only (4 H D per visible (query, key) pair forward, 2.5x backward), beside
+SDPA's memory-efficient backend given the same mask as an explicit boolean matrix, and
+FlexAttention's document and sliding-window block masks (compiled) where the installed torch has it.
+
     python -m bench attention                             # GPU: the suite CLI (JSON, Markdown, plots)
     pytest bench/bench_attention.py --benchmark-only      # GPU: pytest-benchmark
 On CPU, pytest runs one tiny case through the Triton interpreter so this file cannot rot.
@@ -17,8 +23,8 @@ import pytest
 import torch
 
 from bench.harness import Case, Suite, compiled_triton, dtype_name, pytest_benchmark_case
-from bench.providers import MODES, SDPA_BACKENDS, attention_inputs, attention_providers
-from fused_remat.flops import attention_flops
+from bench.providers import MODES, SDPA_BACKENDS, attention_inputs, attention_providers, pass_provider
+from fused_remat.flops import ATTENTION_BACKWARD_FACTOR, attention_flops, visible_pairs
 
 TOKENS, WIDTH = 16384, 2048
 
@@ -58,25 +64,127 @@ def case(n: int, d: int, causal: bool, mode: str, device: str = "cuda") -> Case:
     )
 
 
+# Document lengths of the packed row (16k tokens: a long document, mid-sized ones, short ones).
+DOCUMENT_MIX = (6144, 3072, 2048, 1024, 1024, 1024, 512, 512, 512, 256, 256, 128, 128, 128, 64)
+MASKS = {"documents": None, "window-1024": (1024, -1)}
+
+
+def _documents(device: str) -> list[int]:
+    return list(DOCUMENT_MIX) if device == "cuda" else [40, 1, 23]  # interpreter smoke size
+
+
+def _mask_pairs(mask: str, device: str) -> tuple[int, torch.Tensor]:
+    """(visible (query, key) pairs per head, the (N, N) boolean mask) of one packed row."""
+    lengths = _documents(device)
+    n = sum(lengths)
+    rows = torch.arange(n, device=device)
+    if mask == "documents":
+        document = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
+        visible = (document[:, None] == document[None, :]) & (rows[None, :] <= rows[:, None])
+        return sum(visible_pairs(k, k, True) for k in lengths), visible
+    left, _ = MASKS[mask]
+    visible = (rows[None, :] <= rows[:, None]) & (rows[None, :] >= rows[:, None] - left)
+    return visible_pairs(n, n, True, MASKS[mask]), visible
+
+
+def _ours(mask: str, lengths: list[int]):
+    import fused_remat
+
+    if mask == "documents":
+        offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+        def run(q, k, v):  # (1, H, N, D) -> the packed (N, H, D) layout, as views
+            cu = offsets.to(q.device)
+            o = fused_remat.attention_varlen(*(t[0].transpose(0, 1) for t in (q, k, v)), cu, cu, max(lengths),
+                                             max(lengths), causal=True)
+            return o.transpose(0, 1)[None]
+        return run
+    return lambda q, k, v: fused_remat.attention(q, k, v, causal=True, window=MASKS[mask])
+
+
+def _sdpa_with_mask(visible: torch.Tensor):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = SDPBackend.EFFICIENT_ATTENTION if visible.is_cuda else SDPBackend.MATH
+
+    def run(q, k, v):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+    return run
+
+
+def _flex(visible: torch.Tensor):
+    """FlexAttention with a block mask built from the same boolean matrix (compiled), or None where
+    the installed torch has no FlexAttention."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    n = visible.shape[0]
+    block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: visible[q_idx, kv_idx], None, None, n, n,
+                                   device=visible.device)
+    flex = torch.compile(flex_attention, dynamic=False)
+    return lambda q, k, v: flex(q, k, v, block_mask=block_mask)
+
+
+def mask_case(mask: str, mode: str, device: str = "cuda") -> Case:
+    """One packed row under ``mask``: ours, SDPA with the explicit mask, FlexAttention's block mask."""
+    lengths = _documents(device)
+    n, d = sum(lengths), (128 if device == "cuda" else 32)
+    heads = WIDTH // d if device == "cuda" else 2
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    pairs, visible = _mask_pairs(mask, device)
+    make_inputs = attention_inputs(1, heads, n, d, dtype, device)
+    providers = {"fused_remat": pass_provider(_ours(mask, lengths), mode, make_inputs),
+                 "sdpa-explicit-mask": pass_provider(_sdpa_with_mask(visible), mode, make_inputs)}
+    flex = _flex(visible) if device == "cuda" else None
+    if flex is not None:
+        providers["flex-attention"] = pass_provider(flex, mode, make_inputs)
+    forward = 4.0 * heads * d * pairs
+    work = {"fwd": forward, "bwd": ATTENTION_BACKWARD_FACTOR * forward,
+            "fwd+bwd": (1 + ATTENTION_BACKWARD_FACTOR) * forward}[mode]
+    return Case(
+        suite="attention", name=f"attention {mode} d{d} {mask} N{n}",
+        params={"mode": mode, "batch": 1, "heads": heads, "n": n, "d": d, "causal": True, "mask": mask,
+                "dtype": dtype_name(dtype)},
+        providers=providers, unit="TFLOP/s", work=work, ceiling="matmul",
+    )
+
+
 def cases(quick: bool, device: str = "cuda") -> list[Case]:
-    """Speed cases: one per (mode, head dim, causal, N)."""
-    return [case(*point, device=device) for point in grid(quick, device)]
+    """Speed cases: one per (mode, head dim, causal, N), then the masks of real batches per mode."""
+    dense = [case(*point, device=device) for point in grid(quick, device)]
+    return dense + [mask_case(mask, mode, device) for mask in MASKS for mode in MODES]
 
 
 def plots(folder, results, ceilings):
     """TFLOP/s against N per (mode, head dim, causal), with the measured bf16 matmul rate."""
     from bench.report import plot
 
-    plot(folder, "attention", "attention TFLOP/s (higher is better), bf16, B x N = 16k tokens", results, x_key="n",
+    dense = [r for r in results if "mask" not in r.params]  # the mask cases are one length each: table only
+    plot(folder, "attention", "attention TFLOP/s (higher is better), bf16, B x N = 16k tokens", dense, x_key="n",
          group_keys=("mode", "d", "causal"), value=lambda r: r.metric, ylabel="TFLOP/s",
          ceiling=ceilings.get("bf16_matmul_TFLOPs"))
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_masks_agree_with_the_explicit_mask_on_cpu(mask, triton_backend):
+    """The mask cases' providers compute the same attention (so their timings compare like with like)."""
+    if compiled_triton():
+        pytest.skip("the GPU cases cover this")
+    built = mask_case(mask, "fwd", device="cpu")
+    q, k, v = (torch.randn(1, 2, sum(_documents("cpu")), 32) for _ in range(3))
+    ours = _ours(mask, _documents("cpu"))(q, k, v)
+    torch.testing.assert_close(ours, _sdpa_with_mask(_mask_pairs(mask, "cpu")[1])(q, k, v), rtol=1e-5, atol=1e-5)
+    assert set(built.providers) == {"fused_remat", "sdpa-explicit-mask"}
 
 
 def test_smoke_on_cpu(benchmark, triton_backend):
     """Our kernels through the interpreter on a tiny case (forward and backward)."""
     if compiled_triton():
         pytest.skip("the GPU cases cover this")
-    fns = {built.params["mode"]: built.providers["fused_remat"]() for built in cases(quick=True, device="cpu")}
+    fns = {built.params["mode"]: built.providers["fused_remat"]()
+           for built in cases(quick=True, device="cpu") if "mask" not in built.params}
     out = benchmark(fns["fwd+bwd"])
     assert all(torch.isfinite(g).all() for g in out)
     assert torch.isfinite(fns["fwd"]()).all()
@@ -87,6 +195,13 @@ def test_smoke_on_cpu(benchmark, triton_backend):
 @pytest.mark.gpu  # conftest.py skips it without a CUDA device and compiled Triton
 def test_gpu(point, provider, benchmark):
     pytest_benchmark_case(benchmark, case(*point), provider)
+
+
+@pytest.mark.parametrize("provider", ["fused_remat", "sdpa-explicit-mask"])
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.gpu
+def test_gpu_masks(mask, provider, benchmark):
+    pytest_benchmark_case(benchmark, mask_case(mask, "fwd+bwd"), provider)
 
 
 SUITE = Suite("attention", cases, plots)
