@@ -48,11 +48,14 @@ class _Attention(torch.autograd.Function):
 
 
 class _VarlenAttention(torch.autograd.Function):
+    """cu_seqlens_k None: the keys' offsets are the queries' (torch.compile cannot trace a Function
+    given one tensor twice, and self-attention passes the same offsets for both)."""
+
     @staticmethod
     def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                 scale: float, window: list[int], softcap: float):
-        return custom_ops.attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                               causal, scale, window, softcap)
+        return custom_ops.attention_varlen_fwd(q, k, v, cu_seqlens_q, _key_offsets(cu_seqlens_q, cu_seqlens_k),
+                                               max_seqlen_q, max_seqlen_k, causal, scale, window, softcap)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -60,7 +63,7 @@ class _VarlenAttention(torch.autograd.Function):
         o, lse = output
         # Everything kept for backward, in one place: q, k, v, o, the fp32 log-sum-exp (Hq, total_q)
         # and the document offsets (int32, documents + 1 each).
-        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, _key_offsets(cu_seqlens_q, cu_seqlens_k))
         ctx.mask = (max_seqlen_q, max_seqlen_k, causal, scale, window, softcap)
         ctx.set_materialize_grads(False)
 
@@ -75,6 +78,10 @@ class _VarlenAttention(torch.autograd.Function):
         dq, dk, dv = custom_ops.attention_varlen_bwd(do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k,
                                                      *ctx.mask)
         return custom_ops.first_order_only(_VARLEN_OP, dq, dk, dv, *nothing)
+
+
+def _key_offsets(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None) -> torch.Tensor:
+    return cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
 
 
 def attention(
@@ -158,7 +165,8 @@ def attention_varlen(
     softcap = check_softcap(_VARLEN_OP, softcap)
     causal = bool(causal)
     if use_triton(_VARLEN_OP, q.device):
-        o, lse = _VarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+        key_offsets = None if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k
+        o, lse = _VarlenAttention.apply(q, k, v, cu_seqlens_q, key_offsets, int(max_seqlen_q), int(max_seqlen_k),
                                         causal, scale, list(window), softcap)
     else:
         o, lse = reference.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

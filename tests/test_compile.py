@@ -34,18 +34,25 @@ def _op_cases(device):
     q, k, v = _leaves(device, (2, HEADS, 7, 16), (2, KV_HEADS, 7, 16), (2, KV_HEADS, 7, 16))
     hidden, head = _leaves(device, (2, 6, DIM), (50, DIM))
     targets = torch.randint(0, 50, (2, 6), device=device)
+    offsets = torch.tensor([0, 6, 6, 14], dtype=torch.int32, device=device)
     return {
         "layer_norm": (lambda x, w, b: fused_remat.layer_norm(x, w, b), (x, w, b)),
         "rms_norm": (lambda x, w: fused_remat.rms_norm(x, w), (x, w)),
         "gelu": (lambda x: fused_remat.gelu(x, "tanh"), (x,)),
         "swiglu": (fused_remat.swiglu, (x, x.detach().clone().requires_grad_())),
         "attention": (lambda q, k, v: fused_remat.attention(q, k, v, causal=True, return_lse=True), (q, k, v)),
+        "attention_window_softcap": (lambda q, k, v: fused_remat.attention(q, k, v, window=(3, 1), softcap=4.0),
+                                     (q, k, v)),
+        # under compile the offsets are not read on the host: their checks need eager mode
+        "attention_varlen": (lambda q, k, v: fused_remat.attention_varlen(q, k, v, offsets, offsets, 8, 8, causal=True),
+                             _leaves(device, (14, HEADS, 16), (14, KV_HEADS, 16), (14, KV_HEADS, 16))),
         "linear_cross_entropy": (lambda h, w: fused_remat.linear_cross_entropy(h, w, targets, chunk_tokens=5),
                                  (hidden, head)),
     }
 
 
-OPS = ("layer_norm", "rms_norm", "gelu", "swiglu", "attention", "linear_cross_entropy")
+OPS = ("layer_norm", "rms_norm", "gelu", "swiglu", "attention", "attention_window_softcap", "attention_varlen",
+       "linear_cross_entropy")
 
 
 def _run(fn, inputs):
