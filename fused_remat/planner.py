@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from .block import TransformerBlock, block_widths
-from .flops import ATTENTION_BACKWARD_FACTOR, attention_flops
+from .flops import ATTENTION_BACKWARD_FACTOR, attention_flops, visible_pairs
 from .model import ModelConfig
 from .remat import Remat, kept_bytes_per_token
 
@@ -84,31 +84,45 @@ def head_bytes(config: ModelConfig, tokens: int, precision: Precision) -> int:
     return tokens * per_token + _FP32 * config.vocab_size * config.dim + _FP32
 
 
-def layer_step_flops(config: ModelConfig, batch: int, seq_len: int) -> tuple[float, float, float]:
+def layer_step_flops(config: ModelConfig, batch: int, seq_len: int,
+                     attention_pairs: float | None = None) -> tuple[float, float, float]:
     """(forward FLOPs up to fc1, forward FLOPs, FLOPs of one training step) of one layer.
 
     Matmuls cost 2 FLOPs per multiply-add forward and twice that backward; attention is
-    4 B H N^2 D forward (half, causal) and 2.5x that backward (docs/design.md)."""
-    projections, attention, fc2 = _forward_parts(config, batch, seq_len)
+    4 B H N^2 D forward (half, causal) and 2.5x that backward (docs/design.md); with masks, 4 H D
+    per visible (query, key) pair (``_forward_parts``)."""
+    projections, attention, fc2 = _forward_parts(config, batch, seq_len, attention_pairs)
     forward = projections + fc2 + attention
     return projections + attention, forward, 3 * (projections + fc2) + (1 + ATTENTION_BACKWARD_FACTOR) * attention
 
 
-def _forward_parts(config: ModelConfig, batch: int, seq_len: int) -> tuple[float, float, float]:
-    """One layer's forward FLOPs: (the projections up to fc1, attention, fc2)."""
+def _forward_parts(config: ModelConfig, batch: int, seq_len: int,
+                   attention_pairs: float | None = None) -> tuple[float, float, float]:
+    """One layer's forward FLOPs: (the projections up to fc1, attention, fc2).
+
+    Masks shrink attention's work, not the bytes a policy keeps: ``attention_pairs`` is the
+    visible (query, key) pairs of one sequence (packed documents: the sum of n_i (n_i + 1) / 2 over
+    a row's documents, ``visible_pairs`` per document); None counts the causal mask of the whole
+    row, under the model's window where it has one."""
     widths = _widths(config)
     tokens = batch * seq_len
+    head_dim = config.dim // config.n_heads
     projections = 2 * tokens * config.dim * (widths["qkv"] + widths["dim"] + widths["pre_activation"])
-    attention = attention_flops(batch, config.n_heads, seq_len, seq_len, config.dim // config.n_heads, causal=True)
+    if attention_pairs is None and config.window == (-1, -1):
+        attention = attention_flops(batch, config.n_heads, seq_len, seq_len, head_dim, causal=True)
+    else:
+        pairs = visible_pairs(seq_len, seq_len, True, config.window) if attention_pairs is None else attention_pairs
+        attention = 4.0 * batch * config.n_heads * head_dim * pairs
     return projections, attention, 2 * tokens * widths["ffn"] * config.dim
 
 
-def replay_flops(config: ModelConfig, batch: int, seq_len: int, policy: Remat) -> float:
+def replay_flops(config: ModelConfig, batch: int, seq_len: int, policy: Remat,
+                 attention_pairs: float | None = None) -> float:
     """What ``policy``'s backward replays of one layer's forward: nothing, the projections up to
     fc1, or those and attention."""
     if not policy.replays:
         return 0.0
-    projections, attention, _ = _forward_parts(config, batch, seq_len)
+    projections, attention, _ = _forward_parts(config, batch, seq_len, attention_pairs)
     return projections + (attention if policy.replays_attention else 0.0)
 
 
@@ -128,13 +142,16 @@ def copy_seconds(config: ModelConfig, batch: int, seq_len: int, precision: Preci
 
 def flop_policy_costs(config: ModelConfig, batch: int, seq_len: int, precision: Precision | None = None,
                       host_bandwidth: float = ASSUMED_HOST_BANDWIDTH,
-                      device_flops: float = ASSUMED_DEVICE_FLOPS) -> dict[Remat, float]:
+                      device_flops: float = ASSUMED_DEVICE_FLOPS,
+                      attention_pairs: float | None = None) -> dict[Remat, float]:
     """Extra compute of each policy as a fraction of the layer's training step (FLOP model); for
     ``offload``, seconds from the FLOPs at ``device_flops`` against copies at ``host_bandwidth``
-    (both assumptions unless measured; bf16 autocast over fp32 weights unless ``precision``)."""
+    (both assumptions unless measured; bf16 autocast over fp32 weights unless ``precision``).
+    ``attention_pairs`` as in ``_forward_parts``: packed documents make attention, and so its
+    replay, cheaper against the projections."""
     precision = Precision(torch.float32, torch.bfloat16) if precision is None else precision
-    _, forward, step = layer_step_flops(config, batch, seq_len)
-    costs = {policy: replay_flops(config, batch, seq_len, policy) / step for policy in Remat}
+    _, forward, step = layer_step_flops(config, batch, seq_len, attention_pairs)
+    costs = {policy: replay_flops(config, batch, seq_len, policy, attention_pairs) / step for policy in Remat}
     copy = copy_seconds(config, batch, seq_len, precision, host_bandwidth)
     costs[Remat.OFFLOAD] = offload_cost(costs[Remat.FULL], step / device_flops, forward / device_flops, copy)
     return costs
@@ -241,13 +258,15 @@ def _mib(nbytes: int) -> str:
 
 def plan_remat(config: ModelConfig, batch: int, seq_len: int, precision: Precision, budget: int | None,
                costs: dict[Remat, float] | None = None, cost_source: str = "FLOP model",
-               candidates: tuple[Remat, ...] = PLANNED_POLICIES, owner: str = "budget") -> RematPlan:
+               candidates: tuple[Remat, ...] = PLANNED_POLICIES, owner: str = "budget",
+               attention_pairs: float | None = None) -> RematPlan:
     """The per-layer policies with the least extra compute whose predicted activation bytes (layers
     plus the embedding, final norm and loss) stay within ``budget``; ``budget=None`` plans the
     cheapest policies outright. Raises ValueError naming ``owner`` (the budget's argument or flag)
-    when even the smallest plan does not fit."""
+    when even the smallest plan does not fit. ``attention_pairs``: see ``flop_policy_costs``."""
     tokens = batch * seq_len
-    costs = flop_policy_costs(config, batch, seq_len, precision) if costs is None else costs
+    if costs is None:
+        costs = flop_policy_costs(config, batch, seq_len, precision, attention_pairs=attention_pairs)
     per_layer = {p: layer_bytes_per_token(config, p, precision) * tokens for p in candidates}
     fixed = head_bytes(config, tokens, precision)
     layers = config.n_layers
@@ -276,7 +295,8 @@ def explain_policies(config: ModelConfig, batch: int, seq_len: int, precision: P
                      budget: int | None = None) -> RematPlan:
     """The plan table for given per-layer policies: predicted bytes and extra compute of each."""
     tokens = batch * seq_len
-    costs = flop_policy_costs(config, batch, seq_len, precision) if costs is None else costs
+    if costs is None:
+        costs = flop_policy_costs(config, batch, seq_len, precision, attention_pairs=attention_pairs)
     layer_flops = layer_step_flops(config, batch, seq_len)[2]
     step = config.n_layers * layer_flops + 6 * tokens * config.dim * config.vocab_size
     return RematPlan(

@@ -307,3 +307,21 @@ def test_model_config_window_and_softcap_reach_every_layer():
     assert all(block.window == (16, 0) and block.softcap == 30.0 for block in model.blocks)
     with pytest.raises(ValueError, match="ModelConfig: window must be a pair"):
         ModelConfig(window=(1, 2, 3))
+
+
+def test_masks_shrink_the_planned_attention_work_not_the_bytes():
+    """A window or packed documents cut attention's FLOPs (and so what replaying it costs), while
+    the bytes a policy keeps stay those of the contract."""
+    from fused_remat.flops import visible_pairs
+    from fused_remat.planner import flop_policy_costs, layer_bytes_per_token, layer_step_flops
+
+    seq = 4096
+    dense = flop_policy_costs(CONFIG, 2, seq)
+    documents = flop_policy_costs(CONFIG, 2, seq, attention_pairs=4 * visible_pairs(1024, 1024, True))
+    windowed = dataclasses.replace(CONFIG, window=(255, 0))
+    assert documents[Remat.FULL] < dense[Remat.FULL] and documents[Remat.SELECTIVE] > dense[Remat.SELECTIVE]
+    assert flop_policy_costs(windowed, 2, seq)[Remat.FULL] < dense[Remat.FULL]
+    _, _, step = layer_step_flops(windowed, 2, seq)
+    assert step == layer_step_flops(CONFIG, 2, seq, attention_pairs=visible_pairs(seq, seq, True, (255, 0)))[2]
+    for policy in Remat:
+        assert layer_bytes_per_token(windowed, policy, FP32) == layer_bytes_per_token(CONFIG, policy, FP32)
