@@ -287,17 +287,18 @@ def plan_remat(config: ModelConfig, batch: int, seq_len: int, precision: Precisi
     # Most expensive policy first (``offload`` and ``full`` on the earliest layers), as the module docstring explains.
     order = sorted(zip(candidates, best[1]), key=lambda item: -costs[item[0]])
     policies = [p for p, n in order for _ in range(n)]
-    return explain_policies(config, batch, seq_len, precision, policies, costs, cost_source, budget)
+    return explain_policies(config, batch, seq_len, precision, policies, costs, cost_source, budget, attention_pairs)
 
 
 def explain_policies(config: ModelConfig, batch: int, seq_len: int, precision: Precision, policies: list[Remat],
                      costs: dict[Remat, float] | None = None, cost_source: str = "FLOP model",
-                     budget: int | None = None) -> RematPlan:
-    """The plan table for given per-layer policies: predicted bytes and extra compute of each."""
+                     budget: int | None = None, attention_pairs: float | None = None) -> RematPlan:
+    """The plan table for given per-layer policies: predicted bytes and extra compute of each
+    (``attention_pairs``: see ``flop_policy_costs``)."""
     tokens = batch * seq_len
     if costs is None:
         costs = flop_policy_costs(config, batch, seq_len, precision, attention_pairs=attention_pairs)
-    layer_flops = layer_step_flops(config, batch, seq_len)[2]
+    layer_flops = layer_step_flops(config, batch, seq_len, attention_pairs)[2]
     step = config.n_layers * layer_flops + 6 * tokens * config.dim * config.vocab_size
     return RematPlan(
         policies=[Remat.parse(p, owner="policies") for p in policies], layer_bytes=[layer_bytes_per_token(config, p, precision) * tokens for p in policies],
