@@ -99,6 +99,21 @@ SPILLS = {
     (80, "fwd", (64, 32, 4)): [((256,), None, None)],
 }
 
+# Configurations that spill only under a mask of real batches (the WINDOW, SOFTCAP and VARLEN
+# constexprs: a window's bounds, the softcap's tanh factor, a document's bounds take registers),
+# from the same compiles of bench/static.py's VARIANTS (bf16, head dims 64 and 128, causal and not,
+# MHA and GQA on sm_90a, MHA on sm_80, Triton 3.9): (family, kernel, blocks) -> [(padded head dims,
+# the variants that spill)]. D 64 spilled under none; D 256 was not compiled for the variants.
+VARIANT_SPILLS = {
+    (90, "dkdv", (64, 128, 8)): [((128,), {"window", "softcap", "varlen"})],
+    (90, "dkdv", (32, 64, 4)): [((128,), {"window", "varlen"})],
+    (90, "dq", (128, 128, 8)): [((128,), {"softcap"})],
+    (80, "fwd", (128, 64, 8)): [((128,), {"window"})],
+    (80, "dq", (64, 32, 4)): [((128,), {"varlen"})],
+}
+# The constexpr that turns each variant on.
+VARIANT_FLAGS = {"window": "WINDOW", "softcap": "SOFTCAP", "varlen": "VARLEN"}
+
 # fp32 inputs take IEEE dots, which compile to FFMA loops, not tensor-core MMAs: every product of a
 # tile sits in registers, so fp32 gets one small tile per kernel and padded head dim (the entry of
 # the smallest key at or above it), chosen from ptxas -v over D 64/128/256, causal and not, MHA and
@@ -169,6 +184,13 @@ def spills(family: int, kernel: str, config, head_dim: int, causal, gqa) -> bool
                for dims, c, g, *versions in SPILLS.get((family, kernel, blocks), ()))
 
 
+def variant_spills(family: int, kernel: str, config, head_dim: int, variants: set[str]) -> bool:
+    """Whether VARIANT_SPILLS lists ``config`` as spilling under one of ``variants`` at this head dim."""
+    blocks = (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps)
+    return any(head_dim in dims and variants & spilling
+               for dims, spilling in VARIANT_SPILLS.get((family, kernel, blocks), ()))
+
+
 def fp32_config(kernel: str, head_dim: int):
     """The one configuration of ``kernel`` for fp32 inputs at this padded head dim (FP32_SHAPES)."""
     shapes = FP32_SHAPES[kernel]
@@ -178,7 +200,7 @@ def fp32_config(kernel: str, head_dim: int):
 def pruner(kernel: str):
     """The autotuner's early_config_prune for ``kernel``: the target family's list, within its
     shared memory, without the configurations SPILLS lists for this head dim, causality and GQA
-    (unknown ones count as spilling). Never empty: if every configuration spills, those that fit are
+    (unknown ones count as spilling) nor those VARIANT_SPILLS lists for the launch's masks. Never empty: if every configuration spills, those that fit are
     kept, and if none fits, the fp32 one (small enough for any head dim). fp32 (IEEE dots, a
     correctness path rather than a fast one) gets its one configuration of FP32_SHAPES."""
 
@@ -201,7 +223,9 @@ def pruner(kernel: str):
             if head_dim >= 256 and config.kwargs["BLOCK_N" if kernel == "dkdv" else "BLOCK_M"] >= 128 and config.num_warps < 8:
                 continue
             fitting.append(config)
-        keep = [c for c in fitting if not spills(family, kernel, c, head_dim, causal, gqa)]
+        variants = {name for name, flag in VARIANT_FLAGS.items() if args.get(flag)}
+        keep = [c for c in fitting if not spills(family, kernel, c, head_dim, causal, gqa)
+                and not variant_spills(family, kernel, c, head_dim, variants)]
         return keep or fitting or [fp32_config(kernel, head_dim)]
 
     return prune
@@ -213,6 +237,6 @@ KERNELS = ("fwd", "dq", "dkdv")
 CONFIGS = {k: make_configs(dict.fromkeys(SHAPES[k][90] + SHAPES[k][80])) for k in KERNELS}
 PRUNERS = {k: pruner(k) for k in KERNELS}
 
-__all__ = ["CONFIGS", "FP32_SHAPES", "INTERPRETER_CONFIG", "KERNELS", "PRUNERS", "RESIDENT_TILES", "SHAPES", "SMEM_LIMIT", "SPILLS", "TUNE_KEY",
-           "config_shape", "fp32_config", "make_configs", "pruner", "smem_estimate", "smem_limit", "spills",
+__all__ = ["CONFIGS", "FP32_SHAPES", "INTERPRETER_CONFIG", "KERNELS", "PRUNERS", "RESIDENT_TILES", "SHAPES", "SMEM_LIMIT", "SPILLS", "TUNE_KEY", "VARIANT_FLAGS", "VARIANT_SPILLS",
+           "config_shape", "fp32_config", "make_configs", "pruner", "smem_estimate", "smem_limit", "spills", "variant_spills",
            "target_family"]

@@ -81,7 +81,8 @@ VARIANT_CASES = [
     Case("attention_bwd", "bfloat16", 64, causal=True, config=(128, 64, 8, 3), dkdv_config=(32, 128, 8, 3),
          variant="softcap"),
     Case("attention_fwd", "bfloat16", 128, causal=True, config=(128, 128, 8, 3), variant="varlen"),
-    Case("attention_bwd", "bfloat16", 128, config=(128, 64, 8, 3), dkdv_config=(64, 128, 8, 2), variant="varlen"),
+    Case("attention_bwd", "bfloat16", 64, causal=True, config=(128, 64, 8, 3), dkdv_config=(32, 128, 8, 3),
+         variant="varlen"),
     Case("attention_bwd", "bfloat16", 128, causal=True, gqa=True, config=(128, 32, 8, 3), dkdv_config=(16, 128, 8, 3),
          variant="varlen"),
 ]
@@ -89,11 +90,12 @@ CI_PAIRS = ([(c, t) for c in CI_CASES for t in ("sm_90a", "sm_80")]
             + [(c, "sm_90a") for c in CI_SM90_CASES + VARIANT_CASES])
 
 
-def picked_configs(kernel: str, target: str, dtype: str, head_dim: int, causal: bool, gqa: bool) -> list[tuple]:
+def picked_configs(kernel: str, target: str, dtype: str, head_dim: int, causal: bool, gqa: bool,
+                   variant: str = "dense") -> list[tuple]:
     """The configurations the attention autotuner offers for ``kernel`` ("fwd", "dq", "dkdv") when
     compiling for ``target``: its prune function, run under bench/static.py's stand-in driver for
     that target (so it sees the target's compute capability), with the launch's head dim, causality
-    and GQA group. (BLOCK_M, BLOCK_N, num_warps, num_stages) each."""
+    and GQA group, and the ``variant``'s mask constexpr. (BLOCK_M, BLOCK_N, num_warps, num_stages) each."""
     import torch
 
     from bench.static import ARCHS, compiling_for
@@ -103,8 +105,9 @@ def picked_configs(kernel: str, target: str, dtype: str, head_dim: int, causal: 
     prune = attention_configs.PRUNERS[kernel]
     q = torch.empty(1, 1, 1, head_dim, device="meta", dtype=getattr(torch, dtype))
     with compiling_for(ARCHS[target]):
+        flags = {flag: name == variant for name, flag in attention_configs.VARIANT_FLAGS.items()}
         kept = prune(configs, {"Q": q, "GROUP": 4 if gqa else 1}, HEAD_DIM=max(16, 1 << (head_dim - 1).bit_length()),
-                     CAUSAL=causal)
+                     CAUSAL=causal, **flags)
     return [attention_configs.config_shape(c) for c in kept]
 
 
@@ -279,7 +282,8 @@ def test_ci_cases_are_picks():
         kernels = ("fwd",) if case.op == "attention_fwd" else ("dq", "dkdv")
         for kernel in kernels:
             config = case.dkdv_config if kernel == "dkdv" else case.config
-            assert config in picked_configs(kernel, target, case.dtype, case.head_dim, case.causal, case.gqa), \
+            assert config in picked_configs(kernel, target, case.dtype, case.head_dim, case.causal, case.gqa,
+                                            case.variant), \
                 f"{case.id} on {target}: {kernel} {config} is not among the autotuner's picks"
 
 
