@@ -1,4 +1,5 @@
-"""The training data pipeline: the stdlib corpus, text and .bin files, deterministic batches, errors."""
+"""The training data pipeline: the stdlib corpus, text and .bin files, deterministic batches, the
+documents batches carry, errors."""
 
 import array
 import sysconfig
@@ -8,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fused_remat.training.data import TokenData, check_token_ids, load_data, stdlib_split, train_batch, val_batches
+from fused_remat.training import data as data_module
+from fused_remat.training.data import (NO_DOCUMENTS, Batch, TokenData, check_token_ids, load_data, stdlib_split,
+                                       train_batch, val_batches)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +95,9 @@ def test_byte_data_accepts_a_larger_vocab_but_not_a_smaller_one(tmp_path):
 
 def test_batches_are_windows_with_targets_shifted_by_one(tmp_path):
     data = _counting_bin(tmp_path, 5000)
-    inputs, targets = train_batch(data, step=3, micro_step=0, rank=0, batch_size=6, seq_len=32, seed=0)
+    batch = train_batch(data, step=3, micro_step=0, rank=0, batch_size=6, seq_len=32, seed=0)
+    inputs, targets = batch.inputs, batch.targets
+    assert batch.cu_seqlens is None and batch.max_seqlen is None  # a .bin marks no documents by itself
     assert inputs.shape == targets.shape == (6, 32)
     assert inputs.dtype == targets.dtype == torch.int64
     assert inputs.is_contiguous() and targets.is_contiguous()
@@ -110,9 +115,10 @@ def test_train_batch_is_a_pure_function_of_seed_step_micro_step_rank(stdlib_data
     torch.manual_seed(99)  # the global RNG must not matter (a resumed run reseeds it differently)
     batch(step=3)
     again = batch()
-    assert torch.equal(again[0], reference[0]) and torch.equal(again[1], reference[1])
+    assert torch.equal(again.inputs, reference.inputs) and torch.equal(again.targets, reference.targets)
+    assert torch.equal(again.cu_seqlens, reference.cu_seqlens)
     for other in (batch(step=8), batch(micro_step=2), batch(rank=1), batch(seed=1235)):
-        assert not torch.equal(other[0], reference[0])
+        assert not torch.equal(other.inputs, reference.inputs)
 
 
 def test_val_batches_are_fixed_by_the_seed_and_come_from_the_val_split(tmp_path):
@@ -120,19 +126,132 @@ def test_val_batches_are_fixed_by_the_seed_and_come_from_the_val_split(tmp_path)
     first = list(val_batches(data, n_batches=3, batch_size=4, seq_len=16, seed=5))
     second = list(val_batches(data, n_batches=3, batch_size=4, seq_len=16, seed=5))
     assert len(first) == 3
-    for (x1, y1), (x2, y2) in zip(first, second):
-        assert torch.equal(x1, x2) and torch.equal(y1, y2)
-        assert x1.shape == (4, 16) and torch.equal(y1, x1 + 1)
-        assert int(x1.min()) >= data.train.numel()  # token i sits at position i: all in the tail
-    assert not torch.equal(first[0][0], first[1][0])
+    for one, two in zip(first, second):
+        assert torch.equal(one.inputs, two.inputs) and torch.equal(one.targets, two.targets)
+        assert one.inputs.shape == (4, 16) and torch.equal(one.targets, one.inputs + 1)
+        assert int(one.inputs.min()) >= data.train.numel()  # token i sits at position i: all in the tail
+    assert not torch.equal(first[0].inputs, first[1].inputs)
     other_seed = next(val_batches(data, n_batches=1, batch_size=4, seq_len=16, seed=6))
-    assert not torch.equal(other_seed[0], first[0][0])
+    assert not torch.equal(other_seed.inputs, first[0].inputs)
 
 
 def test_a_split_exactly_one_sequence_long_works(tmp_path):
     data = _counting_bin(tmp_path, 100)  # val is the last 10 tokens
-    inputs, targets = next(val_batches(data, n_batches=1, batch_size=2, seq_len=9, seed=0))
-    assert torch.equal(inputs[0], torch.arange(90, 99)) and torch.equal(targets[1], torch.arange(91, 100))
+    batch = next(val_batches(data, n_batches=1, batch_size=2, seq_len=9, seed=0))
+    assert torch.equal(batch.inputs[0], torch.arange(90, 99)) and torch.equal(batch.targets[1], torch.arange(91, 100))
+
+
+# --- documents ---------------------------------------------------------------------------------
+
+
+def _check_offsets(batch: Batch) -> list[int]:
+    """``batch``'s cu_seqlens as a list, after checking what the model needs of them."""
+    rows, seq_len = batch.inputs.shape
+    offsets = batch.cu_seqlens.tolist()
+    assert batch.cu_seqlens.dtype == torch.int32 and batch.cu_seqlens.dim() == 1
+    assert offsets[0] == 0 and offsets[-1] == rows * seq_len
+    assert all(a < b for a, b in zip(offsets, offsets[1:]))  # increasing: no empty segment either
+    assert {row * seq_len for row in range(rows)} <= set(offsets)  # no segment crosses rows
+    assert batch.max_seqlen == max(b - a for a, b in zip(offsets, offsets[1:]))
+    return offsets
+
+
+def _old_cut(tokens: torch.Tensor, generator: torch.Generator, batch_size: int, seq_len: int):
+    """The batch as it was cut before batches carried documents."""
+    offsets = torch.randint(0, tokens.numel() - seq_len, (batch_size,), generator=generator)
+    windows = torch.stack([tokens[o : o + seq_len + 1].to(torch.int64) for o in offsets.tolist()])
+    return windows[:, :-1], windows[:, 1:]
+
+
+def test_stdlib_documents_start_at_its_files(stdlib_data):
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for split, starts, files in ((stdlib_data.train, stdlib_data.train_document_starts, stdlib_split()[0]),
+                                 (stdlib_data.val, stdlib_data.val_document_starts, stdlib_split()[1])):
+        sizes = [(root / p).stat().st_size for p in files]
+        expected = [sum(sizes[:i]) + i for i in range(len(files))]  # each file follows a b"\n"
+        assert starts.dtype == torch.int64 and starts.tolist() == expected
+        assert bytes(split[starts[-1] :]) == (root / files[-1]).read_bytes()
+    assert stdlib_data.documents == "each source file"
+
+
+def test_documents_leave_the_tokens_as_they_were_cut_before(stdlib_data):
+    whole_rows = load_data(None, document_boundary=NO_DOCUMENTS)
+    assert whole_rows.documents == NO_DOCUMENTS and whole_rows.description == stdlib_data.description
+    batch_size, seq_len, crossing = 8, 2048, 0
+    for step in range(3):
+        batch = train_batch(stdlib_data, step, 1, 2, batch_size, seq_len, seed=11)
+        generator = data_module._seeded_generator("train", 11, step, 1, 2)
+        inputs, targets = _old_cut(stdlib_data.train, generator, batch_size, seq_len)
+        assert torch.equal(batch.inputs, inputs) and torch.equal(batch.targets, targets)
+        crossing += len(_check_offsets(batch)) - 1 - batch_size
+        plain = train_batch(whole_rows, step, 1, 2, batch_size, seq_len, seed=11)
+        assert torch.equal(plain.inputs, inputs) and plain.cu_seqlens is None and plain.max_seqlen is None
+    assert crossing > 0  # most stdlib files are shorter than 2048 bytes: some rows hold several
+    validation = next(val_batches(stdlib_data, 1, batch_size, seq_len, seed=11))
+    inputs, _ = _old_cut(stdlib_data.val, data_module._seeded_generator("val", 11, 0), batch_size, seq_len)
+    assert torch.equal(validation.inputs, inputs)
+    _check_offsets(validation)
+
+
+def test_known_document_starts_cut_each_row_where_a_document_begins_in_it():
+    tokens = torch.arange(1000, dtype=torch.int32).to(torch.uint16)  # token i at position i shows the offset
+    starts = torch.tensor([0, 100, 101, 250, 600, 990])
+    data = TokenData(tokens, tokens, 1000, "counting", "counting train", "counting val", starts, starts)
+    batch = train_batch(data, 0, 0, 0, batch_size=16, seq_len=120, seed=3)
+    offsets = _check_offsets(batch)
+    expected = [0]
+    for row, first in enumerate(batch.inputs[:, 0].tolist()):
+        expected += [row * 120 + s - first for s in starts.tolist() if first < s < first + 120] + [(row + 1) * 120]
+    assert offsets == expected
+
+
+def test_bin_documents_begin_at_the_boundary_token_and_at_every_row(tmp_path):
+    boundary = 5
+    _write_tokens(tmp_path / "train.bin", [(i * 7) % 13 for i in range(3000)])
+    _write_tokens(tmp_path / "val.bin", [5, 1, 2, 5, 3, 5, 4, 4, 4])  # one window: seq_len 8 + 1 target
+    data = load_data(tmp_path / "train.bin", vocab_size=13, document_boundary=boundary)
+    assert data.documents == "each token 5"
+    batch = next(val_batches(data, n_batches=1, batch_size=2, seq_len=8, seed=0))
+    # Documents begin at the boundary tokens (positions 0, 3, 5) and at each row's start.
+    assert batch.cu_seqlens.tolist() == [0, 3, 5, 8, 11, 13, 16] and batch.max_seqlen == 3
+
+    batch = train_batch(data, 4, 0, 0, batch_size=4, seq_len=40, seed=0)
+    expected = [row * 40 + column for row, tokens in enumerate(batch.inputs.tolist())
+                for column, token in enumerate(tokens) if column == 0 or token == boundary]
+    assert _check_offsets(batch) == expected + [4 * 40]
+    assert len(expected) > 4
+
+
+def test_text_documents_begin_at_the_boundary_byte(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_bytes(b"".join(b"|document %d says hello" % i for i in range(200)))
+    data = load_data(text, document_boundary=ord("|"))
+    batch = train_batch(data, 0, 0, 0, batch_size=3, seq_len=64, seed=0)
+    offsets = _check_offsets(batch)
+    for row in range(3):
+        cuts = [offset - row * 64 for offset in offsets if row * 64 < offset < (row + 1) * 64]
+        assert cuts == [column for column in range(1, 64) if batch.inputs[row, column] == ord("|")] and cuts
+
+
+def test_causal_attention_pairs_count_each_segment():
+    inputs = torch.zeros(2, 4, dtype=torch.int64)
+    assert Batch(inputs, inputs).causal_attention_pairs() == 2 * 10
+    offsets = torch.tensor([0, 1, 4, 6, 8], dtype=torch.int32)
+    assert Batch(inputs, inputs, offsets, 3).causal_attention_pairs() == 1 + 6 + 3 + 3
+
+
+@pytest.mark.parametrize("source, boundary, message", [
+    (None, 10, "--document-boundary 10: the default corpus's documents are its source files"),
+    ("tokens.bin", 1000, "--document-boundary 1,000 is not a token id: --vocab-size is 1,000"),
+    ("notes.txt", 256, "--document-boundary 256: text is read as bytes, so a boundary is a byte value 0..255"),
+    ("tokens.bin", -1, "--document-boundary must be a token id >= 0 or none, got -1"),
+])
+def test_a_boundary_that_cannot_occur_is_refused(tmp_path, source, boundary, message):
+    _write_tokens(tmp_path / "tokens.bin", range(1000))
+    (tmp_path / "notes.txt").write_text("some text\n" * 100)
+    with pytest.raises(ValueError, match=message):
+        load_data(None if source is None else tmp_path / source, vocab_size=1000 if source == "tokens.bin" else None,
+                  document_boundary=boundary)
 
 
 # --- text files --------------------------------------------------------------------------------
@@ -195,8 +314,7 @@ def test_bin_uses_uint32_ids_above_65536(tmp_path):
     data = load_data(_write_tokens(tmp_path / "big_vocab.bin", tokens, typecode="I"), vocab_size=100_000)
     assert data.train.dtype == torch.uint32
     assert data.train.to(torch.int64).tolist() + data.val.to(torch.int64).tolist() == tokens
-    inputs, _ = train_batch(data, 0, 0, 0, batch_size=2, seq_len=8, seed=0)
-    assert int(inputs.min()) >= 70_000
+    assert int(train_batch(data, 0, 0, 0, batch_size=2, seq_len=8, seed=0).inputs.min()) >= 70_000
 
 
 def test_token_id_out_of_vocab_is_found_when_loading_with_file_and_offset(tmp_path):

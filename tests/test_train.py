@@ -1,6 +1,6 @@
 """The training CLI on CPU: it learns and resumes bit for bit on our kernels (Triton's interpreter),
-its checkpoints survive interrupted writes, bad input gets a clear error, and it runs under torchrun
-with DDP and FSDP2 (gloo, two processes). Tests that are not about the kernels run the reference
+attends within documents, its checkpoints survive interrupted writes, bad input gets a clear error,
+and it runs under torchrun with DDP and FSDP2 (gloo, two processes). Tests that are not about the kernels run the reference
 backend; the failure paths are in test_train_failures.py."""
 
 import json
@@ -19,7 +19,9 @@ from fused_remat.training import checkpoint as checkpoints
 from fused_remat.training import cli, loop
 from fused_remat.training.checkpoint import CheckpointError, CheckpointWriteError, load_checkpoint, save_checkpoint
 from fused_remat.training.config import TrainConfig, parse_size
-from fused_remat.model import preset
+from fused_remat.training.data import Batch
+from fused_remat.training.step import batch_loss
+from fused_remat.model import LanguageModel, preset
 from fused_remat.planner import Precision, explain_policies
 from fused_remat.remat import Remat
 
@@ -103,6 +105,66 @@ def test_resume_continues_bit_for_bit(tmp_path, monkeypatch, triton_backend):
     assert all(torch.equal(ours["model"][name], theirs["model"][name]) for name in theirs["model"])
 
 
+def test_document_masking_on_the_default_corpus_resumes_bit_for_bit(tmp_path, monkeypatch, capsys):
+    common = [*SHORT, "--steps", "3", "--eval-interval", "3", "--warmup", "1"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert cli.main([*common, "--out", str(whole)]) == 0
+    assert "document masking on (a document begins at each source file)" in capsys.readouterr().out
+
+    with monkeypatch.context() as patch:
+        patch.setattr(loop, "StopRequest", _StopAt(1))
+        assert cli.main([*common, "--out", str(split)]) == 130
+    # Masking decides the trajectory: a resumed run must keep it.
+    assert cli.main([*common, "--out", str(split), "--resume", "--document-boundary", "none"]) == 2
+    assert "documents: checkpoint has 'each source file', this run has 'none'" in capsys.readouterr().err
+    assert cli.main([*common, "--out", str(split), "--resume"]) == 0
+
+    assert _trajectory(split) == _trajectory(whole)
+    ours, theirs = (load_checkpoint(out / "checkpoint.pt", {}) for out in (split, whole))
+    assert all(torch.equal(ours["model"][name], theirs["model"][name]) for name in theirs["model"])
+
+
+def test_a_boundary_token_keeps_attention_within_documents(tmp_path, capsys):
+    tokens = torch.randint(1, 1000, (5000,), dtype=torch.int32)
+    tokens[::9] = 0  # the boundary token begins a document every 9 tokens
+    (tmp_path / "tokens.bin").write_bytes(tokens.to(torch.uint16).numpy().tobytes())
+    data = [*SHORT, "--steps", "1", "--data", str(tmp_path / "tokens.bin"), "--vocab-size", "1000"]
+    assert cli.main([*data, "--document-boundary", "0", "--out", str(tmp_path / "masked")]) == 0
+    banner = capsys.readouterr().out
+    assert "document masking on (a document begins at each token 0)" in banner
+    ratio = float(banner.split("instead of 1,056, ")[1].split("x the work")[0])  # 2 rows x 32 x 33 / 2 pairs
+    assert 0.1 < ratio < 0.5
+    assert cli.main([*data, "--out", str(tmp_path / "whole")]) == 0
+    assert "document masking off" in capsys.readouterr().out
+    masked, whole = (_metrics(tmp_path / name)[0]["loss"] for name in ("masked", "whole"))
+    assert masked != whole
+
+
+def test_a_step_attends_within_the_documents_of_its_batch():
+    model = LanguageModel(preset("tiny"))
+    inputs, targets = torch.randint(0, 256, (2, 2, 16)).unbind()
+    documents = torch.tensor([0, 5, 16, 20, 32], dtype=torch.int32)
+    expected = model(inputs, targets, cu_seqlens=documents, max_seqlen=12)
+    assert torch.equal(batch_loss(model, Batch(inputs, targets, documents, 12)), expected)
+    assert torch.equal(batch_loss(model, (inputs, targets)), model(inputs, targets))
+    assert not torch.equal(model(inputs, targets), expected)
+
+
+def test_document_masking_is_on_where_the_data_marks_documents_and_refused_with_context_parallel():
+    assert TrainConfig.build("cpu").document_masking
+    assert not TrainConfig.build("cpu", document_boundary="none").document_masking
+    assert not TrainConfig.build("cpu", data="tokens.bin").document_masking
+    marked = TrainConfig.build("cpu", data="tokens.bin", document_boundary="50256")
+    assert marked.document_masking and marked.document_boundary == 50256
+    with pytest.raises(ValueError, match=r"^--context-parallel 2 cannot keep attention within documents .*the "
+                                         r"default corpus's files .*pass --document-boundary none"):
+        TrainConfig.build("cpu", seq_len=32, context_parallel=2)
+    with pytest.raises(ValueError, match="--context-parallel 2 .*--document-boundary 7 marks documents"):
+        TrainConfig.build("cpu", seq_len=32, context_parallel=2, data="tokens.bin", document_boundary="7")
+    for unmasked in (dict(document_boundary="none"), dict(data="tokens.bin"), dict(find_max_seq_len=True)):
+        assert TrainConfig.build("cpu", seq_len=32, context_parallel=2, **unmasked).context_parallel == 2
+
+
 def test_ctrl_c_checkpoints_and_exits(tmp_path):
     out = tmp_path / "run"
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -182,6 +244,8 @@ def test_corrupt_and_mismatched_checkpoints_are_refused_without_touching_the_run
     (["--remat", "lazy"], "--remat must be one of"),
     (["--remat", "cheap,full,full"], "--remat: got 3 policies for 2 layers"),
     (["--block", "reference", "--remat", "cheap"], "--remat must be one of none, full, got 'cheap'"),
+    (["--document-boundary", "eos"], "--document-boundary must be a token id (an integer >= 0) or none, got 'eos'"),
+    (["--context-parallel", "2"], "--context-parallel 2 cannot keep attention within documents"),
 ])
 def test_bad_arguments_exit_with_a_usage_error(arguments, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -192,6 +256,7 @@ def test_bad_arguments_exit_with_a_usage_error(arguments, message, tmp_path, cap
 
 @pytest.mark.parametrize("arguments,message", [
     (["--data", "no/such/file.txt"], "--data"),
+    (["--document-boundary", "10"], "--document-boundary 10: the default corpus's documents are its source files"),
     (["--remat", "auto"], "--memory-budget"),
     (["--remat", "auto", "--memory-budget", "1KiB"], "--memory-budget: 0.0 MiB is below"),
     (["--resume"], "no checkpoint"),
@@ -274,7 +339,7 @@ def test_remat_is_parsed_once_into_policies_per_layer():
 def test_python_m_fused_remat_training_is_the_same_cli():
     shown = [subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, check=True).stdout
              for module in ("fused_remat.train", "fused_remat.training")]
-    assert shown[0] == shown[1] and "--find-max-seq-len" in shown[0]
+    assert shown[0] == shown[1] and "--find-max-seq-len" in shown[0] and "--document-boundary TOKEN_ID|none" in shown[0]
 
 
 def test_find_max_seq_len_on_cpu_ranks_the_policies(tmp_path, capsys, triton_backend):

@@ -2,7 +2,7 @@
 
     python -m fused_remat.train                                  # a short run on whatever device is here
     python -m fused_remat.train --preset gpt2-small --seq-len 32768 --remat auto --memory-budget 40GiB
-    python -m fused_remat.train --data train.bin --vocab-size 50304 --out runs/owt
+    python -m fused_remat.train --data train.bin --vocab-size 50304 --document-boundary 50256 --out runs/owt
     python -m fused_remat.train --out runs/owt --resume          # continues bit for bit
     python -m fused_remat.train --find-max-seq-len               # longest trainable sequence per policy
     torchrun --nproc_per_node 8 -m fused_remat.train --distributed fsdp ...
@@ -66,6 +66,11 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--data", help="a text file, a nanoGPT uint16/uint32 .bin (or a folder with train.bin/val.bin); "
                         "default: the Python standard library's sources, byte-level")
     parser.add_argument("--vocab-size", type=int, help="vocabulary of a .bin file (default 256: bytes)")
+    parser.add_argument("--document-boundary", metavar="TOKEN_ID|none",
+                        help="attend only within documents: in --data, each document begins with this token (a token "
+                        "id of a .bin, a byte value 0..255 of text; an end-of-text token that follows each document "
+                        "opens the next). The default corpus's documents are its source files; none: attend over whole "
+                        "rows (default: within documents for the default corpus, whole rows for --data)")
     parser.add_argument("--out", help="the run's folder (default runs/<preset>)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     parser.add_argument("--lr", type=float, help="peak learning rate (default by preset)")

@@ -21,6 +21,7 @@ from ..backend import BACKENDS
 from ..model import PRESETS, ModelConfig, preset, resolve_policies
 from ..planner import Precision
 from ..remat import Remat
+from .data import NO_DOCUMENTS
 
 # What a run does when an option is left out, by device: a short real run either way.
 DEVICE_DEFAULTS = {
@@ -90,6 +91,9 @@ class TrainConfig:
     keep_checkpoints: int = 2  # the newest checkpoint and this many - 1 before it
     skip_nonfinite: int = 0  # steps with a NaN/inf loss or gradient norm skipped before the run stops
     backend: str | None = None  # --backend auto|triton|reference; None: FUSED_REMAT_BACKEND decides
+    # --document-boundary: the token id that begins each document of --data, NO_DOCUMENTS, or None
+    # for the documents the data marks itself (the default corpus's files; none in text and .bin).
+    document_boundary: int | str | None = None
 
     @classmethod
     def build(cls, device_type: str, **options) -> TrainConfig:
@@ -115,6 +119,16 @@ class TrainConfig:
             if values.get("block", "fused") != "fused" or values.get("backend") == "reference":
                 raise ValueError("--context-parallel needs the fused block on its Triton kernels (ring attention): "
                                  "leave out --block reference and --backend reference")
+        if "document_boundary" in values:
+            values["document_boundary"] = _parse_document_boundary(values["document_boundary"])
+        masking = _document_masking(values.get("document_boundary"), values.get("data"))
+        # --find-max-seq-len steps on random tokens, which have no documents to mask.
+        if parallel > 1 and masking and not values.get("find_max_seq_len"):
+            marked_by = ("the default corpus's files are its documents" if values.get("document_boundary") is None
+                         else f"--document-boundary {values['document_boundary']} marks documents")
+            raise ValueError(f"--context-parallel {parallel} cannot keep attention within documents (the ring passes no "
+                             f"document masks), and {marked_by}: pass --document-boundary {NO_DOCUMENTS} to attend "
+                             "over whole rows")
         if values["preset"] not in PRESETS:
             raise ValueError(f"--preset must be one of {', '.join(PRESETS)}, got {values['preset']!r}")
         values.setdefault("lr", PEAK_LR[values["preset"]])
@@ -137,6 +151,11 @@ class TrainConfig:
             raise ValueError(f"--vocab-size must be positive, got {values['vocab_size']}")
         return cls(**values)
 
+    @property
+    def document_masking(self) -> bool:
+        """Whether attention stays within documents (training/data.py says where they start)."""
+        return _document_masking(self.document_boundary, self.data)
+
     def learning_rate(self, step: int) -> float:
         """Linear warm-up to ``lr`` over ``warmup`` steps, then cosine decay to ``min_lr`` at the
         last step."""
@@ -157,3 +176,22 @@ class TrainConfig:
     def precision(self) -> Precision:
         """fp32 master weights and residual stream; matmuls in ``dtype`` (bf16: under autocast)."""
         return Precision(residual=torch.float32, compute=self.compute_dtype)
+
+
+def _parse_document_boundary(value: int | str) -> int | str:
+    """``--document-boundary``'s value: a token id >= 0, or NO_DOCUMENTS."""
+    if isinstance(value, str) and value.strip().lower() == NO_DOCUMENTS:
+        return NO_DOCUMENTS
+    try:
+        token = int(value)
+    except ValueError:
+        token = -1
+    if token < 0:
+        raise ValueError(f"--document-boundary must be a token id (an integer >= 0) or {NO_DOCUMENTS}, got {value!r}")
+    return token
+
+
+def _document_masking(document_boundary: int | str | None, data: str | None) -> bool:
+    if document_boundary is None:
+        return data is None  # only the default corpus marks its own documents
+    return document_boundary != NO_DOCUMENTS

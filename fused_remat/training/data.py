@@ -17,14 +17,32 @@
   validation split) or any other ``.bin`` file. Without a ``val.bin`` the last 10% of the tokens
   are held out. These files are memory-mapped, never read whole: they can be larger than RAM.
 
-Batches are ``(inputs, targets)``, int64 tensors of shape ``(batch_size, seq_len)`` cut at random
-offsets, the targets being the inputs shifted by one token. The offsets of a training batch are a
-pure function of ``(seed, step, micro_step, rank)``: a run resumed at step k draws exactly the
-batches an uninterrupted run would have, and data-parallel ranks draw different ones. Validation
-batches depend only on the seed, so every evaluation scores the same tokens.
+Batches are ``Batch(inputs, targets, cu_seqlens, max_seqlen)``: int64 inputs and targets of shape
+``(batch_size, seq_len)`` cut at random offsets, the targets being the inputs shifted by one token.
+The offsets of a training batch are a pure function of ``(seed, step, micro_step, rank)``: a run
+resumed at step k draws exactly the batches an uninterrupted run would have, and data-parallel
+ranks draw different ones. Validation batches depend only on the seed, so every evaluation scores
+the same tokens.
+
+Documents (``document_boundary``, the trainer's ``--document-boundary``). Where the data says where
+documents start, a batch also carries them, so that attention stays within each: ``cu_seqlens``,
+the int32 offsets of its segments over the flattened ``batch_size * seq_len`` inputs, and
+``max_seqlen``, the longest. A segment begins at the start of every row and at every document
+start inside a row, so no segment crosses rows. Documents do not change the tokens: the inputs and
+targets are those of a batch without them. Where documents start:
+
+* the default corpus: at each source file (the b"\\n" that joins two files ends the first); the
+  splits record their files' start offsets.
+* text and ``.bin`` data: at each occurrence of the boundary token given as ``document_boundary``
+  (a byte value for text, a token id below ``vocab_size`` for ``.bin``). The boundary token is the
+  first token of the document it begins, as a BOS token is; with nanoGPT-style data, where an
+  end-of-text token follows each document, that token then opens the next one. Boundaries are
+  found in each window as it is cut, never by scanning a whole (memory-mapped) file. Without a
+  boundary token these have no documents.
+* ``document_boundary="none"``: no documents for any source; attention spans whole rows.
 
 Errors name the command-line argument they are about (``--data``, ``--vocab-size``, ``--seq-len``,
-``--batch-size``) because the trainer passes its arguments through unchanged.
+``--batch-size``, ``--document-boundary``) because the trainer passes its arguments through unchanged.
 """
 
 from __future__ import annotations
@@ -35,12 +53,13 @@ import sys
 import sysconfig
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 BYTE_VOCAB_SIZE = 256
+NO_DOCUMENTS = "none"  # document_boundary: attention spans whole rows, whatever the data marks
 _UINT16_VOCAB_LIMIT = 2**16
 _UINT32_VOCAB_LIMIT = 2**32
 _HELD_OUT_DIVISOR = 10  # a single file keeps its last 1/10 for validation
@@ -59,7 +78,10 @@ class TokenData:
 
     ``train`` and ``val`` are 1-D uint8 (bytes), uint16 or uint32 tensors, possibly memory-mapped
     views of a file. ``vocab_size`` is the model's vocabulary: every id is below it. ``train_source``
-    and ``val_source`` say where each split comes from, for error messages.
+    and ``val_source`` say where each split comes from, for error messages. Documents (module
+    docstring): ``train_document_starts`` and ``val_document_starts``, sorted int64 positions where
+    a document of the split starts (the default corpus), or ``document_boundary``, the token that
+    begins each document; neither when batches carry no documents.
     """
 
     train: torch.Tensor = field(repr=False)
@@ -68,16 +90,58 @@ class TokenData:
     description: str
     train_source: str
     val_source: str
+    train_document_starts: torch.Tensor | None = field(default=None, repr=False)
+    val_document_starts: torch.Tensor | None = field(default=None, repr=False)
+    document_boundary: int | None = None
+
+    @property
+    def documents(self) -> str:
+        """Where documents begin, as a run's settings record it: "each source file", "each token <id>"
+        or "none"."""
+        if self.train_document_starts is not None:
+            return "each source file"
+        if self.document_boundary is not None:
+            return f"each token {self.document_boundary}"
+        return NO_DOCUMENTS
 
 
-def load_data(path: str | os.PathLike | None, vocab_size: int | None = None, seq_len: int | None = None) -> TokenData:
+@dataclass(frozen=True, eq=False)
+class Batch:
+    """One batch: int64 ``inputs`` and ``targets`` (batch_size, seq_len) and, when the data marks
+    documents, their segments (module docstring): ``cu_seqlens`` int32 offsets over the flattened
+    inputs, ``max_seqlen`` the longest segment. ``LanguageModel(inputs, targets, cu_seqlens=,
+    max_seqlen=)`` takes them as they are."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int | None = None
+
+    def to(self, device: torch.device | str) -> Batch:
+        cu_seqlens = None if self.cu_seqlens is None else self.cu_seqlens.to(device)
+        return Batch(self.inputs.to(device), self.targets.to(device), cu_seqlens, self.max_seqlen)
+
+    def causal_attention_pairs(self) -> int:
+        """The (query, key) pairs causal attention scores: n (n + 1) / 2 summed over the segments
+        of n tokens (the rows, without documents)."""
+        if self.cu_seqlens is None:
+            rows, seq_len = self.inputs.shape
+            return rows * seq_len * (seq_len + 1) // 2
+        lengths = self.cu_seqlens.diff().to(torch.int64)
+        return int((lengths * (lengths + 1) // 2).sum())
+
+
+def load_data(path: str | os.PathLike | None, vocab_size: int | None = None, seq_len: int | None = None,
+              document_boundary: int | str | None = None) -> TokenData:
     """Load the training and validation tokens named by ``--data`` (see the module docstring).
 
     ``vocab_size`` (``--vocab-size``) is required for ``.bin`` data; for byte data it defaults to
     256 and may be larger (the model then has unused embedding rows), never smaller. Given
     ``seq_len``, the held-out tail of a single file is made at least one sequence long and both
     splits are checked to hold a sequence, so a too-short file fails here rather than at the
-    first batch.
+    first batch. ``document_boundary`` (``--document-boundary``): None for the documents the data
+    marks itself (the default corpus's files; none in text and ``.bin`` data), the token id that
+    begins each document of text or ``.bin`` data, or ``NO_DOCUMENTS``.
     """
     if vocab_size is not None:
         _require_positive("--vocab-size", vocab_size)
@@ -93,16 +157,39 @@ def load_data(path: str | os.PathLike | None, vocab_size: int | None = None, seq
             data = _load_token_files(path, vocab_size, seq_len)
         else:
             data = _load_text(path, _byte_vocab_size(vocab_size, f"the text file {path}"), seq_len)
+    data = _with_documents(data, document_boundary)
     if seq_len is not None:
         _require_one_sequence(data.train, data.train_source, seq_len)
         _require_one_sequence(data.val, data.val_source, seq_len)
     return data
 
 
+def _with_documents(data: TokenData, document_boundary: int | str | None) -> TokenData:
+    """``data`` with the documents that ``document_boundary`` asks for (load_data)."""
+    if document_boundary is None:
+        return data
+    if document_boundary == NO_DOCUMENTS:
+        return replace(data, train_document_starts=None, val_document_starts=None)
+    if not isinstance(document_boundary, int) or document_boundary < 0:
+        raise ValueError(f"--document-boundary must be a token id >= 0 or {NO_DOCUMENTS}, got {document_boundary!r}")
+    if data.train_document_starts is not None:
+        raise ValueError(f"--document-boundary {document_boundary}: the default corpus's documents are its source "
+                         f"files; a boundary token is for --data (text or .bin), and {NO_DOCUMENTS} turns document "
+                         "masking off")
+    if data.train.dtype == torch.uint8 and document_boundary >= BYTE_VOCAB_SIZE:
+        raise ValueError(f"--document-boundary {document_boundary}: text is read as bytes, so a boundary is a "
+                         f"byte value 0..{BYTE_VOCAB_SIZE - 1}")
+    if document_boundary >= data.vocab_size:
+        raise ValueError(f"--document-boundary {document_boundary:,} is not a token id: --vocab-size is "
+                         f"{data.vocab_size:,}, and ids are below it")
+    return replace(data, document_boundary=document_boundary)
+
+
 def train_batch(
     data: TokenData, step: int, micro_step: int, rank: int, batch_size: int, seq_len: int, seed: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The training batch of ``(step, micro_step, rank)``: int64 (inputs, targets), each (batch_size, seq_len).
+) -> Batch:
+    """The training batch of ``(step, micro_step, rank)``: inputs and targets (batch_size, seq_len),
+    with their documents where ``data`` has them.
 
     The same arguments give the same batch in any process, whatever else has been drawn before and
     whatever the global torch RNG state is.
@@ -110,12 +197,13 @@ def train_batch(
     _require_batch_shape(batch_size, seq_len)
     _require_one_sequence(data.train, data.train_source, seq_len)
     generator = _seeded_generator("train", seed, step, micro_step, rank)
-    return _cut_batch(data.train, data.train_source, data.vocab_size, batch_size, seq_len, generator)
+    return _cut_batch(data.train, data.train_source, data.vocab_size, batch_size, seq_len, generator,
+                      data.train_document_starts, data.document_boundary)
 
 
 def val_batches(
     data: TokenData, n_batches: int, batch_size: int, seq_len: int, seed: int
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+) -> Iterator[Batch]:
     """The ``n_batches`` validation batches of ``seed``, cut from the validation split.
 
     Every call yields the same batches, so successive evaluations are comparable. Arguments are
@@ -126,7 +214,8 @@ def val_batches(
     _require_one_sequence(data.val, data.val_source, seq_len)
     return (
         _cut_batch(
-            data.val, data.val_source, data.vocab_size, batch_size, seq_len, _seeded_generator("val", seed, index)
+            data.val, data.val_source, data.vocab_size, batch_size, seq_len, _seeded_generator("val", seed, index),
+            data.val_document_starts, data.document_boundary,
         )
         for index in range(n_batches)
     )
@@ -160,21 +249,25 @@ def _load_stdlib_sources(vocab_size: int) -> TokenData:
         raise FileNotFoundError(
             f"--data: no Python sources under {root} to build the default corpus from; pass --data PATH"
         )
-    train = _concatenate_files(root, train_files)
-    val = _concatenate_files(root, val_files)
+    train, train_starts = _concatenate_files(root, train_files)
+    val, val_starts = _concatenate_files(root, val_files)
     python = f"{sys.version_info.major}.{sys.version_info.minor}"
     description = (
         f"Python {python} stdlib sources ({root}), {len(train_files) + len(val_files):,} files: "
         f"{train.numel() / 1e6:.1f} MB train / {val.numel() / 1e6:.1f} MB val, byte-level"
     )
     corpus = f"the Python stdlib corpus ({root})"
-    return TokenData(train, val, vocab_size, description, f"the training files of {corpus}", f"the validation files of {corpus}")
+    return TokenData(train, val, vocab_size, description, f"the training files of {corpus}",
+                     f"the validation files of {corpus}", train_starts, val_starts)
 
 
-def _concatenate_files(root: Path, relative_paths: list[str]) -> torch.Tensor:
+def _concatenate_files(root: Path, relative_paths: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The files joined by the separator, and where each starts (int64)."""
+    contents = [(root / p).read_bytes() for p in relative_paths]
     # bytearray.join makes the one copy; frombuffer then shares it (and needs it writable).
-    joined = bytearray(_STDLIB_FILE_SEPARATOR).join((root / p).read_bytes() for p in relative_paths)
-    return torch.frombuffer(joined, dtype=torch.uint8)
+    joined = bytearray(_STDLIB_FILE_SEPARATOR).join(contents)
+    spans = torch.tensor([0] + [len(content) + len(_STDLIB_FILE_SEPARATOR) for content in contents[:-1]])
+    return torch.frombuffer(joined, dtype=torch.uint8), spans.cumsum(0)
 
 
 def _load_text(path: Path, vocab_size: int, seq_len: int | None) -> TokenData:
@@ -341,8 +434,9 @@ def _seeded_generator(stream: str, *numbers: int) -> torch.Generator:
 
 
 def _cut_batch(
-    tokens: torch.Tensor, source: str, vocab_size: int, batch_size: int, seq_len: int, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens: torch.Tensor, source: str, vocab_size: int, batch_size: int, seq_len: int, generator: torch.Generator,
+    document_starts: torch.Tensor | None, document_boundary: int | None,
+) -> Batch:
     # Offsets up to numel - seq_len - 1 leave room for seq_len inputs and the one extra target.
     offsets = torch.randint(0, tokens.numel() - seq_len, (batch_size,), generator=generator)
     # Slice, then widen each window to int64 on its own: a slice of a memory-mapped tensor touches
@@ -355,4 +449,23 @@ def _cut_batch(
             f"--data: {source} holds token id {largest:,}, but --vocab-size is {vocab_size:,} (ids must be "
             "below it); pass the tokenizer's vocabulary size"
         )
-    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    inputs, targets = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    if document_starts is not None:
+        segment_starts = _starts_at_positions(document_starts, offsets.tolist(), seq_len)
+    elif document_boundary is not None:
+        segment_starts = inputs == document_boundary
+    else:
+        return Batch(inputs, targets)
+    segment_starts[:, 0] = True  # every row begins a segment: none crosses rows
+    cu_seqlens = torch.cat([segment_starts.flatten().nonzero().flatten(), torch.tensor([inputs.numel()])])
+    return Batch(inputs, targets, cu_seqlens.to(torch.int32), int(cu_seqlens.diff().max()))
+
+
+def _starts_at_positions(document_starts: torch.Tensor, offsets: list[int], seq_len: int) -> torch.Tensor:
+    """(rows, seq_len) bool: True where a document of the sorted ``document_starts`` begins inside
+    the inputs of the row cut at each offset."""
+    starts = torch.zeros(len(offsets), seq_len, dtype=torch.bool)
+    for row, offset in enumerate(offsets):
+        first, end = torch.searchsorted(document_starts, torch.tensor([offset, offset + seq_len])).tolist()
+        starts[row, document_starts[first:end] - offset] = True
+    return starts

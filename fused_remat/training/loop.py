@@ -29,7 +29,7 @@ from .checkpoint import (CheckpointError, CheckpointWriteError, checkpoint_path,
 from .config import TrainConfig, describe_size
 from .distributed import Distributed, load_training_state, training_state, unwrap, wrap_model
 from .reporting import Progress, plot_metrics, read_metrics, write_metrics
-from .step import forward_loss, make_optimizer, train_step
+from .step import batch_loss, make_optimizer, train_step
 
 
 def resolve_remat(config: TrainConfig, model_config: ModelConfig, device: torch.device,
@@ -78,7 +78,8 @@ def run_settings(config: TrainConfig, model_config: ModelConfig, data: token_dat
     return dict(model=dataclasses.asdict(model_config), block=config.block, steps=config.steps, seq_len=config.seq_len,
                 batch_size=config.batch_size, grad_accum=config.grad_accum, lr=config.lr, min_lr=config.min_lr,
                 warmup=config.warmup, weight_decay=config.weight_decay, grad_clip=config.grad_clip, dtype=config.dtype,
-                seed=config.seed, data=data.description, world_size=run.world_size, strategy=run.strategy)
+                seed=config.seed, data=data.description, documents=data.documents, world_size=run.world_size,
+                strategy=run.strategy)
 
 
 class StopRequest:
@@ -113,11 +114,29 @@ def peak_memory(device: torch.device) -> int:
 
 
 @torch.no_grad()
-def validation_loss(model, batches, device, compute_dtype) -> float:
+def validation_loss(model, batches: list[token_data.Batch], device, compute_dtype) -> float:
     total = 0.0
-    for inputs, targets in batches:
-        total += forward_loss(model, inputs.to(device), targets.to(device), compute_dtype).item()
+    for batch in batches:
+        total += batch_loss(model, batch.to(device), compute_dtype).item()
     return total / len(batches)
+
+
+def local_batch(batch: token_data.Batch, run: Distributed) -> token_data.Batch:
+    """This rank's part of ``batch``: its zigzag chunks of every row under context parallelism,
+    which TrainConfig allows only without documents (the chunks would cut their offsets)."""
+    return dataclasses.replace(batch, inputs=run.shard_sequence(batch.inputs), targets=run.shard_sequence(batch.targets))
+
+
+def describe_documents(data: token_data.TokenData, first_batch: token_data.Batch) -> str:
+    """The run's header line on document masking: on or off, and when on, how much of causal
+    attention's work it leaves in the first batch."""
+    if first_batch.cu_seqlens is None:
+        return ("document masking off: attention spans whole rows (--document-boundary TOKEN_ID marks where the "
+                "documents of --data begin)")
+    masked = first_batch.causal_attention_pairs()
+    dense = dataclasses.replace(first_batch, cu_seqlens=None, max_seqlen=None).causal_attention_pairs()
+    return (f"document masking on (a document begins at {data.documents}): attention in the first batch scores "
+            f"{masked:,} causal (query, key) pairs instead of {dense:,}, {masked / dense:.2f}x the work")
 
 
 class TrainingFailed(RuntimeError):
@@ -132,7 +151,7 @@ def train(config: TrainConfig, run: Distributed) -> int:
     device = run.device()
     log = functools.partial(print, flush=True) if run.is_main else (lambda *a, **k: None)
     backend = describe_backend(device)
-    data = token_data.load_data(config.data, config.vocab_size, config.seq_len)
+    data = token_data.load_data(config.data, config.vocab_size, config.seq_len, config.document_boundary)
     model_config = config.model_config(data.vocab_size)
     settings = run_settings(config, model_config, data, run)
     ckpt = checkpoint_path(config.out)
@@ -168,7 +187,7 @@ def train(config: TrainConfig, run: Distributed) -> int:
         load_training_state(model, optimizer, state["model"], state["optimizer"])
         torch.set_rng_state(state["rng"]["cpu"])
         start_step = state["step"]
-    val_batches = [(run.shard_sequence(x), run.shard_sequence(y)) for x, y in
+    val_batches = [local_batch(batch, run) for batch in
                    token_data.val_batches(data, config.eval_batches, config.batch_size, config.seq_len, config.seed)]
 
     parameters = sum(p.numel() for p in unwrap(model).parameters())
@@ -176,6 +195,8 @@ def train(config: TrainConfig, run: Distributed) -> int:
         f"{config.preset} ({model_config.describe()}, {parameters / 1e6:.2f}M parameters), {config.block} blocks, "
         f"remat {_summarize(unwrap(model).remat)}, {config.dtype}")
     log(f"data: {data.description}")
+    log(describe_documents(data, token_data.train_batch(data, start_step, 0, run.data_rank, config.batch_size,
+                                                        config.seq_len, config.seed)))
     if plan is not None:
         log(plan.table())
     metrics_path = config.out / "metrics.jsonl"
@@ -206,10 +227,10 @@ def train(config: TrainConfig, run: Distributed) -> int:
                 lr = config.learning_rate(step)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
-                micro_batches = [token_data.train_batch(data, step, micro, run.data_rank, config.batch_size,
-                                                        config.seq_len, config.seed) for micro in range(config.grad_accum)]
-                loss, grad_norm = train_step(model, optimizer, [(run.shard_sequence(x).to(device), run.shard_sequence(y).to(device))
-                                                                for x, y in micro_batches],
+                micro_batches = [local_batch(token_data.train_batch(data, step, micro, run.data_rank, config.batch_size,
+                                                                    config.seq_len, config.seed), run).to(device)
+                                 for micro in range(config.grad_accum)]
+                loss, grad_norm = train_step(model, optimizer, micro_batches,
                                              compute_dtype=config.compute_dtype, grad_clip=config.grad_clip,
                                              finite_only=True, gradient_scale=run.gradient_scale)
                 step += 1

@@ -3,26 +3,30 @@
 ``train_step`` and build their optimizer with ``make_optimizer``.
 
     optimizer = make_optimizer(model, lr=config.lr, weight_decay=config.weight_decay)
-    loss, grad_norm = train_step(model, optimizer, [(inputs, targets)], compute_dtype=torch.bfloat16,
-                                 grad_clip=1.0)
+    loss, grad_norm = train_step(model, optimizer, [batch], compute_dtype=torch.bfloat16, grad_clip=1.0)
 
-``model(inputs, targets)`` returns the mean loss (``fused_remat.model.LanguageModel`` does; a
-DDP/FSDP2 wrapper or a ``torch.compile`` of it too). With ``compute_dtype`` bf16 or fp16 the forward
-and loss run under autocast over the model's fp32 weights; with None or fp32, without autocast.
+A micro-batch is a ``data.Batch`` or an (inputs, targets) pair. ``model(inputs, targets)`` returns
+the mean loss (``fused_remat.model.LanguageModel`` does; a DDP/FSDP2 wrapper or a ``torch.compile``
+of it too), and takes a batch's documents as ``cu_seqlens=`` and ``max_seqlen=``: attention then
+stays within each document, and every target is still predicted. With ``compute_dtype`` bf16 or
+fp16 the forward and loss run under autocast over the model's fp32 weights; with None or fp32,
+without autocast.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
+from .data import Batch
 from .distributed import gradient_sync
 
 
-def forward_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+def forward_loss(model: Callable[..., torch.Tensor], inputs: torch.Tensor, targets: torch.Tensor,
                  compute_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``model(inputs, targets)``, under autocast to ``compute_dtype`` unless it is None or fp32."""
     autocast = compute_dtype is not None and compute_dtype != torch.float32
@@ -30,14 +34,26 @@ def forward_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
         return model(inputs, targets)
 
 
+def batch_loss(model: Callable[..., torch.Tensor], batch: Batch | tuple[torch.Tensor, torch.Tensor],
+               compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``forward_loss`` of ``batch``, attending within its documents where it has them."""
+    if not isinstance(batch, Batch):
+        batch = Batch(*batch)
+    if batch.cu_seqlens is not None:
+        # Bound to the model rather than passed through: forward_loss keeps the (model, inputs,
+        # targets) form that the benchmark calls and the failure tests wrap.
+        model = functools.partial(model, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen)
+    return forward_loss(model, batch.inputs, batch.targets, compute_dtype)
+
+
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
-               micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
+               micro_batches: Sequence[Batch | tuple[torch.Tensor, torch.Tensor]], *,
                compute_dtype: torch.dtype | None = None, grad_clip: float = 0.0,
                finite_only: bool = False, gradient_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over ``micro_batches`` ((inputs, targets) pairs on the model's device):
-    forward and loss (``forward_loss``) and backward of loss / len(micro_batches) for each, with
-    data-parallel gradient communication only on the last; then the gradient norm clipped to
-    ``grad_clip`` (0: measured, not clipped), the optimizer's step and ``zero_grad(set_to_none=True)``.
+    """One optimizer step over ``micro_batches`` (on the model's device): forward and loss
+    (``batch_loss``) and backward of loss / len(micro_batches) for each, with data-parallel
+    gradient communication only on the last; then the gradient norm clipped to ``grad_clip`` (0:
+    measured, not clipped), the optimizer's step and ``zero_grad(set_to_none=True)``.
     With ``finite_only`` a step whose loss or gradient norm is NaN or infinite changes nothing (its
     gradients are dropped, the weights and AdamW moments stay as they were), at the cost of one
     host sync. ``gradient_scale`` multiplies every backward (context parallelism: see
@@ -45,9 +61,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     under FSDP2)."""
     count = len(micro_batches)
     loss_sum = None
-    for index, (inputs, targets) in enumerate(micro_batches):
+    for index, batch in enumerate(micro_batches):
         with gradient_sync(model, enabled=index == count - 1):
-            loss = forward_loss(model, inputs, targets, compute_dtype)
+            loss = batch_loss(model, batch, compute_dtype)
             (loss * (gradient_scale / count)).backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
