@@ -33,16 +33,19 @@ from .step import batch_loss, make_optimizer, train_step
 
 
 def resolve_remat(config: TrainConfig, model_config: ModelConfig, device: torch.device,
-                  run: Distributed) -> tuple[list[Remat], RematPlan | None]:
+                  run: Distributed, attention_pairs: float | None = None) -> tuple[list[Remat], RematPlan | None]:
     """The per-layer policies of ``--remat``, and for fused blocks the plan that explains them
-    (printed at the start of a run); ``--remat auto`` plans them for ``--memory-budget``."""
+    (printed at the start of a run); ``--remat auto`` plans them for ``--memory-budget``.
+    ``attention_pairs``: the (query, key) pairs of a sequence under document masking (the first
+    batch's, per row), for the FLOP model's price of replaying attention."""
     precision = config.precision
     local_seq_len = config.seq_len // run.context_parallel  # the tokens of a sequence one rank holds
     if config.remat is not None:
         policies = list(config.remat)
         if config.block != "fused":
             return policies, None
-        return policies, explain_policies(model_config, config.batch_size, local_seq_len, precision, policies)
+        return policies, explain_policies(model_config, config.batch_size, local_seq_len, precision, policies,
+                                          attention_pairs=attention_pairs)
     shards = run.world_size if run.strategy == "fsdp" else 1
     budget = config.memory_budget
     if budget is None:
@@ -54,7 +57,8 @@ def resolve_remat(config: TrainConfig, model_config: ModelConfig, device: torch.
         costs, source = None, "FLOP model"
     try:
         plan = plan_remat(model_config, config.batch_size, local_seq_len, precision, budget, costs=costs,
-                          cost_source=source, candidates=PLANNED_POLICIES, owner="--memory-budget")
+                          cost_source=source, candidates=PLANNED_POLICIES, owner="--memory-budget",
+                          attention_pairs=attention_pairs)
     except ValueError as error:
         if config.memory_budget is None:
             raise
@@ -176,7 +180,10 @@ def train(config: TrainConfig, run: Distributed) -> int:
             f"its metrics are in {config.out / 'metrics.jsonl'}. To train further, start a new run with another --out")
         return 0
 
-    policies, plan = resolve_remat(config, model_config, device, run)
+    first_batch = token_data.train_batch(data, 0 if state is None else state["step"], 0, run.data_rank,
+                                         config.batch_size, config.seq_len, config.seed)
+    masked_pairs = None if first_batch.cu_seqlens is None else first_batch.causal_attention_pairs() / config.batch_size
+    policies, plan = resolve_remat(config, model_config, device, run, masked_pairs)
     torch.manual_seed(config.seed)
     model = LanguageModel(model_config, policies, block_impl=config.block, context_parallel=run.context_parallel_group,
                           device=device)
@@ -195,8 +202,7 @@ def train(config: TrainConfig, run: Distributed) -> int:
         f"{config.preset} ({model_config.describe()}, {parameters / 1e6:.2f}M parameters), {config.block} blocks, "
         f"remat {_summarize(unwrap(model).remat)}, {config.dtype}")
     log(f"data: {data.description}")
-    log(describe_documents(data, token_data.train_batch(data, start_step, 0, run.data_rank, config.batch_size,
-                                                        config.seq_len, config.seed)))
+    log(describe_documents(data, first_batch))
     if plan is not None:
         log(plan.table())
     metrics_path = config.out / "metrics.jsonl"
