@@ -238,3 +238,19 @@ def test_the_header_says_which_backend_runs(tmp_path, capsys, monkeypatch):
     for backend, shown in (("triton", "CPU (Triton interpreter, backend triton)"), ("auto", "CPU (Triton interpreter)")):
         monkeypatch.setenv("FUSED_REMAT_BACKEND", backend)
         assert loop.describe_backend(torch.device("cpu")) == shown
+
+
+@pytest.mark.parametrize("first, second", [("SIGTERM", "SIGTERM"), ("SIGINT", "SIGTERM"), ("SIGTERM", "SIGINT")])
+def test_a_second_signal_stops_at_once(first, second):
+    """The first SIGINT or SIGTERM asks for a checkpointed stop after the step; a second of either
+    kind interrupts at once, as a second Ctrl-C always did."""
+    import os
+    import signal
+
+    from fused_remat.training.loop import StopRequest
+
+    with StopRequest() as stop:
+        os.kill(os.getpid(), getattr(signal, first))
+        assert stop.requested
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), getattr(signal, second))

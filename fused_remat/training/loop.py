@@ -88,7 +88,7 @@ def run_settings(config: TrainConfig, model_config: ModelConfig, data: token_dat
 
 class StopRequest:
     """Ctrl-C (SIGINT) or SIGTERM asks the loop to stop after the current step and checkpoint; a
-    second Ctrl-C interrupts at once."""
+    second signal of either kind interrupts at once (a scheduler that sends SIGTERM twice means it)."""
 
     def __init__(self):
         self.requested = False
@@ -104,7 +104,7 @@ class StopRequest:
             signal.signal(sig, handler)
 
     def _handle(self, signum, frame):
-        if self.requested and signum == signal.SIGINT:
+        if self.requested:
             raise KeyboardInterrupt
         self.requested = True
 
