@@ -59,3 +59,11 @@ def use_triton(op: str, device: torch.device) -> bool:
         raise RuntimeError(f"{op}: {BACKEND_ENV}=triton but the Triton kernels cannot run here: {why}")
     return runnable
 
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype torch.autocast computes in on ``device_type``, or None where it is off. A device
+    without autocast (meta, for a model built to infer shapes) has it off rather than an error."""
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import context_parallel, custom_ops, offload, reference
-from .backend import use_triton
+from .backend import autocast_dtype, use_triton
 from .flops import attention_op_flops, flop_formula, matmul_flops, visible_pairs
 from .kernels.limits import SUPPORTED_DTYPES
 from .remat import COMPUTE, FP32, KEPT_FOR_BACKWARD, RESIDUAL, Kept, Remat
@@ -584,9 +584,9 @@ class TransformerBlock(reference.TransformerBlock):
 
     @staticmethod
     def _compute_dtype(x: torch.Tensor, params) -> torch.dtype:
-        device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):
-            return torch.get_autocast_dtype(device_type)
+        autocast = autocast_dtype(x.device.type)
+        if autocast is not None:
+            return autocast
         for name, param in zip(_PARAMETERS, params):
             if param is not None and param.dtype != x.dtype:
                 raise TypeError(

@@ -42,6 +42,7 @@ import math
 
 import torch
 
+from .backend import autocast_dtype
 from .custom_ops import first_order_only
 from .flops import flop_formula, matmul_flops
 from .kernels.limits import check_same_device, check_tensor
@@ -279,8 +280,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     hidden_rows = hidden.reshape(-1, dim)
     if chunk_tokens is None:
         chunk_tokens = default_chunk_tokens(hidden_rows.shape[0], vocab, dim)
-    device_type = hidden.device.type
-    compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+    compute_dtype = autocast_dtype(hidden.device.type) or hidden.dtype
     grad = torch.is_grad_enabled()
     loss, *_ = _loss_and_grads(hidden_rows, weight, targets.reshape(-1).long(), ignore_index, chunk_tokens,
                                compute_dtype, grad and hidden.requires_grad, grad and weight.requires_grad)

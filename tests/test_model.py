@@ -325,3 +325,15 @@ def test_masks_shrink_the_planned_attention_work_not_the_bytes():
     assert step == layer_step_flops(CONFIG, 2, seq, attention_pairs=visible_pairs(seq, seq, True, (255, 0)))[2]
     for policy in Remat:
         assert layer_bytes_per_token(windowed, policy, FP32) == layer_bytes_per_token(CONFIG, policy, FP32)
+
+
+def test_a_model_on_the_meta_device_infers_shapes_with_targets():
+    """Built on "meta" to size it before allocating: the forward with targets and its backward run
+    on shapes alone (meta has no autocast, which counts as off)."""
+    model = LanguageModel(CONFIG, "cheap", device="meta")
+    tokens = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    assert model(tokens).shape == (2, 16, CONFIG.vocab_size)
+    loss = model(tokens, tokens)
+    assert loss.shape == () and loss.device.type == "meta"
+    loss.backward()
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
