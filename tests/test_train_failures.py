@@ -254,3 +254,21 @@ def test_a_second_signal_stops_at_once(first, second):
         assert stop.requested
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), getattr(signal, second))
+
+
+def test_one_trainer_per_run_folder(tmp_path, capsys):
+    """While a trainer holds a run folder's lock, a second one there is refused, naming the holder;
+    the lock goes with its holder, and a refused brand-new run leaves no folder behind."""
+    import os
+
+    from fused_remat.training import cli
+    from fused_remat.training.checkpoint import RunLock
+
+    out = tmp_path / "run"
+    with RunLock(out):
+        assert cli.main(["--preset", "tiny", "--steps", "1", "--out", str(out)]) == 2
+        assert f"another trainer is running in this folder (pid {os.getpid()} on" in capsys.readouterr().err
+    assert not out.exists()
+    fresh = tmp_path / "refused"
+    assert cli.main(["--preset", "tiny", "--steps", "1", "--out", str(fresh), "--resume"]) == 2
+    assert not fresh.exists()

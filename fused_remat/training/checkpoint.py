@@ -15,20 +15,26 @@ An unreadable newest checkpoint falls back to the newest readable predecessor
 ``weights_only=False``: a checkpoint holds only tensors and plain containers, and unpickling
 anything else could run arbitrary code. A failed write is a ``CheckpointWriteError`` naming the
 path, the reason (disk full, permission denied) and the bytes the checkpoint needs.
+
+One trainer per run folder (``RunLock``): two trainers writing one folder would rotate each other's
+checkpoints away and interleave their metrics.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import pickle
 import re
 import shutil
+import socket
 from pathlib import Path
 
 import torch
 
 CHECKPOINT_NAME = "checkpoint.pt"
+LOCK_NAME = ".lock"
 _FORMAT = "fused_remat.train checkpoint"
 _VERSION = 1
 _PARTIAL = re.compile(r"\.(?P<name>.+)\.(?P<pid>[0-9]+)\.partial")
@@ -40,6 +46,46 @@ class CheckpointError(RuntimeError):
 
 class CheckpointWriteError(CheckpointError):
     """Writing a checkpoint failed; the previous checkpoints are as they were."""
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``<out>/.lock``, held while a trainer runs in that folder. The
+    kernel releases it when the process ends, however it ends (kill -9 included), so a lock is never
+    stale; the file names its holder (pid and host) for the refusal a second trainer gets. A folder
+    the lock had to create is removed again when the run leaves nothing else in it (a refused
+    setting leaves no empty run folder behind)."""
+
+    def __init__(self, out_dir: str | os.PathLike):
+        self.folder = Path(out_dir)
+        self.path = self.folder / LOCK_NAME
+        self._file = None
+        self._created_folder = False
+
+    def __enter__(self) -> RunLock:
+        self._created_folder = not self.folder.exists()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        file = open(self.path, "a+")
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "a process that has not written its name yet"
+            file.close()
+            raise CheckpointError(f"--out {self.folder}: another trainer is running in this folder ({holder}); "
+                                  "wait for it to finish, or choose another --out") from None
+        file.seek(0)
+        file.truncate()
+        file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        file.flush()
+        self._file = file
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._created_folder and [p.name for p in self.folder.iterdir()] == [LOCK_NAME]:
+            self.path.unlink()
+            self.folder.rmdir()
+        fcntl.flock(self._file, fcntl.LOCK_UN)
+        self._file.close()
 
 
 def checkpoint_path(out_dir: str | os.PathLike) -> Path:

@@ -10,6 +10,7 @@ gradients.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -24,8 +25,8 @@ from ..model import LanguageModel, ModelConfig
 from ..planner import PLANNED_POLICIES, RematPlan, explain_policies, measure_policy_costs, plan_remat
 from ..remat import Remat
 from . import data as token_data
-from .checkpoint import (CheckpointError, CheckpointWriteError, checkpoint_path, load_newest_checkpoint, promote,
-                         remove_stale_partials, save_checkpoint)
+from .checkpoint import (CheckpointError, CheckpointWriteError, RunLock, checkpoint_path, load_newest_checkpoint,
+                         promote, remove_stale_partials, save_checkpoint)
 from .config import TrainConfig, describe_size
 from .distributed import Distributed, load_training_state, training_state, unwrap, wrap_model
 from .reporting import Progress, plot_metrics, read_metrics, write_metrics
@@ -151,7 +152,13 @@ class TrainingFailed(RuntimeError):
 def train(config: TrainConfig, run: Distributed) -> int:
     """Trains (or resumes) the run ``config`` describes; 0 when finished, 130 when stopped.
     TrainingFailed for a non-finite loss; any other exception after a finished step is re-raised
-    once that step is checkpointed (single process)."""
+    once that step is checkpointed (single process). The run folder is locked for the run's life
+    (rank 0 holds the lock): a second trainer in it is refused."""
+    with RunLock(config.out) if run.is_main else contextlib.nullcontext():
+        return _train(config, run)
+
+
+def _train(config: TrainConfig, run: Distributed) -> int:
     device = run.device()
     log = functools.partial(print, flush=True) if run.is_main else (lambda *a, **k: None)
     backend = describe_backend(device)
