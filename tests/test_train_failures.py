@@ -89,7 +89,7 @@ def test_a_failing_checkpoint_write_is_not_retried_and_says_the_disk_is_full(tmp
     error = capsys.readouterr().err
     assert f"could not write the checkpoint {out / 'checkpoint.pt'}: the disk is full (it needs about " in error
     assert "Traceback" not in error and len(calls) == 1
-    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]  # no partial file left
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "metrics.jsonl"]  # no partial file left
 
 
 @pytest.mark.parametrize("failure,reason", [
