@@ -272,3 +272,33 @@ def test_one_trainer_per_run_folder(tmp_path, capsys):
     fresh = tmp_path / "refused"
     assert cli.main(["--preset", "tiny", "--steps", "1", "--out", str(fresh), "--resume"]) == 2
     assert not fresh.exists()
+
+
+def test_resume_survives_a_torn_or_missing_metrics_file_and_names_a_garbage_line(tmp_path, capsys, monkeypatch):
+    from test_train import _StopAt
+
+    out = tmp_path / "run"
+    args = [*SHORT, "--steps", "4", "--out", str(out)]
+    monkeypatch.setattr(loop, "StopRequest", _StopAt(2))  # Ctrl-C after step 2: checkpointed there
+    assert cli.main(args) == 130
+    monkeypatch.undo()
+    metrics = out / "metrics.jsonl"
+    whole = metrics.read_text()
+    assert [json.loads(line)["step"] for line in whole.splitlines()] == [0, 1]
+
+    lines = whole.splitlines(keepends=True)
+    metrics.write_text(lines[0] + "not a record\n" + "".join(lines[1:]))
+    assert cli.main([*args, "--resume"]) == 2
+    assert f"{metrics}:2 is not a metrics record" in capsys.readouterr().err
+
+    metrics.write_text(whole + '{"step": 2, "lo')  # a write cut short by a crash
+    monkeypatch.setattr(loop, "StopRequest", _StopAt(1))
+    assert cli.main([*args, "--resume"]) == 130
+    monkeypatch.undo()
+    assert "dropped its last line, cut short by an interrupted write" in capsys.readouterr().err
+    assert [r["step"] for r in _strict_metrics(out)] == [0, 1, 2]
+
+    metrics.unlink()
+    assert cli.main([*args, "--resume"]) == 0
+    assert "is missing: the history of steps before 3 is lost" in capsys.readouterr().err
+    assert [r["step"] for r in _strict_metrics(out)] == [3]

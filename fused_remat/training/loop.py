@@ -215,7 +215,14 @@ def _train(config: TrainConfig, run: Distributed) -> int:
     metrics_path = config.out / "metrics.jsonl"
     if run.is_main:
         config.out.mkdir(parents=True, exist_ok=True)
-        kept = [r for r in read_metrics(metrics_path) if r["step"] < start_step] if config.resume else []
+        kept = []
+        if state is not None:
+            warn = functools.partial(print, "warning:", file=sys.stderr, flush=True)
+            if not metrics_path.is_file():
+                warn(f"{metrics_path} is missing: the history of steps before {start_step} is lost; "
+                     "it is written again from here")
+            # records after the checkpoint's step belong to steps this run redoes: it writes them again
+            kept = [r for r in read_metrics(metrics_path, warn) if r["step"] < start_step]
         write_metrics(metrics_path, kept)
     run.barrier()
 

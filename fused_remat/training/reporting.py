@@ -10,11 +10,30 @@ import time
 from pathlib import Path
 
 
-def read_metrics(path: Path) -> list[dict]:
+def read_metrics(path: Path, warn=None) -> list[dict]:
+    """The records of ``metrics.jsonl``, one JSON object a line ([] without the file). A last line
+    cut short by a crash (no newline, not JSON) is dropped, and ``warn`` told; a line that is not a
+    record anywhere else is a ValueError naming the file and the line."""
     if not path.is_file():
         return []
-    with open(path) as stream:
-        return [json.loads(line) for line in stream if line.strip()]
+    records = []
+    lines = path.read_text().split("\n")
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+        elif number == len(lines):  # the file does not end in a newline: a write cut short
+            if warn is not None:
+                warn(f"{path}: dropped its last line, cut short by an interrupted write: {line[:80]!r}")
+        else:
+            raise ValueError(f"{path}:{number} is not a metrics record (a JSON object with a step): {line[:80]!r}; "
+                             "fix or delete that line, then resume")
+    return records
 
 
 def strict_record(record: dict) -> dict:
