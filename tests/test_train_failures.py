@@ -302,3 +302,29 @@ def test_resume_survives_a_torn_or_missing_metrics_file_and_names_a_garbage_line
     assert cli.main([*args, "--resume"]) == 0
     assert "is missing: the history of steps before 3 is lost" in capsys.readouterr().err
     assert [r["step"] for r in _strict_metrics(out)] == [3]
+
+
+@pytest.mark.parametrize("entry", ["tensor", "pickle"])
+def test_a_flipped_bit_sets_the_checkpoint_aside(entry, tmp_path, capsys):
+    """One bit flipped in a tensor's bytes (which torch.load would load silently) or in the pickled
+    step: the CRC-32 check refuses the file and the resume falls back to its predecessor."""
+    import zipfile
+
+    out = tmp_path / "run"
+    args = ["--steps", "3", "--checkpoint-interval", "1", "--keep-checkpoints", "2"]
+    assert _run(out, *args) == 0
+    newest = out / "checkpoint.pt"
+    with zipfile.ZipFile(newest) as archive:
+        names = [i for i in archive.infolist() if i.filename.endswith("data.pkl") == (entry == "pickle")]
+        info = max(names, key=lambda i: i.file_size)
+    data = bytearray(newest.read_bytes())
+    name_length, extra_length = (int.from_bytes(data[info.header_offset + at:info.header_offset + at + 2], "little")
+                                 for at in (26, 28))
+    start = info.header_offset + 30 + name_length + extra_length  # the entry's bytes, after its local header
+    data[start + info.file_size // 2] ^= 0x01
+    newest.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert _run(out, *args, "--resume") == 0
+    captured = capsys.readouterr()
+    assert "fails its CRC-32 check" in captured.err
+    assert "resuming from the previous checkpoint checkpoint.1.pt (step 2)" in captured.out

@@ -8,7 +8,9 @@ a crash or Ctrl-C in the middle of a write leaves the last good checkpoint as it
 renamed in, so ``checkpoint.pt`` itself is never missing. A partial file left by a process that was
 killed is removed on the next start (``remove_stale_partials``).
 
-Loading checks the format and that the run being resumed is the one that wrote it; any problem is a
+Loading first checks every entry of the file's zip archive against its CRC-32 (torch.load does not:
+a flipped bit in a tensor would load silently), then the format and that the run being resumed is
+the one that wrote it; any problem is a
 ``CheckpointError`` that says what is wrong, raised before anything in the run's folder is touched.
 An unreadable newest checkpoint falls back to the newest readable predecessor
 (``load_newest_checkpoint``). Errors never pass on torch's suggestion to load with
@@ -29,6 +31,7 @@ import pickle
 import re
 import shutil
 import socket
+import zipfile
 from pathlib import Path
 
 import torch
@@ -225,7 +228,22 @@ def _first_line(error: BaseException) -> str:
     return (lines[0] if lines else "")[:200]
 
 
+def _damaged_entry(path: Path) -> str | None:
+    """The first entry of the checkpoint's zip archive whose CRC-32 does not match its bytes (a bit
+    flipped on disk or in transit, which torch.load does not check), or None. Reading the whole file
+    once costs about what loading it does."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return archive.testzip()
+    except (zipfile.BadZipFile, OSError):
+        return None  # not an archive at all: torch.load says what is wrong
+
+
 def _read(path: Path) -> dict:
+    damaged = _damaged_entry(path)
+    if damaged is not None:
+        raise CheckpointError(f"--resume: {path} is not a readable checkpoint (its entry {damaged} fails its CRC-32 "
+                              "check: the file changed after it was written)")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch.load raises many types for damaged files
