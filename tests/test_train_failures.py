@@ -328,3 +328,32 @@ def test_a_flipped_bit_sets_the_checkpoint_aside(entry, tmp_path, capsys):
     captured = capsys.readouterr()
     assert "fails its CRC-32 check" in captured.err
     assert "resuming from the previous checkpoint checkpoint.1.pt (step 2)" in captured.out
+
+
+def test_resume_follows_the_data_content_not_its_path_and_warns_on_another_backend(tmp_path, capsys, monkeypatch):
+    from test_train import _StopAt
+
+    text = "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(400))
+    first, moved = tmp_path / "corpus.txt", tmp_path / "elsewhere" / "renamed.txt"
+    first.write_text(text)
+    out = tmp_path / "run"
+    monkeypatch.setattr(loop, "StopRequest", _StopAt(1))
+    assert _run(out, "--steps", "3", "--data", str(first)) == 130
+    monkeypatch.undo()
+
+    moved.parent.mkdir()
+    first.rename(moved)
+    moved.write_text(text.replace("fox", "cat"))  # the same size, other content
+    assert _run(out, "--steps", "3", "--data", str(moved), "--resume") == 2
+    assert "data: checkpoint has" in capsys.readouterr().err
+
+    moved.write_text(text)  # the same content at another path
+    monkeypatch.setattr(loop, "StopRequest", _StopAt(1))
+    assert _run(out, "--steps", "3", "--data", str(moved), "--resume") == 130
+    monkeypatch.undo()
+    assert "warning" not in capsys.readouterr().err
+
+    assert cli.main([*SHORT, "--out", str(out), "--steps", "3", "--data", str(moved), "--resume",
+                     "--backend", "triton"]) == 0
+    error = capsys.readouterr().err
+    assert "the checkpoint was written on CPU (PyTorch reference" in error and "this run is on CPU (Triton" in error

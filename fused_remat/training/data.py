@@ -66,6 +66,8 @@ _HELD_OUT_DIVISOR = 10  # a single file keeps its last 1/10 for validation
 _STDLIB_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 _STDLIB_FILE_SEPARATOR = b"\n"
 _VALIDATION_CHUNK = 1 << 24  # token ids checked per piece of a memory-mapped file (32-64 MiB)
+_FINGERPRINT_BLOCKS = 64  # blocks of each split a data fingerprint hashes
+_FINGERPRINT_BLOCK = 4096  # tokens a block
 _TEXT_SAMPLE = 1 << 16  # bytes of a text file looked at to tell it from a binary one
 # Bytes that do not occur in text: the C0 controls but tab, newline, vertical tab, form feed,
 # carriage return and escape.
@@ -103,6 +105,21 @@ class TokenData:
         if self.document_boundary is not None:
             return f"each token {self.document_boundary}"
         return NO_DOCUMENTS
+
+    def fingerprint(self) -> str:
+        """What a resumed run must find again: the splits' sizes and a hash of their contents, not
+        where they live (the same file at another path resumes; another file of the same name does
+        not). The hash reads FINGERPRINT_BLOCKS evenly spaced blocks of each split, so it costs a few
+        milliseconds on a file larger than memory."""
+        digest = hashlib.sha256()
+        for split in (self.train, self.val):
+            digest.update(f"{split.numel()}:{split.dtype}".encode())
+            block = min(_FINGERPRINT_BLOCK, split.numel())
+            stride = max(1, (split.numel() - block) // max(1, _FINGERPRINT_BLOCKS - 1))
+            for start in range(0, split.numel() - block + 1, stride)[:_FINGERPRINT_BLOCKS]:
+                digest.update(split[start:start + block].contiguous().view(torch.uint8).numpy().tobytes())
+        return (f"{self.train.numel():,} train / {self.val.numel():,} val tokens, vocab {self.vocab_size:,}, "
+                f"sampled sha256 {digest.hexdigest()[:16]}")
 
 
 @dataclass(frozen=True, eq=False)

@@ -79,12 +79,15 @@ def default_activation_budget(model_config: ModelConfig, device: torch.device, s
 
 
 def run_settings(config: TrainConfig, model_config: ModelConfig, data: token_data.TokenData, run: Distributed) -> dict:
-    """What a checkpoint records of its run, and a resumed run must match."""
+    """What a checkpoint records of its run, and a resumed run must match: everything the
+    trajectory depends on, the data by its content (``TokenData.fingerprint``, not its path) and the
+    data- and context-parallel degrees among them. The backend is recorded apart (``backend`` in the
+    checkpoint): a change is allowed, with a warning."""
     return dict(model=dataclasses.asdict(model_config), block=config.block, steps=config.steps, seq_len=config.seq_len,
                 batch_size=config.batch_size, grad_accum=config.grad_accum, lr=config.lr, min_lr=config.min_lr,
                 warmup=config.warmup, weight_decay=config.weight_decay, grad_clip=config.grad_clip, dtype=config.dtype,
-                seed=config.seed, data=data.description, documents=data.documents, world_size=run.world_size,
-                strategy=run.strategy)
+                seed=config.seed, data=data.fingerprint(), documents=data.documents, world_size=run.world_size,
+                data_parallel=run.data_parallel_size, context_parallel=run.context_parallel, strategy=run.strategy)
 
 
 class StopRequest:
@@ -198,6 +201,9 @@ def _train(config: TrainConfig, run: Distributed) -> int:
     optimizer = make_optimizer(model, lr=config.lr, weight_decay=config.weight_decay)
     start_step = 0
     if state is not None:
+        if state.get("backend", backend) != backend:
+            print(f"warning: the checkpoint was written on {state['backend']}, this run is on {backend}: it continues, "
+                  "but no longer bit for bit what the first backend would have computed", file=sys.stderr, flush=True)
         load_training_state(model, optimizer, state["model"], state["optimizer"])
         torch.set_rng_state(state["rng"]["cpu"])
         start_step = state["step"]
@@ -233,7 +239,8 @@ def _train(config: TrainConfig, run: Distributed) -> int:
         model_state, optimizer_state = training_state(model, optimizer)
         if run.is_main:
             save_checkpoint(ckpt, dict(step=step, model=model_state, optimizer=optimizer_state, run=settings,
-                                       rng=dict(cpu=torch.get_rng_state())), keep=config.keep_checkpoints)
+                                       backend=backend, rng=dict(cpu=torch.get_rng_state())),
+                            keep=config.keep_checkpoints)
         run.barrier()
         saved = step
 
