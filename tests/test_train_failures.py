@@ -357,3 +357,51 @@ def test_resume_follows_the_data_content_not_its_path_and_warns_on_another_backe
                      "--backend", "triton"]) == 0
     error = capsys.readouterr().err
     assert "the checkpoint was written on CPU (PyTorch reference" in error and "this run is on CPU (Triton" in error
+
+
+def test_a_data_file_truncated_mid_run_stops_with_a_checkpoint_not_sigbus(tmp_path, capsys, monkeypatch):
+    """The memory-mapped .bin shrinks under the run (another job rewrote it): the next step refuses
+    before touching a page past its end, and the finished steps are checkpointed."""
+    tokens = torch.randint(0, 300, (20_000,), dtype=torch.int32).to(torch.uint16)
+    data = tmp_path / "train.bin"
+    data.write_bytes(tokens.numpy().tobytes())
+    calls = []
+    check = loop.token_data.TokenData.check_files_unchanged
+
+    def truncate_after_two_steps(self):
+        calls.append(1)
+        if len(calls) == 3:
+            with open(data, "r+b") as stream:
+                stream.truncate(1000)
+        check(self)
+
+    monkeypatch.setattr(loop.token_data.TokenData, "check_files_unchanged", truncate_after_two_steps)
+    out = tmp_path / "run"
+    assert _run(out, "--steps", "4", "--data", str(data), "--vocab-size", "300") == 2
+    error = capsys.readouterr().err
+    assert f"--data: {data} changed during the run (its size went from 40,000 to 1,000 bytes)" in error
+    assert "the 2 finished steps are checkpointed" in error
+    assert load_checkpoint(out / "checkpoint.pt", {})["step"] == 2
+
+
+def test_a_failing_metrics_write_does_not_cost_the_finished_steps(tmp_path, capsys, monkeypatch):
+    """The disk refuses the second step's metrics line: the checkpoint of both finished steps is
+    written first, and the lost line is only a warning."""
+    write = loop.write_metrics
+    calls = []
+
+    def failing_second_line(path, records, append=False):
+        if append:
+            calls.append(1)
+            if len(calls) >= 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        write(path, records, append)
+
+    monkeypatch.setattr(loop, "write_metrics", failing_second_line)
+    out = tmp_path / "run"
+    with pytest.raises(OSError, match="No space left on device"):  # re-raised: the process exits 1 with it
+        _run(out, "--steps", "4")
+    error = capsys.readouterr().err
+    assert "the last step's metrics line could not be written" in error
+    assert "the 2 finished steps are checkpointed" in error
+    assert load_checkpoint(out / "checkpoint.pt", {})["step"] == 2

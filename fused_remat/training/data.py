@@ -95,6 +95,22 @@ class TokenData:
     train_document_starts: torch.Tensor | None = field(default=None, repr=False)
     val_document_starts: torch.Tensor | None = field(default=None, repr=False)
     document_boundary: int | None = None
+    mapped_files: tuple = ()  # (path, identity) of each memory-mapped file, see check_files_unchanged
+
+    def check_files_unchanged(self) -> None:
+        """A ValueError naming --data if a memory-mapped file was truncated, replaced or rewritten
+        since it was loaded: reading a page past a truncated file's end kills the process with
+        SIGBUS, and new content would silently change the run. Checked before every step's batches
+        (one stat per file), so the loop can still checkpoint the last finished step."""
+        for path, identity in self.mapped_files:
+            try:
+                now = _identity(Path(path))
+            except OSError as error:
+                raise ValueError(f"--data: {path} can no longer be read ({error.strerror}); restore it and --resume")
+            if now != identity:
+                size, now_size = identity[0], now[0]
+                what = f"its size went from {size:,} to {now_size:,} bytes" if now_size != size else "it was rewritten"
+                raise ValueError(f"--data: {path} changed during the run ({what}); restore it and --resume")
 
     @property
     def documents(self) -> str:
@@ -295,7 +311,7 @@ def _load_text(path: Path, vocab_size: int, seq_len: int | None) -> TokenData:
         f"{path}: {tokens.numel():,} bytes of text, {train.numel():,} train / {val.numel():,} val (the tail), "
         "byte-level"
     )
-    return TokenData(train, val, vocab_size, description, train_source, val_source)
+    return TokenData(train, val, vocab_size, description, train_source, val_source, mapped_files=_identities(path))
 
 
 def _require_text(path: Path) -> None:
@@ -339,7 +355,8 @@ def _load_token_files(path: Path, vocab_size: int | None, seq_len: int | None) -
         train = _map_tokens(train_file, dtype, vocab_size)
         val = _map_tokens(val_file, dtype, vocab_size)
         description = f"{train_file} ({train.numel():,} tokens) / {val_file} ({val.numel():,} tokens), {vocab_note}"
-        return TokenData(train, val, vocab_size, description, str(train_file), str(val_file))
+        return TokenData(train, val, vocab_size, description, str(train_file), str(val_file),
+                         mapped_files=_identities(train_file, val_file))
 
     tokens = _map_tokens(train_file, dtype, vocab_size)
     train, val, train_source, val_source = _hold_out_tail(tokens, train_file, seq_len)
@@ -347,7 +364,18 @@ def _load_token_files(path: Path, vocab_size: int | None, seq_len: int | None) -
         f"{train_file}: {tokens.numel():,} tokens, {train.numel():,} train / {val.numel():,} val (the tail), "
         f"{vocab_note}"
     )
-    return TokenData(train, val, vocab_size, description, train_source, val_source)
+    return TokenData(train, val, vocab_size, description, train_source, val_source,
+                     mapped_files=_identities(train_file))
+
+
+def _identities(*files: Path) -> tuple[tuple[str, tuple[int, int, int]], ...]:
+    """(path, (size, inode, modification time in ns)) of each memory-mapped file."""
+    return tuple((str(f), _identity(f)) for f in files)
+
+
+def _identity(file: Path) -> tuple[int, int, int]:
+    stat = os.stat(file)
+    return stat.st_size, stat.st_ino, stat.st_mtime_ns
 
 
 def _map_tokens(file: Path, dtype: torch.dtype, vocab_size: int) -> torch.Tensor:

@@ -254,6 +254,7 @@ def _train(config: TrainConfig, run: Distributed) -> int:
                 lr = config.learning_rate(step)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
+                data.check_files_unchanged()
                 micro_batches = [local_batch(token_data.train_batch(data, step, micro, run.data_rank, config.batch_size,
                                                                     config.seq_len, config.seed), run).to(device)
                                  for micro in range(config.grad_accum)]
@@ -321,14 +322,20 @@ def _handle_nonfinite(config: TrainConfig, record: dict, skipped: int, saved: in
 
 def _checkpoint_after_error(error: Exception, step: int, save, ckpt, flush_metrics) -> None:
     """Saves the ``step`` finished steps after ``error`` stopped the loop (the weights and AdamW
-    state are those of the last finished step: an error inside a step stops before its update)."""
+    state are those of the last finished step: an error inside a step stops before its update).
+    The checkpoint comes first and does not depend on the metrics: a disk that refuses the metrics
+    line (the error itself, perhaps) must not cost the finished steps."""
     try:
-        flush_metrics()
         save(step)
     except Exception as save_error:
         print(f"error: {type(error).__name__} after step {step}, and the checkpoint could not be written either: "
               f"{save_error}", file=sys.stderr)
         return
+    try:
+        flush_metrics()
+    except Exception as metrics_error:
+        print(f"warning: the last step's metrics line could not be written ({metrics_error}); the checkpoint has it",
+              file=sys.stderr)
     print(f"error: {type(error).__name__} after step {step}: the {step} finished steps are checkpointed in {ckpt}; "
           "fix the cause and continue with --resume", file=sys.stderr)
 
