@@ -405,3 +405,22 @@ def test_a_failing_metrics_write_does_not_cost_the_finished_steps(tmp_path, caps
     assert "the last step's metrics line could not be written" in error
     assert "the 2 finished steps are checkpointed" in error
     assert load_checkpoint(out / "checkpoint.pt", {})["step"] == 2
+
+
+def test_free_space_is_checked_before_the_first_step(tmp_path, capsys, monkeypatch):
+    """12 bytes a parameter per checkpoint (fp32 weights and AdamW's moments): less than one
+    refuses the run, less than the kept ones plus the one being written warns."""
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    from fused_remat.model import preset
+
+    parameters = sum(p.numel() for p in loop.LanguageModel(preset("tiny", vocab_size=256), device="meta").parameters())
+    one = loop.CHECKPOINT_BYTES_PER_PARAMETER * parameters
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * one, 9 * one, one // 2))
+    assert _run(tmp_path / "full", "--steps", "1") == 2
+    assert f"bytes free, but one checkpoint needs about {one:,}" in capsys.readouterr().err
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * one, 8 * one, 2 * one))
+    assert _run(tmp_path / "tight", "--steps", "1", "--keep-checkpoints", "2") == 0
+    assert "2 kept checkpoints and the one being written need about" in capsys.readouterr().err

@@ -14,9 +14,11 @@ import contextlib
 import dataclasses
 import functools
 import math
+import shutil
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -135,6 +137,26 @@ def local_batch(batch: token_data.Batch, run: Distributed) -> token_data.Batch:
     return dataclasses.replace(batch, inputs=run.shard_sequence(batch.inputs), targets=run.shard_sequence(batch.targets))
 
 
+# A checkpoint holds the fp32 weights and AdamW's two fp32 moments: 12 bytes a parameter.
+CHECKPOINT_BYTES_PER_PARAMETER = 12
+
+
+def check_free_space(out: Path, parameters: int, keep: int) -> None:
+    """Before the first step: refuse a run folder that cannot hold one checkpoint, and warn where it
+    cannot hold the ``keep`` kept ones and the next one being written (the predecessors stay until
+    the new file is complete)."""
+    one = CHECKPOINT_BYTES_PER_PARAMETER * parameters
+    free = shutil.disk_usage(out).free
+    if free < one:
+        raise ValueError(f"--out {out}: {free:,} bytes free, but one checkpoint needs about {one:,}; "
+                         "free some space or choose another --out")
+    needed = one * (keep + 1)
+    if free < needed:
+        print(f"warning: --out {out} has {free:,} bytes free; {keep} kept checkpoints and the one being written "
+              f"need about {needed:,}: a later checkpoint write may fail (--keep-checkpoints lowers it)",
+              file=sys.stderr, flush=True)
+
+
 def describe_documents(data: token_data.TokenData, first_batch: token_data.Batch) -> str:
     """The run's header line on document masking: on or off, and when on, how much of causal
     attention's work it leaves in the first batch."""
@@ -218,6 +240,8 @@ def _train(config: TrainConfig, run: Distributed) -> int:
     log(describe_documents(data, first_batch))
     if plan is not None:
         log(plan.table())
+    if run.is_main:
+        check_free_space(config.out, parameters, config.keep_checkpoints)
     metrics_path = config.out / "metrics.jsonl"
     if run.is_main:
         config.out.mkdir(parents=True, exist_ok=True)
