@@ -40,8 +40,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.static import (ATTENTION_KERNELS, DEFAULT_OUT, Case, _config_text, markdown_document, overview_rows,
-                          run_in_subprocess, write)
+from bench.static import (ATTENTION_KERNELS, DEFAULT_OUT, VARIANTS, Case, _config_text, markdown_document,
+                          overview_rows, run_in_subprocess, write)
 from bench.static import main as static_main
 
 FULL = os.environ.get("FUSED_REMAT_COMPILE_ALL") == "1"
@@ -373,12 +373,17 @@ def _recording_writes(monkeypatch) -> list:
 
 
 def test_static_md_is_rendered_from_static_json():
-    """The committed table is what the committed facts render to: an attention overview, then every row."""
+    """The committed table is what the committed facts render to: an attention overview, the masks
+    beside the dense kernels, then every row."""
     payload = json.loads((DEFAULT_OUT / "static.json").read_text())
     text = (DEFAULT_OUT / "static.md").read_text()
     assert text == markdown_document(payload), "static.md is stale: python -m bench static --markdown-only"
-    overview, everything = text.split("\n## Every kernel\n")
+    head, everything = text.split("\n## Every kernel\n")
+    overview, masks = head.split("\n## The masks of real batches beside the dense kernels\n")
     assert overview.count("\n| sm_") == len(overview_rows(payload["rows"])) > 0
+    masked = [r for r in payload["rows"] if r["kernel"] in ATTENTION_KERNELS and r["case"].endswith(
+        tuple(f"-{variant}" for variant in VARIANTS if variant != "dense"))]
+    assert masks.count("\n| sm_") == len(masked) > 0
     assert everything.count("\n| sm_") == len(payload["rows"])
 
 
