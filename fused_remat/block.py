@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from . import context_parallel, custom_ops, offload, reference
 from .backend import autocast_dtype, use_triton
-from .flops import attention_op_flops, flop_formula, matmul_flops, visible_pairs
+from .flops import attention_op_flops, document_pairs, flop_formula, matmul_flops, visible_pairs
 from .kernels.limits import SUPPORTED_DTYPES
 from .remat import COMPUTE, FP32, KEPT_FOR_BACKWARD, RESIDUAL, Kept, Remat
 
@@ -318,7 +318,7 @@ def _attention_pairs(g: _BlockCall, cu_seqlens: torch.Tensor | None) -> int:
     context parallelism its share of the whole sequences', which the zigzag layout makes equal on
     every rank."""
     if cu_seqlens is not None:
-        return sum(visible_pairs(n, n, g.causal, g.window) for n in torch.diff(cu_seqlens).tolist())
+        return document_pairs(cu_seqlens, cu_seqlens, g.causal, g.window)
     group = g.context_parallel_group()
     world = 1 if group is None else group.size()
     return g.batch * (visible_pairs(g.seq * world, g.seq * world, g.causal, g.window) // world)

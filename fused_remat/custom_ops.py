@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .flops import attention_op_flops, flop_formula, visible_pairs
+from .flops import attention_op_flops, document_pairs, flop_formula, visible_pairs
 
 
 def _op(name: str, mutates_args=()):
@@ -184,9 +184,8 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, s
 
 def _varlen_flops(q, cu_seqlens_q, cu_seqlens_k, causal, window, backward: bool) -> int:
     """Sum over documents of what visible_pairs counts for each alone."""
-    lengths = zip(torch.diff(cu_seqlens_q).tolist(), torch.diff(cu_seqlens_k).tolist())
-    pairs = sum(visible_pairs(q_len, k_len, causal, window) for q_len, k_len in lengths)
-    return attention_op_flops(1, q.shape[1], q.shape[2], pairs, backward)
+    return attention_op_flops(1, q.shape[1], q.shape[2], document_pairs(cu_seqlens_q, cu_seqlens_k, causal, window),
+                              backward)
 
 
 @flop_formula("attention_varlen_fwd", get_raw=True)
@@ -227,7 +226,7 @@ def packed_attention_flops(qkv: Tensor, batch: int, n_heads: int, n_kv_heads: in
         seq = tokens // batch
         pairs = batch * visible_pairs(seq, seq, causal, window)
     else:
-        pairs = sum(visible_pairs(n, n, causal, window) for n in torch.diff(cu_seqlens).tolist())
+        pairs = document_pairs(cu_seqlens, cu_seqlens, causal, window)
     return attention_op_flops(1, n_heads, head_dim, pairs, backward)
 
 

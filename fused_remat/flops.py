@@ -42,6 +42,13 @@ def visible_pairs(q_len: int, k_len: int, causal: bool, window=(-1, -1)) -> int:
     return right_pairs - _pairs_up_to_diagonal(q_len, k_len, k_len - q_len - left - 1)
 
 
+def document_pairs(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: bool, window=(-1, -1)) -> int:
+    """``visible_pairs`` summed over the documents that the offsets pack (each aligned to its own
+    bottom-right corner). Reads the offsets on the host."""
+    lengths = zip(torch.diff(cu_seqlens_q).tolist(), torch.diff(cu_seqlens_k).tolist())
+    return sum(visible_pairs(q_len, k_len, causal, window) for q_len, k_len in lengths)
+
+
 def _pairs_up_to_diagonal(q_len: int, k_len: int, offset: int) -> int:
     """Pairs (i, j), i < q_len, j < k_len, with j <= i + offset."""
     first = offset + 1  # keys row 0 sees, before clamping to [0, k_len]

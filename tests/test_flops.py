@@ -132,3 +132,24 @@ print(counter.get_total_flops())
     env = {**os.environ, "TRITON_INTERPRET": "1", "FUSED_REMAT_BACKEND": "triton"}
     printed = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert int(printed) == 4 * 2 * 16 * visible_pairs(8, 8, True)
+
+
+def test_packed_documents_count_as_each_document_alone(device, triton_backend):
+    """attention_varlen's forward and backward count the sum of each document attended alone
+    (its own bottom-right corner, window and all), which is what its kernels run."""
+    q_lengths, k_lengths = [5, 0, 17, 9], [7, 3, 17, 2]
+    offsets = [torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device=device)
+               for n in (q_lengths, k_lengths)]
+    q = torch.randn(sum(q_lengths), 4, 16, device=device, requires_grad=True)
+    k, v = (torch.randn(sum(k_lengths), 2, 16, device=device, requires_grad=True) for _ in range(2))
+    mask = dict(causal=True, window=(4, -1))
+    with FlopCounterMode(display=False) as packed:
+        fused_remat.attention_varlen(q, k, v, *offsets, 17, 17, **mask).sum().backward()
+    with FlopCounterMode(display=False) as alone:
+        for i in range(len(q_lengths)):
+            rows = slice(offsets[0][i], offsets[0][i + 1])
+            keys = slice(offsets[1][i], offsets[1][i + 1])
+            if q_lengths[i] and k_lengths[i]:
+                heads = [t[r].transpose(0, 1)[None] for t, r in ((q, rows), (k, keys), (v, keys))]
+                fused_remat.attention(*heads, **mask).sum().backward()
+    assert packed.get_total_flops() == alone.get_total_flops() > 0
