@@ -51,6 +51,7 @@ class _BlockCall:
     window: tuple[int, int] = (-1, -1)  # attention's sliding window (left, right), -1 unbounded
     softcap: float = 0.0  # attention's softcap, 0 off
     max_seqlen: int = 0  # the longest document when the tokens are packed documents, else 0
+    scale: float = 0.0  # attention's softmax scale; 0 for head_dim ** -0.5
 
     @property
     def tokens(self) -> int:
@@ -63,22 +64,26 @@ class _BlockCall:
     @property
     def attention_mask(self) -> tuple:
         """(causal, scale, window, softcap) as the attention operators take them."""
-        return self.causal, self.head_dim**-0.5, list(self.window), self.softcap
+        return self.causal, self.softmax_scale, list(self.window), self.softcap
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.scale or self.head_dim**-0.5
 
     def op_args(self) -> tuple:
-        """The call as the block custom ops take it (``from_op_args`` reverses it): an operator's
-        schema takes the policy by name."""
+        """The call as the block custom ops take it (``from_op_args`` reverses it): the integers, the
+        floats (eps, softcap, scale), and the rest; an operator's schema takes the policy by name."""
         sizes = [self.batch, self.seq, self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim,
                  int(self.rms), int(self.causal), *self.window, self.max_seqlen]
-        return (sizes, self.eps, self.softcap, self.rope_theta, self.activation, self.remat.value, self.compute_dtype,
-                self.context_parallel)
+        return (sizes, [self.eps, self.softcap, self.scale], self.rope_theta, self.activation, self.remat.value,
+                self.compute_dtype, self.context_parallel)
 
     @classmethod
-    def from_op_args(cls, sizes, eps, softcap, rope_theta, activation, remat, compute_dtype,
-                     context_parallel) -> _BlockCall:
+    def from_op_args(cls, sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel) -> _BlockCall:
         batch, seq, dim, n_heads, n_kv_heads, head_dim, ffn_dim, rms, causal, left, right, max_seqlen = sizes
+        eps, softcap, scale = numbers
         return cls(batch, seq, dim, n_heads, n_kv_heads, head_dim, ffn_dim, bool(rms), activation, bool(causal), eps,
-                   rope_theta, Remat(remat), compute_dtype, context_parallel, (left, right), softcap, max_seqlen)
+                   rope_theta, Remat(remat), compute_dtype, context_parallel, (left, right), softcap, max_seqlen, scale)
 
     def context_parallel_group(self):
         """The process group the sequence is split over, or None."""
@@ -141,10 +146,12 @@ def block_widths(dim: int, n_heads: int, n_kv_heads: int | None, ffn_dim: int | 
 class _Sequences:
     """Where the tokens' sequences and positions come from, besides the (B, N) shape: the documents
     packed in the B N tokens (int32 offsets, None: one sequence per row) and the RoPE positions
-    ((B, N) ints, None: each row's or each document's own 0, 1, ...)."""
+    ((B, N) ints, None: each row's or each document's own 0, 1, ...), and RoPE's inverse frequencies
+    ((head_dim / 2,) fp32, None: those of the block's rope_theta)."""
 
     cu_seqlens: torch.Tensor | None = None
     position_ids: torch.Tensor | None = None
+    rope_inv_freq: torch.Tensor | None = None
 
     def rope_positions(self, g: _BlockCall) -> torch.Tensor | None:
         if self.position_ids is not None:
@@ -157,7 +164,9 @@ class _Sequences:
 def _rope_qk_(qkv: torch.Tensor, g: _BlockCall, seqs: _Sequences, inverse: bool) -> None:
     """RoPE on the q and k heads of a packed qkv (or, inverse, dqkv) buffer, in place."""
     # D/2 frequencies, computed per call rather than cached: a cache would be invisible to torch.compile.
-    inv_freq = reference.rope_inverse_frequencies(g.head_dim, g.rope_theta, qkv.device)
+    inv_freq = seqs.rope_inv_freq
+    if inv_freq is None:
+        inv_freq = reference.rope_inverse_frequencies(g.head_dim, g.rope_theta, qkv.device)
     group = g.context_parallel_group()
     chunk_starts = None if group is None else list(context_parallel.local_chunk_starts(g.seq, group))
     custom_ops.rope_qk_(qkv, inv_freq, g.batch, g.n_heads, g.n_kv_heads, inverse, chunk_starts,
@@ -201,7 +210,7 @@ def _forward_pass(x: torch.Tensor, w: _Weights, g: _BlockCall, seqs: _Sequences,
     else:
         o = qkv.new_empty(g.tokens, g.n_heads * g.head_dim)
         _, lse = context_parallel.ring_attention_fwd(*custom_ops.split_heads(qkv, g.batch, g.n_heads, g.n_kv_heads),
-                                                     group, g.causal, g.head_dim**-0.5,
+                                                     group, g.causal, g.softmax_scale,
                                                      out=custom_ops.token_major_heads(o, g.batch, g.n_heads))
     y2, mean2, rstd2, h = _norm_forward(x, w.norm2, g, residual=F.linear(o, w.out, w.out_bias))
     u = F.linear(y2, w.fc1, w.fc1_bias)
@@ -238,24 +247,24 @@ def _slots_kept(remat: Remat) -> list[bool]:
 
 @torch.library.custom_op("fused_remat::block_fwd", mutates_args=())
 def _block_fwd(x: torch.Tensor, cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | None,
-               params: list[torch.Tensor], has_param: list[bool], sizes: list[int], eps: float, softcap: float,
-               rope_theta: float | None, activation: str, remat: str, compute_dtype: torch.dtype,
+               rope_inv_freq: torch.Tensor | None, params: list[torch.Tensor], has_param: list[bool], sizes: list[int],
+               numbers: list[float], rope_theta: float | None, activation: str, remat: str, compute_dtype: torch.dtype,
                context_parallel: str) -> list[torch.Tensor]:
     """[y (T, dim), then each of _SLOTS: the activation if ``remat`` keeps it, else empty] for x (T, dim).
 
     ``params`` holds the block's parameters that exist (``has_param`` says which of _PARAMETERS);
-    ``cu_seqlens`` and ``position_ids`` as in _Sequences."""
-    g = _BlockCall.from_op_args(sizes, eps, softcap, rope_theta, activation, remat, compute_dtype, context_parallel)
+    ``cu_seqlens``, ``position_ids`` and ``rope_inv_freq`` as in _Sequences."""
+    g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel)
     with torch.autocast(x.device.type, enabled=False):
         weights = _Weights(_with_absent(params, has_param), compute_dtype)
-        acts, y = _forward_pass(x, weights, g, _Sequences(cu_seqlens, position_ids), finish=True)
+        acts, y = _forward_pass(x, weights, g, _Sequences(cu_seqlens, position_ids, rope_inv_freq), finish=True)
     return [y, *(getattr(acts, k.name) if keeps else x.new_empty(0) for k, keeps in zip(_SLOTS, _slots_kept(g.remat)))]
 
 
 @_block_fwd.register_fake
-def _(x, cu_seqlens, position_ids, params, has_param, sizes, eps, softcap, rope_theta, activation, remat,
+def _(x, cu_seqlens, position_ids, rope_inv_freq, params, has_param, sizes, numbers, rope_theta, activation, remat,
       compute_dtype, context_parallel):
-    g = _BlockCall.from_op_args(sizes, eps, softcap, rope_theta, activation, remat, compute_dtype, context_parallel)
+    g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel)
     return [torch.empty_like(x),
             *(_kept_like(k, g, x) if keeps else x.new_empty(0) for k, keeps in zip(_SLOTS, _slots_kept(g.remat)))]
 
@@ -275,13 +284,14 @@ def _kept_like(kept: Kept, g: _BlockCall, x: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("fused_remat::block_bwd", mutates_args=())
 def _block_bwd(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | None,
-               kept: list[torch.Tensor], params: list[torch.Tensor], has_param: list[bool], needs: list[bool],
-               sizes: list[int], eps: float, softcap: float, rope_theta: float | None, activation: str, remat: str,
-               compute_dtype: torch.dtype, context_parallel: str) -> list[torch.Tensor]:
+               rope_inv_freq: torch.Tensor | None, kept: list[torch.Tensor], params: list[torch.Tensor],
+               has_param: list[bool], needs: list[bool], sizes: list[int], numbers: list[float],
+               rope_theta: float | None, activation: str, remat: str, compute_dtype: torch.dtype,
+               context_parallel: str) -> list[torch.Tensor]:
     """[dx, then the gradient of each of ``params`` (empty where ``needs`` is False)] from dy (T, dim),
     x and the ``_SLOTS`` the forward returned."""
-    g = _BlockCall.from_op_args(sizes, eps, softcap, rope_theta, activation, remat, compute_dtype, context_parallel)
-    seqs = _Sequences(cu_seqlens, position_ids)
+    g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel)
+    seqs = _Sequences(cu_seqlens, position_ids, rope_inv_freq)
     named = dict(zip(_PARAMETERS, _with_absent(params, has_param)))
     needed = _needed(has_param, needs)
     with torch.autocast(dy.device.type, enabled=False):
@@ -299,8 +309,8 @@ def _block_bwd(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor | Non
 
 
 @_block_bwd.register_fake
-def _(dy, x, cu_seqlens, position_ids, kept, params, has_param, needs, sizes, eps, softcap, rope_theta, activation,
-      remat, compute_dtype, context_parallel):
+def _(dy, x, cu_seqlens, position_ids, rope_inv_freq, kept, params, has_param, needs, sizes, numbers, rope_theta,
+      activation, remat, compute_dtype, context_parallel):
     return [torch.empty_like(x), *(torch.empty_like(p) if need else x.new_empty(0) for p, need in zip(params, needs))]
 
 
@@ -335,16 +345,16 @@ def _forward_flops(g: _BlockCall, cu_seqlens: torch.Tensor | None, finish: bool)
 
 
 @flop_formula("block_fwd", get_raw=True)
-def _(x, cu_seqlens, position_ids, params, has_param, sizes, eps, softcap, rope_theta, activation, remat,
+def _(x, cu_seqlens, position_ids, rope_inv_freq, params, has_param, sizes, numbers, rope_theta, activation, remat,
       compute_dtype, context_parallel, **_) -> int:
-    g = _BlockCall.from_op_args(sizes, eps, softcap, rope_theta, activation, remat, compute_dtype, context_parallel)
+    g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel)
     return _forward_flops(g, cu_seqlens, finish=True)
 
 
 @flop_formula("block_bwd", get_raw=True)
-def _(dy, x, cu_seqlens, position_ids, kept, params, has_param, needs, sizes, eps, softcap, rope_theta, activation,
-      remat, compute_dtype, context_parallel, **_) -> int:
-    g = _BlockCall.from_op_args(sizes, eps, softcap, rope_theta, activation, remat, compute_dtype, context_parallel)
+def _(dy, x, cu_seqlens, position_ids, rope_inv_freq, kept, params, has_param, needs, sizes, numbers, rope_theta,
+      activation, remat, compute_dtype, context_parallel, **_) -> int:
+    g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel)
     needed = _needed(has_param, needs)
     # Each linear layer's input gradient always (it carries dx), its weight gradient where asked.
     linear = sum(matmul_flops(g.tokens, *shape) * (1 + needed.get(f"{name}.weight", False))
@@ -368,22 +378,23 @@ class _BlockFunction(torch.autograd.Function):
     """The block's autograd: the two custom operators above, and what is kept between them."""
 
     @staticmethod
-    def forward(x, g: _BlockCall, cu_seqlens, position_ids, *params):
+    def forward(x, g: _BlockCall, cu_seqlens, position_ids, rope_inv_freq, *params):
         has_param = [p is not None for p in params]
-        return tuple(_block_fwd(x, cu_seqlens, position_ids, [p for p in params if p is not None], has_param,
-                                *g.op_args()))
+        return tuple(_block_fwd(x, cu_seqlens, position_ids, rope_inv_freq, [p for p in params if p is not None],
+                                has_param, *g.op_args()))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, g, cu_seqlens, position_ids, *params = inputs
+        x, g, cu_seqlens, position_ids, rope_inv_freq, *params = inputs
         # Everything kept for backward, in one place: x (or, offloaded, its host copy), the policy's
         # activations (``remat.kept()``), the parameters as themselves (no copies; under autocast
         # backward casts them again), and the documents' offsets and positions where given (the
-        # model's inputs, shared by every layer).
+        # model's inputs, shared by every layer), and RoPE's frequencies where given.
         ctx.host_copy = offload.HostCopy(x) if g.remat.host_resident else None
-        ctx.sequences = [t is not None for t in (cu_seqlens, position_ids)]
+        sequences = (cu_seqlens, position_ids, rope_inv_freq)
+        ctx.sequences = [t is not None for t in sequences]
         ctx.save_for_backward(x if ctx.host_copy is None else ctx.host_copy.host,
-                              *(t for t in (cu_seqlens, position_ids) if t is not None),
+                              *(t for t in sequences if t is not None),
                               *(t for t, keeps in zip(output[1:], _slots_kept(g.remat)) if keeps),
                               *(p for p in params if p is not None))
         ctx.call, ctx.has_param = g, [p is not None for p in params]
@@ -396,15 +407,16 @@ class _BlockFunction(torch.autograd.Function):
         if ctx.host_copy is not None:
             x = ctx.host_copy.fetch()
         saved = iter(saved)
-        cu_seqlens, position_ids = (next(saved) if given else None for given in ctx.sequences)
+        cu_seqlens, position_ids, rope_inv_freq = (next(saved) if given else None for given in ctx.sequences)
         saved = list(saved)
         slots_kept = _slots_kept(g.remat)
         kept_tensors, params = iter(saved[:sum(slots_kept)]), saved[sum(slots_kept):]
         kept = [next(kept_tensors) if keeps else x.new_empty(0) for keeps in slots_kept]
-        needs = [need for need, has in zip(ctx.needs_input_grad[4:], ctx.has_param) if has]
-        dx, *dparams = _block_bwd(dy, x, cu_seqlens, position_ids, kept, params, ctx.has_param, needs, *g.op_args())
+        needs = [need for need, has in zip(ctx.needs_input_grad[5:], ctx.has_param) if has]
+        dx, *dparams = _block_bwd(dy, x, cu_seqlens, position_ids, rope_inv_freq, kept, params, ctx.has_param, needs,
+                                  *g.op_args())
         dparams = iter(d if need else None for d, need in zip(dparams, needs))
-        return custom_ops.first_order_only(_OP, dx, None, None, None,
+        return custom_ops.first_order_only(_OP, dx, None, None, None, None,
                                            *(next(dparams) if has else None for has in ctx.has_param))
 
 
@@ -446,7 +458,7 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, seqs: 
         grads_qkv = context_parallel.ring_attention_bwd(
             custom_ops.token_major_heads(d_attn @ w.out, g.batch, g.n_heads),
             *custom_ops.split_heads(acts.qkv, g.batch, g.n_heads, g.n_kv_heads),
-            custom_ops.token_major_heads(acts.o, g.batch, g.n_heads), acts.lse, group, g.causal, g.head_dim**-0.5)
+            custom_ops.token_major_heads(acts.o, g.batch, g.n_heads), acts.lse, group, g.causal, g.softmax_scale)
         for packed, grad in zip(custom_ops.split_heads(dqkv, g.batch, g.n_heads, g.n_kv_heads), grads_qkv):
             packed.copy_(grad)
     del d_attn
@@ -516,10 +528,11 @@ class TransformerBlock(reference.TransformerBlock):
     def __init__(self, dim: int, n_heads: int, *, n_kv_heads: int | None = None, ffn_dim: int | None = None,
                  norm: str = "layernorm", activation: str = "gelu", bias: bool = True, causal: bool = True,
                  eps: float = 1e-5, rope_theta: float | None = None, window: tuple[int, int] = (-1, -1),
-                 softcap: float = 0.0, remat: Remat | str = Remat.CHEAP, device=None, dtype=None):
+                 softcap: float = 0.0, attention_scale: float | None = None, remat: Remat | str = Remat.CHEAP,
+                 device=None, dtype=None):
         super().__init__(dim, n_heads, n_kv_heads=n_kv_heads, ffn_dim=ffn_dim, norm=norm, activation=activation,
                          bias=bias, causal=causal, eps=eps, rope_theta=rope_theta, window=window, softcap=softcap,
-                         remat=remat, device=device, dtype=dtype)
+                         attention_scale=attention_scale, remat=remat, device=device, dtype=dtype)
         self.context_parallel = None
 
     @classmethod
@@ -534,15 +547,17 @@ class TransformerBlock(reference.TransformerBlock):
         return fused
 
     def forward(self, x: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """x (B, N, dim) -> (B, N, dim); ``cu_seqlens``, ``max_seqlen`` and ``position_ids`` as the
-        reference block's (documents packed in the B N tokens, and RoPE's positions)."""
+                position_ids: torch.Tensor | None = None, rope_inv_freq: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, N, dim) -> (B, N, dim); ``cu_seqlens``, ``max_seqlen``, ``position_ids`` and
+        ``rope_inv_freq`` as the reference block's (documents packed in the B N tokens, RoPE's
+        positions and frequencies)."""
         self._check_input(x)
-        max_seqlen = self._check_sequences(x, cu_seqlens, max_seqlen, position_ids)
+        max_seqlen = self._check_sequences(x, cu_seqlens, max_seqlen, position_ids, rope_inv_freq)
         if self.context_parallel is not None and (cu_seqlens is not None or position_ids is not None
-                                                  or self.window != (-1, -1) or self.softcap):
+                                                  or rope_inv_freq is not None or self.window != (-1, -1)
+                                                  or self.softcap):
             raise ValueError(f"{_OP}: context parallelism runs the causal ring only: documents (cu_seqlens), "
-                             "position_ids, a window and a softcap are not supported with it")
+                             "position_ids, rope_inv_freq, a window and a softcap are not supported with it")
         if self.context_parallel is not None:
             context_parallel.check_local_sequence(_OP, x.shape[1], self.context_parallel)
             if not use_triton(_OP, x.device):
@@ -551,17 +566,19 @@ class TransformerBlock(reference.TransformerBlock):
         params = [self._parameter(name) for name in _PARAMETERS]
         compute_dtype = self._compute_dtype(x, params)  # the same dtype check on both paths
         if not use_triton(_OP, x.device):  # the reference math; a policy that replays through torch.utils.checkpoint
-            return super().forward(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen or None, position_ids=position_ids)
+            return super().forward(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen or None, position_ids=position_ids,
+                                   rope_inv_freq=rope_inv_freq)
         call = _BlockCall(
             batch=x.shape[0], seq=x.shape[1], dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
             head_dim=self.head_dim, ffn_dim=self.ffn_dim, rms=self.norm == "rmsnorm",
             activation=self.activation, causal=self.causal, eps=self.eps, rope_theta=self.rope_theta,
             remat=self.remat, compute_dtype=compute_dtype,
             context_parallel="" if self.context_parallel is None else self.context_parallel.group_name,
-            window=self.window, softcap=self.softcap, max_seqlen=max_seqlen,
+            window=self.window, softcap=self.softcap, max_seqlen=max_seqlen, scale=self.attention_scale or 0.0,
         )
         apply = _eager_block_function() if call.remat.host_resident else _BlockFunction.apply
-        y, *_ = apply(x.reshape(call.tokens, self.dim).contiguous(), call, cu_seqlens, position_ids, *params)
+        y, *_ = apply(x.reshape(call.tokens, self.dim).contiguous(), call, cu_seqlens, position_ids, rope_inv_freq,
+                      *params)
         return y.view(x.shape)
 
     def _parameter(self, name: str) -> torch.nn.Parameter | None:

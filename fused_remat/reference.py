@@ -13,7 +13,16 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from .kernels.limits import MAX_HEAD_DIM, check_documents, check_eps, check_position_ids, check_softcap, check_window
+from .kernels.limits import (
+    MAX_HEAD_DIM,
+    check_attention_scale,
+    check_documents,
+    check_eps,
+    check_position_ids,
+    check_rope_inv_freq,
+    check_softcap,
+    check_window,
+)
 from .remat import Remat
 
 
@@ -130,21 +139,24 @@ def rope_inverse_frequencies(head_dim: int, theta: float, device=None) -> torch.
     return (1.0 / theta**exponents).to(torch.float32)
 
 
-def rope(x: torch.Tensor, theta: float, *, inverse: bool = False,
-         positions: torch.Tensor | None = None) -> torch.Tensor:
+def rope(x: torch.Tensor, theta: float, *, inverse: bool = False, positions: torch.Tensor | None = None,
+         inv_freq: torch.Tensor | None = None) -> torch.Tensor:
     """Rotary position embedding of x (B, N, H, D), positions 0..N-1 along dim 1, or token (b, n)
     at ``positions[b, n]`` for integer ``positions`` of shape (B, N) (packed documents, position_ids).
 
     Half-split pairing (element i rotates with element i + D/2), as Hugging Face's LLaMA: per pair,
     (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with angle = position * theta^(-2i/D).
     ``inverse=True`` rotates by the opposite angle (the transpose, which is the backward).
+    ``inv_freq`` ((D/2,) fp32) replaces theta^(-2i/D) (scaled RoPE: Llama 3, YaRN, dynamic ...).
     Angles in fp32 (fp64 for fp64 x), as the kernel; output in x's dtype.
     """
     if positions is not None and positions.shape != x.shape[:2]:
         raise ValueError(f"rope: positions must have shape (B, N) = {tuple(x.shape[:2])}, got {tuple(positions.shape)}")
     compute = _statistics_dtype(x)
     head_dim = x.shape[-1]
-    inv_freq = rope_inverse_frequencies(head_dim, theta, x.device).to(compute)
+    if inv_freq is None:
+        inv_freq = rope_inverse_frequencies(head_dim, theta, x.device)
+    inv_freq = inv_freq.to(compute)
     if positions is None:
         positions = torch.arange(x.shape[1], device=x.device)[None, :]
     angles = positions.to(compute)[:, :, None] * inv_freq
@@ -190,7 +202,8 @@ class TransformerBlock(nn.Module):
     ``n_kv_heads`` key/value heads (GQA when fewer), through F.scaled_dot_product_attention; the
     qkv projection packs [q heads | k heads | v heads] along its output. With ``rope_theta`` set,
     q and k get rotary embeddings (``rope``). ``window`` and ``softcap`` are attention's
-    (``fused_remat.attention``; a model alternating local and global layers sets them per layer).
+    (``fused_remat.attention``; a model alternating local and global layers sets them per layer);
+    ``attention_scale`` its softmax scale (None: head_dim ** -0.5).
     ``activation="swiglu"`` makes fc1 the
     packed [gate | up] projection of width 2 * ffn_dim and computes silu(gate) * up; fc2 is the down
     projection. ffn_dim defaults to 4 * dim (GELU) or LLaMA's rounded 8/3 * dim (SwiGLU). ``bias``
@@ -206,11 +219,13 @@ class TransformerBlock(nn.Module):
     def __init__(self, dim: int, n_heads: int, *, n_kv_heads: int | None = None, ffn_dim: int | None = None,
                  norm: str = "layernorm", activation: str = "gelu", bias: bool = True, causal: bool = True,
                  eps: float = 1e-5, rope_theta: float | None = None, window: tuple[int, int] = (-1, -1),
-                 softcap: float = 0.0, remat: Remat | str = Remat.NONE, device=None, dtype=None):
+                 softcap: float = 0.0, attention_scale: float | None = None, remat: Remat | str = Remat.NONE,
+                 device=None, dtype=None):
         super().__init__()
         self.remat = remat
         self.window = check_window("TransformerBlock", window)
         self.softcap = check_softcap("TransformerBlock", softcap)
+        self.attention_scale = check_attention_scale("TransformerBlock", attention_scale)
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         _check_block_config(dim, n_heads, n_kv_heads, ffn_dim, norm, activation, eps, rope_theta)
         self.dim, self.n_heads, self.n_kv_heads = dim, n_heads, n_kv_heads
@@ -241,19 +256,24 @@ class TransformerBlock(nn.Module):
         return nn.LayerNorm(self.dim, eps=self.eps, bias=bias, **factory)
 
     def forward(self, x: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, rope_inv_freq: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, N, dim). ``cu_seqlens``: documents packed in the B N tokens (int32 offsets, as
         ``attention_varlen``'s; each attends only within itself, and RoPE restarts at each);
         ``max_seqlen`` their longest length (read from the offsets when None); ``position_ids``
-        (B, N) ints: RoPE's positions instead."""
-        max_seqlen = self._check_sequences(x, cu_seqlens, max_seqlen, position_ids)
+        (B, N) ints: RoPE's positions instead; ``rope_inv_freq`` ((head_dim / 2,) fp32): RoPE's
+        inverse frequencies instead of rope_theta's, for scaled RoPE (the block must have RoPE)."""
+        max_seqlen = self._check_sequences(x, cu_seqlens, max_seqlen, position_ids, rope_inv_freq)
         if self.remat.replays and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(self._eager, x, cu_seqlens, max_seqlen, position_ids,
-                                                     use_reentrant=False)
-        return self._eager(x, cu_seqlens, max_seqlen, position_ids)
+                                                     rope_inv_freq, use_reentrant=False)
+        return self._eager(x, cu_seqlens, max_seqlen, position_ids, rope_inv_freq)
 
-    def _check_sequences(self, x, cu_seqlens, max_seqlen, position_ids) -> int:
-        """The longest document (0 without documents), after checking the documents' arguments."""
+    def _check_sequences(self, x, cu_seqlens, max_seqlen, position_ids, rope_inv_freq) -> int:
+        """The longest document (0 without documents), after checking the documents' and RoPE's arguments."""
+        if rope_inv_freq is not None:
+            if self.rope_theta is None:
+                raise ValueError("TransformerBlock: rope_inv_freq is given to a block without RoPE (rope_theta=None)")
+            check_rope_inv_freq("TransformerBlock", rope_inv_freq, self.head_dim, x.device)
         if position_ids is not None:
             check_position_ids("TransformerBlock", position_ids, x.shape[:2], x.device)
         if cu_seqlens is None:
@@ -262,20 +282,21 @@ class TransformerBlock(nn.Module):
             return 0
         return check_documents("TransformerBlock", cu_seqlens, x.shape[0] * x.shape[1], x.device, max_seqlen)
 
-    def _eager(self, x: torch.Tensor, cu_seqlens=None, max_seqlen: int = 0, position_ids=None) -> torch.Tensor:
-        h = x + self._attention(self.norm1(x), cu_seqlens, max_seqlen, position_ids)
+    def _eager(self, x: torch.Tensor, cu_seqlens=None, max_seqlen: int = 0, position_ids=None,
+               rope_inv_freq=None) -> torch.Tensor:
+        h = x + self._attention(self.norm1(x), cu_seqlens, max_seqlen, position_ids, rope_inv_freq)
         return h + self.fc2(self._activate(self.fc1(self.norm2(h))))
 
-    def _attention(self, y: torch.Tensor, cu_seqlens, max_seqlen: int, position_ids) -> torch.Tensor:
+    def _attention(self, y: torch.Tensor, cu_seqlens, max_seqlen: int, position_ids, rope_inv_freq) -> torch.Tensor:
         batch, seq, _ = y.shape
         heads = self.qkv(y).view(batch, seq, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
         q, k, v = heads.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)
         if self.rope_theta is not None:
             if position_ids is None and cu_seqlens is not None:
                 position_ids = document_positions(cu_seqlens, batch * seq).view(batch, seq)
-            q = rope(q, self.rope_theta, positions=position_ids)
-            k = rope(k, self.rope_theta, positions=position_ids)
-        mask = dict(causal=self.causal, window=self.window, softcap=self.softcap)
+            q = rope(q, self.rope_theta, positions=position_ids, inv_freq=rope_inv_freq)
+            k = rope(k, self.rope_theta, positions=position_ids, inv_freq=rope_inv_freq)
+        mask = dict(causal=self.causal, scale=self.attention_scale, window=self.window, softcap=self.softcap)
         if cu_seqlens is not None:
             o = attention_varlen(*(t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v)), cu_seqlens, cu_seqlens,
                                  max_seqlen, max_seqlen, **mask)
@@ -284,7 +305,7 @@ class TransformerBlock(nn.Module):
         else:
             o = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                is_causal=self.causal, enable_gqa=self.n_kv_heads != self.n_heads,
+                is_causal=self.causal, scale=self.attention_scale, enable_gqa=self.n_kv_heads != self.n_heads,
             ).transpose(1, 2)
         return self.out_proj(o.reshape(batch, seq, self.dim))
 
@@ -298,12 +319,14 @@ class TransformerBlock(nn.Module):
         """The constructor's keyword arguments that rebuild this block (any block class of either twin)."""
         return dict(dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, ffn_dim=self.ffn_dim,
                     norm=self.norm, activation=self.activation, bias=self.has_bias, causal=self.causal,
-                    eps=self.eps, rope_theta=self.rope_theta, window=self.window, softcap=self.softcap)
+                    eps=self.eps, rope_theta=self.rope_theta, window=self.window, softcap=self.softcap,
+                    attention_scale=self.attention_scale)
 
     def extra_repr(self) -> str:
         rope_text = "" if self.rope_theta is None else f", rope_theta={self.rope_theta:g}"
         mask_text = ("" if self.window == (-1, -1) else f", window={self.window}") + (
-            f", softcap={self.softcap:g}" if self.softcap else "")
+            f", softcap={self.softcap:g}" if self.softcap else "") + (
+            "" if self.attention_scale is None else f", attention_scale={self.attention_scale:g}")
         return (f"dim={self.dim}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, ffn_dim={self.ffn_dim}, "
                 f"norm={self.norm!r}, activation={self.activation!r}, causal={self.causal}{rope_text}{mask_text}")
 

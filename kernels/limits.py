@@ -148,6 +148,30 @@ def check_softcap(op: str, softcap) -> float:
     return float(softcap)
 
 
+def check_attention_scale(op: str, attention_scale) -> float | None:
+    """A block's ``attention_scale``: None (head_dim ** -0.5) or a finite real number > 0, as a float."""
+    if attention_scale is None:
+        return None
+    if (isinstance(attention_scale, bool) or not isinstance(attention_scale, numbers.Real)
+            or not math.isfinite(attention_scale) or attention_scale <= 0):
+        raise ValueError(f"{op}: attention_scale must be a finite real number > 0 or None, got {attention_scale!r}")
+    return float(attention_scale)
+
+
+def check_rope_inv_freq(op: str, rope_inv_freq, head_dim: int, device: torch.device) -> None:
+    """``rope_inv_freq``: RoPE's inverse frequencies, an fp32 tensor of shape (head_dim / 2,) on ``device``
+    (its values are not read: that would cost a host sync per layer)."""
+    if not isinstance(rope_inv_freq, torch.Tensor):
+        raise TypeError(f"{op}: rope_inv_freq must be a torch.Tensor, got {type(rope_inv_freq).__name__}")
+    if rope_inv_freq.dtype != torch.float32:
+        raise TypeError(f"{op}: rope_inv_freq must be float32, got {rope_inv_freq.dtype}")
+    if tuple(rope_inv_freq.shape) != (head_dim // 2,):
+        raise ValueError(f"{op}: rope_inv_freq must have shape (head_dim / 2,) = ({head_dim // 2},), got "
+                         f"{tuple(rope_inv_freq.shape)} (RoPE over part of the head is not supported)")
+    if rope_inv_freq.device != device:
+        raise ValueError(f"{op}: rope_inv_freq is on {rope_inv_freq.device} but x is on {device}")
+
+
 def check_varlen_args(op: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=None) -> float:
     """Validate the arguments of a variable-length attention op and return the softmax scale to use.
 

@@ -33,26 +33,31 @@ CASES = [
     (dict(norm="rmsnorm", activation="swiglu", rope=True, window=(8, -1)), 2, 45, [45, 20, 25], None),
     (dict(window=(5, 5), softcap=4.0, causal=False), 2, 30, None, None),
     (dict(rope=True, softcap=3.0), 2, 24, [24, 24], "random"),
+    # scaled RoPE (frequencies given, as Llama 3's or YaRN's) with YaRN's larger softmax scale
+    (dict(rope=True, kv_heads=1, attention_scale=0.41), 2, 26, [9, 30, 13], "scaled"),
 ]
 
 
 def _case_id(case):
     options, batch, seq, lengths, positions = case
     text = "-".join(f"{k}{v}" for k, v in options.items())
-    return f"{text}-{batch}x{seq}-{'docs' if lengths else 'dense'}{'-positions' if positions else ''}"
+    return f"{text}-{batch}x{seq}-{'docs' if lengths else 'dense'}{'-' + positions if positions else ''}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_block_on_documents_matches_its_twin_for_every_policy(case, device, triton_backend):
     options, batch, seq, lengths, positions = case
     options = dict(options)
-    mask = {k: options.pop(k) for k in ("window", "softcap") if k in options}
+    mask = {k: options.pop(k) for k in ("window", "softcap", "attention_scale") if k in options}
     config = dict(_config(**options), **mask)
     sequences = {}
     if lengths:
         sequences["cu_seqlens"] = _offsets(lengths, device)
-    if positions:
+    if positions == "random":
         sequences["position_ids"] = torch.randint(0, 500, (batch, seq), device=device)
+    if positions == "scaled":
+        head_dim = config["dim"] // config["n_heads"]
+        sequences["rope_inv_freq"] = torch.rand(head_dim // 2, device=device) ** 3
     ref = _reference_block(config, device)
     x, dy = (torch.randn(batch, seq, config["dim"], device=device) for _ in range(2))
     y64, grads64 = _run(copy.deepcopy(ref).double(), x.double(), dy.double(), **sequences)
@@ -115,3 +120,13 @@ def test_document_arguments_are_checked(device, triton_backend):
         type(block)(32, 2, window=(3,))
     with pytest.raises(ValueError, match="softcap must be a finite real number >= 0"):
         type(block)(32, 2, softcap=-1.0)
+    with pytest.raises(ValueError, match="attention_scale must be a finite real number > 0 or None"):
+        type(block)(32, 2, attention_scale=0.0)
+    head_dim = config["dim"] // config["n_heads"]
+    with pytest.raises(ValueError, match=r"rope_inv_freq must have shape \(head_dim / 2,\) = \(8,\).*part of the head"):
+        block(x, rope_inv_freq=torch.ones(head_dim // 4, device=device))
+    with pytest.raises(TypeError, match="rope_inv_freq must be float32"):
+        block(x, rope_inv_freq=torch.ones(head_dim // 2, device=device, dtype=torch.float64))
+    no_rope = _config()
+    with pytest.raises(ValueError, match=r"rope_inv_freq is given to a block without RoPE \(rope_theta=None\)"):
+        _fused_block(_reference_block(no_rope, device), no_rope, "cheap")(x, rope_inv_freq=torch.ones(8, device=device))

@@ -71,5 +71,5 @@ def test_the_custom_ops_take_the_policy_by_name_and_get_the_member_back():
                       activation="gelu", causal=True, eps=1e-5, rope_theta=None, remat=Remat.OFFLOAD,
                       compute_dtype=torch.float32)
     args = call.op_args()
-    assert type(args[5]) is str and args[5] == "offload", "an operator's schema takes a plain string"
+    assert type(args[4]) is str and args[4] == "offload", "an operator's schema takes a plain string"
     assert _BlockCall.from_op_args(*args) == call
