@@ -4,13 +4,32 @@
 
     model = transformers.AutoModelForCausalLM.from_pretrained(...)
     apply_fused_remat(model, remat="cheap")   # in place; build the optimizer after this
-    ...train with model(input_ids, labels=labels).loss...
-    revert_fused_remat(model)                 # Hugging Face layers again, with the trained weights
-    model.save_pretrained(...)
+    ...train with model(input_ids, attention_mask=mask, labels=labels).loss, or transformers.Trainer...
+    model.save_pretrained(...)                # Hugging Face's own layout, patched or not
 
 Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` (any
 ``config.model_type`` of llama, mistral, qwen2) and ``GPT2LMHeadModel`` (gpt2). Every decoder layer
-becomes a ``FusedDecoderLayer``, a ``fused_remat.TransformerBlock`` that takes the layer's call.
+becomes a ``FusedDecoderLayer``, a ``fused_remat.TransformerBlock``, and the base model's forward
+becomes fused_remat's (``_FusedBaseForward``): embeddings, the layers, the final norm.
+
+Batches. The base model's forward turns what Hugging Face hands it into documents for the block's
+variable-length attention, so each example attends only to itself, exactly:
+- ``attention_mask`` (B, N) with padding (left, right, or holes): the masked tokens are dropped
+  before the first layer and the outputs put back (zeros at the masked places: what the model
+  computes there is nobody's prediction). Positions are the ``position_ids`` given, else 0..N-1 per
+  row, as Hugging Face's.
+- packed examples (``DataCollatorWithFlattening``): ``position_ids`` that restart (a position not
+  above the one before it starts a new example; the unpatched SDPA model attends across them), or
+  FlashAttention's ``cu_seq_lens_q``/``cu_seq_lens_k`` (equal; batch 1).
+- RoPE comes from the model's own rotary embedding, called as the model calls it (so dynamic and
+  LongRoPE frequencies follow the sequence length): its ``inv_freq`` goes to the block per call and
+  its ``attention_scaling`` s (YaRN, LongRoPE) becomes the block's softmax scale s^2 / sqrt(head_dim).
+  Every ``rope_type`` the installed transformers has is therefore the model's own; RoPE over part of
+  the head is refused.
+- sliding windows (Mistral, Qwen2 ``use_sliding_window``, per-layer ``layer_types``) run as the
+  block's window, ``sliding_window - 1`` keys back.
+- ``num_items_in_batch`` (Hugging Face's ``Trainer``) and other loss-only keywords pass through to
+  the loss.
 
 Weights. The block keeps one packed qkv projection ([q heads | k heads | v heads]) and, for SwiGLU,
 one packed fc1 ([gate | up]); separate Hugging Face tensors cannot be views of one packed tensor, so
@@ -18,9 +37,10 @@ one packed fc1 ([gate | up]); separate Hugging Face tensors cannot be views of o
 the layer's parameters, and drops the Hugging Face layer, which frees the originals unless something
 else (an optimizer built earlier) still holds them. GPT-2's Conv1D weights are stored (in, out) and
 are copied transposed (c_attn is already packed qkv). Norm weights, o_proj and down_proj are taken
-over without a copy. Memory: while it runs, one layer's copied weights exist twice (Llama-style:
-dim x (Hq + 2 Hkv) x head_dim + 2 x dim x ffn elements); afterwards the model holds what it held
-before. ``revert_fused_remat`` splits (and for GPT-2 transposes) them back the same way.
+over without a copy. ``revert_fused_remat`` splits (and for GPT-2 transposes) them back the same way.
+``state_dict()`` (hence ``save_pretrained`` and ``torch.save(model.state_dict())``) gives Hugging
+Face's names and layouts, split into copies, and ``load_state_dict`` takes them back: a patched
+model saves what ``from_pretrained`` of the unpatched class loads.
 
 Biases. The block's ``bias`` switches all its biases together. Where the Hugging Face layer lacks
 some (Qwen2: biases on q, k, v only; Llama with ``attention_bias=True``: on q, k, v, o), the block is
@@ -29,38 +49,44 @@ built with ``bias=True`` and the missing ones are zero tensors with ``requires_g
 real parameters get the same gradients. A forward refuses to run if one of them was made trainable
 (``model.requires_grad_(True)``), and revert refuses if one is no longer zero.
 
+Adapters. The block reads its weights directly, so a module wrapped around one of the layer's
+linear layers or norms (PEFT's LoRA, a quantized linear layer, a forward hook) would be bypassed:
+such a layer is refused when patching, and a wrapper or hook added to a fused layer afterwards is
+refused at its next forward. Merge adapters first (``merge_and_unload``).
+
 Refused with ``UnsupportedByFusedBlock`` (a ValueError naming the input), never silently wrong:
-an ``attention_mask`` with padding (all-ones masks are fine) or of 4 dimensions; ``position_ids`` or
-``cache_position`` other than 0..N-1 in every row (also packed sequences); a KV cache:
-``past_key_values`` (``cache`` in recent transformers), ``use_cache=True`` (``use_cache`` left unset means False on a patched model,
-so ``model.generate()`` needs ``use_cache=False`` and then gives the unpatched model's tokens);
-``output_attentions`` and ``output_hidden_states``; a sliding window shorter than the sequence;
-dropout > 0 in training mode (attention or residual dropout; GPT-2's embedding dropout is outside the
-layers and still applies); RoPE types other than default, partial rotary, a head_dim other than
-hidden_size / num_attention_heads, activations other than SiLU (Llama family) or gelu / gelu_new /
-gelu_pytorch_tanh (GPT-2), GPT-2 cross-attention, ``scale_attn_by_inverse_layer_idx`` or unscaled
-attention; any other keyword the layer is handed that it does not know (flash-attention varlen
-arguments, for example).
+a KV cache (``past_key_values``/``cache``, ``use_cache=True``; ``use_cache`` left unset means False
+on a patched model, so ``generate()`` needs ``use_cache=False``); a 4-D ``attention_mask``;
+``output_attentions`` and ``output_hidden_states``; dropout > 0 in training mode (attention or
+residual dropout; GPT-2's embedding dropout is outside the layers and still applies); partial
+rotary, a head_dim other than hidden_size / num_attention_heads, activations other than SiLU (Llama
+family) or gelu / gelu_new / gelu_pytorch_tanh (GPT-2), GPT-2 cross-attention,
+``scale_attn_by_inverse_layer_idx`` or unscaled attention; any other keyword the model is handed
+that it does not know. A fused layer called on its own (not through the model) takes no arguments
+but the hidden states, and only without RoPE (GPT-2): RoPE's frequencies come from the model.
 
 Checkpointing. ``model.gradient_checkpointing_enable()`` (or ``activation_checkpointing_enable``)
 sets every fused layer to ``remat="full"`` (keeps only the layer input; ``every_n_layers`` is not
 honoured: every layer goes full), and disabling sets them back to the ``remat`` given here. The
 Hugging Face checkpoint wrapper never runs around a fused layer.
 
+Whole-model operations: ``copy.deepcopy`` gives an independent patched model, ``torch.save(model)``
+and pickle work (nothing patched is a closure), ``model.to()`` moves the fused layers with the rest.
+
 Version: the layer's call signature and return value (a tensor, or a 1-tuple on older GPT-2) are read
 from the installed ``transformers`` when patching; plain attributes of the layer that the model reads
-(Qwen2's ``attention_type`` in 4.x) are carried over. Tested with transformers 4.57.6 and 5.23.0. ``save_pretrained`` of a patched model writes the packed layout: revert first.
+(Qwen2's ``attention_type`` in 4.x) are carried over. Tested with transformers 4.57.6 and 5.24.0.
 """
 
 from __future__ import annotations
 
-import contextvars
 import inspect
 from dataclasses import dataclass
 
 import torch
 import transformers  # noqa: F401  (the integration needs it; importing fails early without it)
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from fused_remat import TransformerBlock
 from fused_remat.remat import Remat
@@ -72,8 +98,9 @@ class UnsupportedByFusedBlock(ValueError):
     """The fused block cannot compute what the Hugging Face model would for this model or input."""
 
 
-def _refuse(what: str, why: str) -> UnsupportedByFusedBlock:
-    return UnsupportedByFusedBlock(f"fused_remat: {what}: {why} (revert_fused_remat(model) to run it on Hugging Face's layers)")
+def _refuse(what: str, why: str, patched: bool = True) -> UnsupportedByFusedBlock:
+    advice = " (revert_fused_remat(model) to run it on Hugging Face's layers)" if patched else ""
+    return UnsupportedByFusedBlock(f"fused_remat: {what}: {why}{advice}")
 
 
 # --- what each architecture looks like ---------------------------------------------------------
@@ -95,6 +122,7 @@ _GPT2_PARTS = {
     "fc2": ("mlp.c_proj",),
 }
 _GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+_LINEAR_PARTS = ("qkv", "out_proj", "fc1", "fc2")
 
 
 def _config_value(config, name, default=None):
@@ -103,32 +131,37 @@ def _config_value(config, name, default=None):
 
 
 def _rope_theta(config) -> float:
-    """The default-RoPE base, from ``rope_parameters`` (transformers 5) or ``rope_theta`` and
-    ``rope_scaling`` (4.x); anything but plain RoPE over the whole head is refused."""
-    params = getattr(config, "rope_parameters", None)
-    if params is None:
-        params = dict(getattr(config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(config, "rope_theta", None))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in (None, "default"):
-        raise _refuse(f"RoPE type {rope_type!r}", "the block applies default RoPE only (no scaling)")
-    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
-    if partial not in (None, 1, 1.0):
-        raise _refuse(f"partial_rotary_factor={partial}", "the block rotates the whole head")
-    theta = params.get("rope_theta")
-    if not isinstance(theta, (int, float)):
-        raise _refuse(f"RoPE parameters {params!r}", "no single rope_theta found")
-    return float(theta)
+    """The RoPE base the config names (``rope_parameters`` in transformers 5, ``rope_theta`` in 4.x),
+    for the block's repr and its own RoPE switch; the frequencies themselves come from the model."""
+    params = getattr(config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    return float(theta) if isinstance(theta, (int, float)) and theta > 1 else 10000.0
 
 
-def _llama_block(config, layer_idx: int) -> tuple[dict, float, int | None]:
-    """Block kwargs (bias decided later from the modules), dropout, sliding window of one layer."""
+def _rotary_attention_scale(base: nn.Module, head_dim: int) -> float | None:
+    """The block's softmax scale for the model's rotary embedding: its cos/sin factor s (YaRN,
+    LongRoPE) scales q and k, so the scores by s^2. Refuses RoPE over part of the head."""
+    rotary = getattr(base, "rotary_emb", None)
+    inv_freq = getattr(rotary, "inv_freq", None)
+    if not isinstance(inv_freq, torch.Tensor):
+        raise _refuse(f"{type(base).__name__} without a rotary_emb.inv_freq", "the block takes RoPE's frequencies from it",
+                      patched=False)
+    if 2 * inv_freq.numel() != head_dim:
+        raise _refuse(f"RoPE over {2 * inv_freq.numel()} of the head's {head_dim} dims (partial_rotary_factor)",
+                      "the block rotates the whole head", patched=False)
+    scaling = float(getattr(rotary, "attention_scaling", 1.0))
+    return None if scaling == 1.0 else scaling**2 * head_dim**-0.5
+
+
+def _llama_block(config, layer_idx: int, base: nn.Module) -> tuple[dict, float]:
+    """Block kwargs (bias decided later from the modules) and dropout of one layer."""
     heads = config.num_attention_heads
     head_dim = _config_value(config, "head_dim", config.hidden_size // heads)
     if head_dim * heads != config.hidden_size:
-        raise _refuse(f"head_dim={head_dim}", f"the block needs hidden_size / num_attention_heads = {config.hidden_size // heads}")
+        raise _refuse(f"head_dim={head_dim}", f"the block needs hidden_size / num_attention_heads = "
+                      f"{config.hidden_size // heads}", patched=False)
     if config.hidden_act != "silu":
-        raise _refuse(f"hidden_act={config.hidden_act!r}", "the block's gated MLP is SwiGLU (silu)")
+        raise _refuse(f"hidden_act={config.hidden_act!r}", "the block's gated MLP is SwiGLU (silu)", patched=False)
     window = _config_value(config, "sliding_window")
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None and layer_types[layer_idx] != "sliding_attention":
@@ -137,34 +170,65 @@ def _llama_block(config, layer_idx: int) -> tuple[dict, float, int | None]:
         window = None
     kwargs = dict(dim=config.hidden_size, n_heads=heads, n_kv_heads=_config_value(config, "num_key_value_heads", heads),
                   ffn_dim=config.intermediate_size, norm="rmsnorm", activation="swiglu", eps=config.rms_norm_eps,
-                  rope_theta=_rope_theta(config))
-    return kwargs, float(_config_value(config, "attention_dropout", 0.0)), window
+                  rope_theta=_rope_theta(config), attention_scale=_rotary_attention_scale(base, head_dim),
+                  window=(-1, -1) if window is None else (window - 1, 0))  # Hugging Face: key > query - window
+    return kwargs, float(_config_value(config, "attention_dropout", 0.0))
 
 
-def _gpt2_block(config, layer_idx: int) -> tuple[dict, float, int | None]:
+def _gpt2_block(config, layer_idx: int, base: nn.Module) -> tuple[dict, float]:
     activation = _GPT2_ACTIVATIONS.get(config.activation_function)
     if activation is None:
-        raise _refuse(f"activation_function={config.activation_function!r}", f"the block supports {sorted(_GPT2_ACTIVATIONS)}")
+        raise _refuse(f"activation_function={config.activation_function!r}", f"the block supports {sorted(_GPT2_ACTIVATIONS)}",
+                      patched=False)
     for name, wanted in (("add_cross_attention", False), ("scale_attn_by_inverse_layer_idx", False), ("scale_attn_weights", True)):
         if bool(getattr(config, name, wanted)) != wanted:
-            raise _refuse(f"{name}={not wanted}", "the block's attention is causal self-attention scaled by 1/sqrt(head_dim)")
+            raise _refuse(f"{name}={not wanted}", "the block's attention is causal self-attention scaled by 1/sqrt(head_dim)",
+                          patched=False)
     kwargs = dict(dim=config.hidden_size, n_heads=config.num_attention_heads, ffn_dim=_config_value(config, "n_inner", 4 * config.hidden_size),
                   norm="layernorm", activation=activation, eps=config.layer_norm_epsilon, rope_theta=None)
-    return kwargs, float(max(config.attn_pdrop, config.resid_pdrop)), None
+    return kwargs, float(max(config.attn_pdrop, config.resid_pdrop))
+
+
+def _llama_embed(base: nn.Module, batch: _Batch) -> torch.Tensor:
+    return base.embed_tokens(batch.input_ids) if batch.inputs_embeds is None else batch.inputs_embeds
+
+
+def _gpt2_embed(base: nn.Module, batch: _Batch) -> torch.Tensor:
+    tokens = base.wte(batch.input_ids) if batch.inputs_embeds is None else batch.inputs_embeds
+    hidden = tokens + base.wpe(batch.positions)
+    if batch.token_type_ids is not None:
+        hidden = hidden + base.wte(batch.token_type_ids)
+    return base.drop(hidden)
+
+
+def _llama_rope(base: nn.Module, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """RoPE's inverse frequencies for this call: the rotary embedding runs as the model runs it
+    (which updates dynamic and LongRoPE frequencies for the positions), then its ``inv_freq`` is
+    read as it reads it, in fp32."""
+    base.rotary_emb(hidden, positions)
+    return base.rotary_emb.inv_freq.to(device=hidden.device, dtype=torch.float32)
+
+
+def _no_rope(base: nn.Module, hidden: torch.Tensor, positions: torch.Tensor) -> None:
+    return None
 
 
 @dataclass(frozen=True)
 class _Architecture:
     layers: str  # attribute of the base model holding the decoder layers
+    final_norm: str  # attribute of the base model holding the norm after the layers
     parts: dict  # fused block module -> Hugging Face modules packed into it, in order
-    block: object  # (config, layer_idx) -> (block kwargs, dropout, sliding window)
+    block: object  # (config, layer_idx, base) -> (block kwargs, dropout)
+    embed: object  # (base, _Batch) -> hidden states (B, N, dim) before the first layer
+    rope: object  # (base, hidden, positions) -> RoPE's inverse frequencies, or None without RoPE
 
 
+_LLAMA = _Architecture("layers", "norm", _LLAMA_PARTS, _llama_block, _llama_embed, _llama_rope)
 _ARCHITECTURES = {
-    "llama": _Architecture("layers", _LLAMA_PARTS, _llama_block),
-    "mistral": _Architecture("layers", _LLAMA_PARTS, _llama_block),
-    "qwen2": _Architecture("layers", _LLAMA_PARTS, _llama_block),
-    "gpt2": _Architecture("h", _GPT2_PARTS, _gpt2_block),
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "qwen2": _LLAMA,
+    "gpt2": _Architecture("h", "ln_f", _GPT2_PARTS, _gpt2_block, _gpt2_embed, _no_rope),
 }
 
 
@@ -180,19 +244,32 @@ class _Piece:
     transposed: bool
 
 
+def _check_plain(module: nn.Module, source: str, fused: str, layer_name: str) -> None:
+    """Refuses a module the block would bypass by reading its weights: an adapter or quantized
+    layer around a linear layer, any module with children, or one with hooks."""
+    wrapped = type(module) not in (nn.Linear, Conv1D) if fused in _LINEAR_PARTS else any(True for _ in module.children())
+    if wrapped or module._forward_hooks or module._forward_pre_hooks:
+        what = f"hooks on {source}" if not wrapped else f"{source} is a {type(module).__module__}.{type(module).__name__}"
+        raise _refuse(f"{layer_name}: {what}", "the fused block reads the weights directly and would bypass it; merge "
+                      "adapters first (merge_and_unload) or apply them to the unpatched model", patched=False)
+
+
 def _pack(layer: nn.Module, parts: dict) -> tuple[dict, dict]:
     """The fused block's state (name -> tensor) from a Hugging Face layer, and where every piece came from."""
     state, layout = {}, {}
     for fused, sources in parts.items():
         modules = [layer.get_submodule(source) for source in sources]
+        for source, module in zip(sources, modules):
+            _check_plain(module, source, fused, type(layer).__name__)
         for attr in ("weight", "bias"):
             params = [getattr(module, attr, None) for module in modules]
             if all(p is None for p in params):
                 continue
             name = f"{fused}.{attr}"
             if any(p is None for p in params) or len({p.requires_grad for p in params}) > 1:
-                raise _refuse(f"{name} from {', '.join(sources)}", "some of the pieces packed into it lack a bias or are frozen while others are not")
-            transposed = [attr == "weight" and type(m).__name__ == "Conv1D" for m in modules]
+                raise _refuse(f"{name} from {', '.join(sources)}", "some of the pieces packed into it lack a bias or are "
+                              "frozen while others are not", patched=False)
+            transposed = [attr == "weight" and isinstance(m, Conv1D) for m in modules]
             tensors = [p.detach().t() if t else p.detach() for p, t in zip(params, transposed)]
             state[name] = (tensors[0] if len(tensors) == 1 else torch.cat(tensors)).contiguous()
             state[name].requires_grad_(params[0].requires_grad)
@@ -200,25 +277,204 @@ def _pack(layer: nn.Module, parts: dict) -> tuple[dict, dict]:
     return state, layout
 
 
+def _huggingface_state_dict(layer: FusedDecoderLayer, state_dict: dict, prefix: str, local_metadata) -> None:
+    """state_dict hook: the packed parameters split into Hugging Face's names and layouts (copies,
+    so that no two entries share storage), the zero stand-in biases left out."""
+    for name in layer._zero_biases:
+        state_dict.pop(prefix + name, None)
+    for name, pieces in layer._layout.items():
+        packed = state_dict.pop(prefix + name, None)
+        if packed is None:
+            continue
+        for piece, part in zip(pieces, packed.split([p.rows for p in pieces])):
+            part = part.t() if piece.transposed else part
+            copy = len(pieces) > 1 or piece.transposed
+            state_dict[prefix + piece.name] = part.clone(memory_format=torch.contiguous_format) if copy else part
+
+
+def _packed_state_dict(layer: FusedDecoderLayer, state_dict: dict, prefix: str, *_) -> None:
+    """load_state_dict pre-hook: Hugging Face's names and layouts packed into the block's, and the
+    zero stand-in biases filled in from the layer (they are not in a Hugging Face state dict)."""
+    for name, pieces in layer._layout.items():
+        keys = [prefix + piece.name for piece in pieces]
+        if not all(key in state_dict for key in keys):
+            continue
+        parts = [state_dict.pop(key) for key in keys]
+        parts = [part.t() if piece.transposed else part for part, piece in zip(parts, pieces)]
+        state_dict[prefix + name] = parts[0] if len(parts) == 1 else torch.cat(parts)
+    for name in layer._zero_biases:
+        state_dict.setdefault(prefix + name, layer.get_parameter(name).detach())
+
+
+# --- the batch, as the fused layers run it ------------------------------------------------------
+
+@dataclass
+class _Batch:
+    """A base-model call's tokens, and the documents the fused layers attend within.
+
+    ``positions`` (B, N): each token's position (the given ``position_ids``, else 0..N-1 per row).
+    ``kept``: flat indices of the tokens that run, where an ``attention_mask`` masks some, else None.
+    ``cu_seqlens`` (int32) and ``max_seqlen``: the documents the running tokens are packed into, or
+    None when every row is one sequence."""
+
+    input_ids: torch.Tensor | None
+    inputs_embeds: torch.Tensor | None
+    token_type_ids: torch.Tensor | None
+    positions: torch.Tensor
+    position_ids_given: bool
+    kept: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.positions.shape)
+
+    def pack(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, N, dim) -> the tensor the layers run: (1, T, dim) over documents, else as it is."""
+        if self.cu_seqlens is None:
+            return hidden
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        return (flat if self.kept is None else flat[self.kept]).unsqueeze(0)
+
+    def layer_positions(self) -> torch.Tensor | None:
+        """RoPE's positions for the running tokens; None where they are 0..N-1 in every row."""
+        if self.cu_seqlens is not None:
+            flat = self.positions.reshape(-1)
+            return (flat if self.kept is None else flat[self.kept]).unsqueeze(0)
+        return self.positions if self.position_ids_given else None
+
+    def unpack(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The layers' output back to (B, N, dim), zeros where the attention_mask masked a token."""
+        batch, seq = self.shape
+        if self.kept is None:
+            return hidden.view(batch, seq, hidden.shape[-1])
+        flat = hidden.new_zeros(batch * seq, hidden.shape[-1]).index_copy(0, self.kept, hidden[0])
+        return flat.view(batch, seq, hidden.shape[-1])
+
+
+@dataclass(frozen=True)
+class _LayerCall:
+    """What the base forward hands every fused layer besides the hidden states."""
+
+    cu_seqlens: torch.Tensor | None
+    max_seqlen: int | None
+    position_ids: torch.Tensor | None
+    rope_inv_freq: torch.Tensor | None
+
+
+# The keyword under which the patched base forward hands a fused layer its _LayerCall: through the
+# module call, so that hooks others put on the layer (accelerate's device placement) still run.
+_LAYER_CALL = "fused_remat_layer_call"
+
+_NO_CACHE = "the block keeps no KV cache; pass use_cache=False (to generate() too)"
+# transformers 5.2x names the cache argument ``cache``; earlier versions ``past_key_values``.
+_CACHE_ARGUMENTS = {"use_cache": "use_cache=True", "past_key_values": "past_key_values", "cache": "cache (past_key_values)"}
+# Read by the model's loss, which the causal-LM forward hands the base model too (Trainer passes it).
+_LOSS_ONLY = frozenset({"num_items_in_batch"})
+# Arguments _batch_of reads; everything else must be absent, None or False.
+_READ = frozenset({"input_ids", "inputs_embeds", "token_type_ids", "attention_mask", "position_ids", "cache_position",
+                   "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "return_dict"})
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"<tensor {tuple(value.shape)}>"
+    text = repr(value)
+    return text if len(text) < 60 else f"<{type(value).__name__}>"
+
+
+def _check_unread(arguments: dict, config) -> None:
+    for name, value in arguments.items():
+        if name in _READ or name in _LOSS_ONLY or value is None or value is False:
+            continue
+        if name == "is_causal" and value is True:
+            continue
+        if name in _CACHE_ARGUMENTS:
+            raise _refuse(_CACHE_ARGUMENTS[name], _NO_CACHE)
+        raise _refuse(f"{name}={_describe(value)}", "the fused decoder layers cannot honour it")
+    for flag in ("output_attentions", "output_hidden_states"):
+        if arguments.get(flag) is None and getattr(config, flag, False):
+            raise _refuse(f"config.{flag}=True", "the fused layers do not record per-layer outputs")
+
+
+def _packed_offsets(arguments: dict, tokens: int) -> torch.Tensor:
+    """FlashAttention's packed-batch offsets (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``)."""
+    cu_q, cu_k = arguments.get("cu_seq_lens_q"), arguments.get("cu_seq_lens_k")
+    if cu_q is None or (cu_k is not None and (cu_k.shape != cu_q.shape or not bool((cu_k == cu_q).all()))):
+        raise _refuse("cu_seq_lens_k without equal cu_seq_lens_q", "the block runs self-attention within each document")
+    if cu_q.dim() != 1 or cu_q.numel() < 2 or int(cu_q[0]) != 0 or int(cu_q[-1]) != tokens:
+        raise _refuse(f"cu_seq_lens_q={_describe(cu_q)}", f"offsets from 0 to the {tokens} tokens of a batch of one row")
+    return cu_q.to(torch.int32)
+
+
+def _batch_of(arguments: dict, config) -> _Batch:
+    """The documents of one base-model call, after refusing what the block cannot honour."""
+    _check_unread(arguments, config)
+    input_ids, embeds = arguments.get("input_ids"), arguments.get("inputs_embeds")
+    if (input_ids is None) == (embeds is None):
+        raise ValueError("fused_remat: give exactly one of input_ids and inputs_embeds")
+    shape = tuple(input_ids.shape if embeds is None else embeds.shape[:-1])
+    if len(shape) != 2:
+        raise _refuse(f"inputs of shape {shape}", "the fused model takes (batch, sequence) inputs")
+    device = (input_ids if embeds is None else embeds).device
+    position_ids = arguments.get("position_ids")
+    cache_position = arguments.get("cache_position")
+    if cache_position is not None and not torch.equal(cache_position.cpu(), torch.arange(shape[1])):
+        raise _refuse(f"cache_position other than 0..{shape[1] - 1}", _NO_CACHE)
+    if position_ids is not None and position_ids.shape[-1] != shape[1]:
+        raise _refuse(f"position_ids of shape {tuple(position_ids.shape)}", f"inputs are {shape}")
+    positions = (torch.arange(shape[1], device=device) if position_ids is None else position_ids).expand(shape)
+    token_type_ids = arguments.get("token_type_ids")
+    batch = _Batch(input_ids, embeds, None if token_type_ids is None else token_type_ids.view(shape), positions,
+                   position_ids is not None)
+
+    mask = arguments.get("attention_mask")
+    if mask is not None:
+        if mask.dim() != 2 or tuple(mask.shape) != shape:
+            raise _refuse(f"a {mask.dim()}-D attention_mask of shape {tuple(mask.shape)}",
+                          f"the fused model takes a 2-D (batch, sequence) = {shape} padding mask")
+        if not bool(mask.all()):
+            batch.kept = mask.reshape(-1).nonzero().squeeze(1)
+            if batch.kept.numel() == 0:
+                raise _refuse("an attention_mask that masks every token", "there is nothing to run")
+    if arguments.get("cu_seq_lens_q") is not None or arguments.get("cu_seq_lens_k") is not None:
+        if batch.kept is not None or shape[0] != 1:
+            raise _refuse("cu_seq_lens_q with padding or more than one row", "packed batches are one row without padding")
+        batch.cu_seqlens = _packed_offsets(arguments, shape[1])
+        batch.max_seqlen = arguments.get("max_length_q")
+        return batch
+    if batch.kept is None and position_ids is None:
+        return batch  # one sequence per row at positions 0..N-1: nothing to read from the device
+    rows = torch.arange(shape[0], device=device).repeat_interleave(shape[1])
+    flat_positions = positions.reshape(-1)
+    if batch.kept is not None:
+        rows, flat_positions = rows[batch.kept], flat_positions[batch.kept]
+    starts = torch.ones_like(rows, dtype=torch.bool)
+    starts[1:] = (rows[1:] != rows[:-1]) | (flat_positions[1:] <= flat_positions[:-1])
+    first_tokens = starts.nonzero().squeeze(1)
+    if batch.kept is None and first_tokens.numel() == shape[0]:
+        return batch  # the given positions restart nowhere inside a row
+    batch.cu_seqlens = torch.cat([first_tokens, first_tokens.new_tensor([rows.numel()])]).to(torch.int32)
+    return batch
+
+
 # --- the layer ----------------------------------------------------------------------------------
 
-# True while a patched model's base forward runs, after it checked the model-level inputs.
-_CHECKED_CALL = contextvars.ContextVar("fused_remat_hf_checked_call", default=False)
-# Layer arguments that the model-level check vouches for; outside a checked call they must be None.
-_VOUCHED = frozenset({"attention_mask", "position_ids", "position_embeddings", "cache_position"})
-
-
 class FusedDecoderLayer(TransformerBlock):
-    """A ``fused_remat.TransformerBlock`` that takes a Hugging Face decoder layer's call.
+    """A ``fused_remat.TransformerBlock`` standing in for a Hugging Face decoder layer.
 
-    It accepts the original layer's arguments (read from its signature), refuses any it cannot
-    honour, and returns what the original returned (a tensor, or a 1-tuple). ``gradient_checkpointing``
-    is Hugging Face's switch: True sets ``remat="full"``, False the remat it was built with.
-    Built by ``apply_fused_remat``; ``to_huggingface()`` gives the original layer back.
+    The patched base model calls it with its documents and RoPE frequencies. Called on its own with
+    the original layer's arguments (read from its signature), it runs the hidden states as one
+    sequence per row, refuses any other argument, and returns what the original returned (a tensor,
+    or a 1-tuple). ``gradient_checkpointing`` is Hugging Face's switch: True sets ``remat="full"``,
+    False the remat it was built with. Built by ``apply_fused_remat``; ``to_huggingface()`` gives the
+    original layer back.
     """
 
-    def __init__(self, original: nn.Module, layer_idx: int, config, architecture: _Architecture, remat: Remat):
-        kwargs, dropout, window = architecture.block(config, layer_idx)
+    def __init__(self, original: nn.Module, layer_idx: int, config, architecture: _Architecture, remat: Remat,
+                 base: nn.Module):
+        kwargs, dropout = architecture.block(config, layer_idx, base)
         state, layout = _pack(original, architecture.parts)
         param = state["qkv.weight"]
         super().__init__(kwargs.pop("dim"), kwargs.pop("n_heads"), bias=any(n.endswith(".bias") for n in state),
@@ -226,7 +482,8 @@ class FusedDecoderLayer(TransformerBlock):
         zero = {n: torch.zeros(p.shape, device=param.device, dtype=p.dtype) for n, p in self.named_parameters() if n not in state}
         missing = [n for n in zero if not n.endswith(".bias")]
         if missing:
-            raise _refuse(f"{type(original).__name__} without {missing}", "the layer does not have the modules the block needs")
+            raise _refuse(f"{type(original).__name__} without {missing}", "the layer does not have the modules the block needs",
+                          patched=False)
         self.load_state_dict({**state, **zero}, assign=True)
         for name, tensor in {**state, **zero}.items():
             self.get_parameter(name).requires_grad_(tensor.requires_grad)
@@ -234,7 +491,7 @@ class FusedDecoderLayer(TransformerBlock):
         self._layout = layout
         self._original_class = type(original)
         self._config, self._layer_idx = config, layer_idx
-        self._dropout, self._window = dropout, window
+        self._dropout = dropout
         self._signature = inspect.signature(type(original).forward)
         self._returns_tuple = _returns_tuple(self._signature, type(original))
         self._policy, self._checkpointing = remat, False
@@ -242,6 +499,8 @@ class FusedDecoderLayer(TransformerBlock):
         for name, value in vars(original).items():  # plain attributes the model reads (Qwen2's attention_type)
             if not name.startswith("_") and isinstance(value, (str, int, float)) and not hasattr(self, name):
                 setattr(self, name, value)
+        self._register_state_dict_hook(_huggingface_state_dict)
+        self.register_load_state_dict_pre_hook(_packed_state_dict)
 
     @property
     def gradient_checkpointing(self) -> bool:
@@ -253,6 +512,15 @@ class FusedDecoderLayer(TransformerBlock):
         self.remat = Remat.FULL if enable else self._policy
 
     def forward(self, hidden_states, *args, **kwargs):
+        call = kwargs.pop(_LAYER_CALL, None)
+        if call is None:
+            return self._forward_alone(hidden_states, *args, **kwargs)
+        self._check_call()
+        return super().forward(hidden_states, cu_seqlens=call.cu_seqlens, max_seqlen=call.max_seqlen,
+                               position_ids=call.position_ids, rope_inv_freq=call.rope_inv_freq)
+
+    def _forward_alone(self, hidden_states, *args, **kwargs):
+        """A call from outside the patched model, with the original layer's arguments."""
         arguments = self._signature.bind(self, hidden_states, *args, **kwargs).arguments
         for name, value in list(arguments.items())[2:]:
             if self._signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
@@ -262,22 +530,30 @@ class FusedDecoderLayer(TransformerBlock):
             else:
                 extra = ((name, value),)
             for key, value in extra:
-                if value is None or value is False or (key in _VOUCHED and _CHECKED_CALL.get()):
-                    continue
-                raise _refuse(f"{key}={_describe(value)} given to a fused decoder layer",
-                              "the block runs causal self-attention over positions 0..N-1 without a cache")
-        self._check_call(hidden_states)
+                if value is not None and value is not False:
+                    raise _refuse(f"{key}={_describe(value)} given to a fused decoder layer on its own",
+                                  "call the patched model, which hands its layers the documents and positions")
+        if self.rope_theta is not None:
+            raise _refuse("a fused decoder layer with RoPE called on its own",
+                          "RoPE's frequencies come from the patched model's rotary embedding; call the model")
+        self._check_call()
         y = super().forward(hidden_states)
         return (y,) if self._returns_tuple else y
 
-    def _check_call(self, x: torch.Tensor) -> None:
+    def _check_call(self) -> None:
         if self.training and self._dropout > 0:
             raise _refuse(f"dropout {self._dropout} in training mode", "the block has no dropout; set the config's attention/residual dropout to 0")
-        if self._window is not None and x.shape[1] > self._window:
-            raise _refuse(f"sliding_window={self._window} with a sequence of {x.shape[1]}", "the block attends to every earlier position")
         trainable = [name for name in self._zero_biases if self.get_parameter(name).requires_grad]
         if trainable:
             raise _refuse(f"requires_grad on {trainable}", f"these biases stand for ones {self._original_class.__name__} does not have and must stay zero and frozen")
+        for name in (*_LINEAR_PARTS, "norm1", "norm2"):
+            module = getattr(self, name)
+            expected = nn.Linear if name in _LINEAR_PARTS else (nn.RMSNorm if self.norm == "rmsnorm" else nn.LayerNorm)
+            if type(module) is not expected or module._forward_hooks or module._forward_pre_hooks:
+                raise _refuse(f"{name} of a fused decoder layer is now a {type(module).__module__}.{type(module).__name__}"
+                              f"{' with hooks' if type(module) is expected else ''}",
+                              "the fused block reads its weights directly and would bypass it; apply adapters "
+                              "before patching and merge them (merge_and_unload), or to the unpatched model")
 
     def huggingface_tensors(self, tensors: dict) -> dict:
         """``tensors`` named like this layer's parameters (the parameters, their gradients, ...) split
@@ -294,7 +570,7 @@ class FusedDecoderLayer(TransformerBlock):
         """Raises if the Hugging Face layer cannot hold this layer's weights (a stand-in bias became nonzero)."""
         nonzero = [name for name in self._zero_biases if self.get_parameter(name).detach().count_nonzero()]
         if nonzero:
-            raise _refuse(f"nonzero {nonzero}", f"{self._original_class.__name__} has no such biases")
+            raise _refuse(f"nonzero {nonzero}", f"{self._original_class.__name__} has no such biases", patched=False)
 
     def to_huggingface(self) -> nn.Module:
         """The original Hugging Face layer class with this layer's weights (copied where they were
@@ -302,14 +578,9 @@ class FusedDecoderLayer(TransformerBlock):
         self.check_revertible()
         with torch.device(self.qkv.weight.device):
             layer = self._original_class(self._config, layer_idx=self._layer_idx)
-        state, trainable = {}, {}
-        for name, pieces in self._layout.items():
-            param = self.get_parameter(name)
-            for piece, part in zip(pieces, param.detach().split([p.rows for p in pieces])):
-                part = part.t() if piece.transposed else part
-                copy = len(pieces) > 1 or piece.transposed  # else the same storage goes back
-                state[piece.name] = part.clone(memory_format=torch.contiguous_format) if copy else part
-                trainable[piece.name] = param.requires_grad
+        state = self.state_dict()  # in Hugging Face's layout (_huggingface_state_dict)
+        trainable = {piece.name: self.get_parameter(name).requires_grad
+                     for name, pieces in self._layout.items() for piece in pieces}
         layer.load_state_dict(state, assign=True)
         for name, requires_grad in trainable.items():
             layer.get_parameter(name).requires_grad_(requires_grad)
@@ -327,73 +598,39 @@ def _returns_tuple(signature: inspect.Signature, cls: type) -> bool:
     text = annotation if isinstance(annotation, str) else repr(annotation)
     if "tuple" in text.lower():
         return True
-    raise _refuse(f"{cls.__name__}.forward returning {text}", "cannot tell whether this transformers version's layers return a tensor or a tuple")
+    raise _refuse(f"{cls.__name__}.forward returning {text}", "cannot tell whether this transformers version's layers "
+                  "return a tensor or a tuple", patched=False)
 
 
-def _describe(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"<tensor {tuple(value.shape)}>"
-    text = repr(value)
-    return text if len(text) < 60 else f"<{type(value).__name__}>"
+# --- the base model's forward -----------------------------------------------------------------
 
+class _FusedBaseForward:
+    """The patched base model's forward: embeddings, the fused layers over the batch's documents,
+    the final norm. An object rather than a closure, holding its base model as an attribute, so
+    that ``copy.deepcopy`` binds the copy's to the copy and pickle can write it."""
 
-# --- model-level checks -----------------------------------------------------------------------
+    def __init__(self, base: nn.Module, architecture: _Architecture):
+        self.base, self.architecture = base, architecture
+        self.signature = inspect.signature(type(base).forward)
+        self.keywords = next((n for n, p in self.signature.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+        output = self.signature.return_annotation
+        self.output_class = output if isinstance(output, type) else transformers.modeling_outputs.BaseModelOutputWithPast
 
-_NO_CACHE = "the block keeps no KV cache; pass use_cache=False (to generate() too)"
-# transformers 5.2x names the cache argument ``cache``; earlier versions ``past_key_values``.
-_CACHE_ARGUMENTS = {"use_cache": "use_cache=True", "past_key_values": "past_key_values",
-                    "cache": "cache (past_key_values)"}
-# Base-model arguments that need no check (what they change happens outside the decoder layers).
-_HARMLESS = frozenset({"input_ids", "inputs_embeds", "token_type_ids", "return_dict"})
-
-
-def _check_positions(name: str, value, seq: int) -> None:
-    if value is None:
-        return
-    expected = torch.arange(seq, device=value.device)
-    if value.shape[-1] != seq or not bool((value == expected).all()):
-        raise _refuse(f"{name} other than 0..{seq - 1} in every row", "the block's RoPE and causal mask use positions 0..N-1")
-
-
-def _check_model_inputs(arguments: dict, config) -> None:
-    embeds = arguments.get("inputs_embeds")
-    tokens = arguments.get("input_ids")
-    seq = embeds.shape[1] if embeds is not None else tokens.shape[-1] if tokens is not None else None
-    for name, value in arguments.items():
-        if name in _HARMLESS or value is None or value is False:
-            continue
-        if name == "attention_mask":
-            if value.dim() != 2:
-                raise _refuse(f"a {value.dim()}-D attention_mask", "only 2-D masks without padding are supported")
-            if not bool(value.all()):
-                raise _refuse("attention_mask with padding (zeros)", "the block attends to every earlier token; use unpadded batches")
-        elif name in ("position_ids", "cache_position") and seq is not None:
-            _check_positions(name, value, seq)
-        elif name in _CACHE_ARGUMENTS:
-            raise _refuse(_CACHE_ARGUMENTS[name], _NO_CACHE)
-        else:
-            raise _refuse(f"{name}={_describe(value)}", "the fused decoder layers cannot honour it")
-    for flag in ("output_attentions", "output_hidden_states"):
-        if arguments.get(flag) is None and getattr(config, flag, False):
-            raise _refuse(f"config.{flag}=True", "the fused layers do not record per-layer outputs")
-
-
-def _checked_forward(base: nn.Module, forward):
-    signature = inspect.signature(forward)
-    keywords = next((n for n, p in signature.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
-
-    def checked(*args, **kwargs):
-        arguments = dict(signature.bind(*args, **kwargs).arguments)
-        arguments.update(arguments.pop(keywords, {}) if keywords else {})
-        _check_model_inputs(arguments, base.config)
-        arguments["use_cache"] = False  # a patched model keeps no cache: unset means False
-        token = _CHECKED_CALL.set(True)
-        try:  # all by keyword: Hugging Face's forward decorators fill in config defaults for missing keywords
-            return forward(**arguments)
-        finally:
-            _CHECKED_CALL.reset(token)
-
-    return checked
+    def __call__(self, *args, **kwargs):
+        base, architecture = self.base, self.architecture
+        arguments = dict(self.signature.bind(base, *args, **kwargs).arguments)
+        arguments.pop("self", None)
+        arguments.update(arguments.pop(self.keywords, {}) if self.keywords else {})
+        batch = _batch_of(arguments, base.config)
+        hidden = batch.pack(architecture.embed(base, batch))
+        positions = batch.layer_positions()
+        rope_positions = positions if positions is not None else batch.positions[:1]
+        call = _LayerCall(batch.cu_seqlens, batch.max_seqlen, positions, architecture.rope(base, hidden, rope_positions))
+        for layer in getattr(base, architecture.layers):
+            hidden = layer(hidden, **{_LAYER_CALL: call})
+        hidden = batch.unpack(getattr(base, architecture.final_norm)(hidden))
+        output = self.output_class(last_hidden_state=hidden)
+        return output.to_tuple() if arguments.get("return_dict") is False else output
 
 
 # --- patch and revert -------------------------------------------------------------------------
@@ -407,11 +644,11 @@ class _Patch:
 
 def apply_fused_remat(model: nn.Module, remat: Remat | str = Remat.CHEAP) -> nn.Module:
     """Swaps every decoder layer of a Hugging Face causal LM, in place, for a ``FusedDecoderLayer``
-    (a ``fused_remat.TransformerBlock`` with ``remat``) holding the same weights, packed. Returns
-    ``model``. Raises ``UnsupportedByFusedBlock`` for configurations the block cannot compute
-    exactly (see the module docstring), leaving the model as it was: the config is checked before
-    any layer changes, and a layer refused on its weights puts the layers swapped before it back.
-    Build the optimizer afterwards."""
+    (a ``fused_remat.TransformerBlock`` with ``remat``) holding the same weights, packed, and the base
+    model's forward for fused_remat's. Returns ``model``. Raises ``UnsupportedByFusedBlock`` for
+    configurations the block cannot compute exactly (see the module docstring), leaving the model as
+    it was: the config is checked before any layer changes, and a layer refused on its weights puts
+    the layers swapped before it back. Build the optimizer afterwards."""
     remat = Remat.parse(remat, owner="apply_fused_remat: remat")
     if getattr(model, "_fused_remat_patch", None) is not None:
         raise ValueError("apply_fused_remat: the model is already patched")
@@ -419,16 +656,17 @@ def apply_fused_remat(model: nn.Module, remat: Remat | str = Remat.CHEAP) -> nn.
     model_type = getattr(config, "model_type", None)
     architecture = _ARCHITECTURES.get(model_type)
     if architecture is None:
-        raise _refuse(f"model_type {model_type!r} ({type(model).__name__})", f"supported: {', '.join(sorted(_ARCHITECTURES))}")
+        raise _refuse(f"model_type {model_type!r} ({type(model).__name__})", f"supported: {', '.join(sorted(_ARCHITECTURES))}",
+                      patched=False)
     base = model.base_model
     layers = getattr(base, architecture.layers)
     for index in range(len(layers)):
-        architecture.block(config, index)  # every configuration refusal before anything changes
+        architecture.block(config, index, base)  # every configuration refusal before anything changes
     checkpointing = bool(getattr(base, "gradient_checkpointing", False))
     swapped = 0
     try:
         for index in range(len(layers)):
-            fused = FusedDecoderLayer(layers[index], index, config, architecture, remat)
+            fused = FusedDecoderLayer(layers[index], index, config, architecture, remat, base)
             layers[index] = fused  # drops the Hugging Face layer: its unpacked weights go with it
             fused.gradient_checkpointing = checkpointing
             swapped += 1
@@ -439,7 +677,7 @@ def apply_fused_remat(model: nn.Module, remat: Remat | str = Remat.CHEAP) -> nn.
             layers[index] = layers[index].to_huggingface()
         raise
     own_forward = base.__dict__.get("forward")
-    base.forward = _checked_forward(base, base.forward)
+    base.forward = _FusedBaseForward(base, architecture)
     model._fused_remat_patch = _Patch(base, layers, own_forward)
     return model
 
