@@ -1,8 +1,9 @@
 """The trainer never loses work and never hides a failure: bad data is found before the first step,
 an error after a finished step checkpoints it, a NaN stops the run without overwriting the last good
 checkpoint (or is skipped on request), checkpoints rotate and a bad newest one falls back to its
-predecessor, stale partial files are cleaned up, write failures say why, and misused flags are
-refused. The kernels are not the point here: everything runs on the reference backend."""
+predecessor, stale partial files are cleaned up, write failures say why, a resume checks the
+checkpoint against metrics.jsonl (fsynced before every checkpoint), and misused flags are refused.
+The kernels are not the point here: everything runs on the reference backend."""
 
 import errno
 import json
@@ -75,7 +76,10 @@ def test_an_error_after_finished_steps_checkpoints_them_then_resume_finishes(tmp
     assert [r["step"] for r in _strict_metrics(out)] == [0, 1, 2, 3, 4]
 
 
-def test_a_failing_checkpoint_write_is_not_retried_and_says_the_disk_is_full(tmp_path, monkeypatch, capsys):
+def test_a_failing_first_checkpoint_write_is_not_retried_and_says_no_previous_one_exists(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """The run's first checkpoint fails: nothing of the run is saved, and the message says so instead
+    of promising a previous checkpoint that does not exist."""
     out = tmp_path / "run"
     calls = []
 
@@ -88,6 +92,8 @@ def test_a_failing_checkpoint_write_is_not_retried_and_says_the_disk_is_full(tmp
     assert _run(out, "--steps", "2") == 1
     error = capsys.readouterr().err
     assert f"could not write the checkpoint {out / 'checkpoint.pt'}: the disk is full (it needs about " in error
+    assert ("; there is no previous checkpoint (this was the run's first): its 2 finished steps are not saved"
+            in error and "untouched" not in error)
     assert "Traceback" not in error and len(calls) == 1
     assert sorted(p.name for p in out.iterdir()) == [".lock", "metrics.jsonl"]  # no partial file left
 
@@ -110,6 +116,7 @@ def test_write_failures_name_the_path_the_reason_and_the_bytes(tmp_path, monkeyp
     with pytest.raises(CheckpointWriteError) as raised:
         save_checkpoint(path, dict(step=2, run={}, weights=torch.zeros(1000)))
     assert f"could not write the checkpoint {path}: {reason} (it needs about 4,000 bytes; 100 bytes free" in str(raised.value)
+    assert str(raised.value).endswith("; the previous checkpoint is untouched")
     monkeypatch.undo()
     assert load_checkpoint(path, {})["step"] == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
 
@@ -390,12 +397,12 @@ def test_a_failing_metrics_write_does_not_cost_the_finished_steps(tmp_path, caps
     write = loop.write_metrics
     calls = []
 
-    def failing_second_line(path, records, append=False):
+    def failing_second_line(path, records, append=False, sync=False):
         if append:
             calls.append(1)
             if len(calls) >= 2:
                 raise OSError(errno.ENOSPC, "No space left on device")
-        write(path, records, append)
+        write(path, records, append, sync)
 
     monkeypatch.setattr(loop, "write_metrics", failing_second_line)
     out = tmp_path / "run"
@@ -405,6 +412,14 @@ def test_a_failing_metrics_write_does_not_cost_the_finished_steps(tmp_path, caps
     assert "the last step's metrics line could not be written" in error
     assert "the 2 finished steps are checkpointed" in error
     assert load_checkpoint(out / "checkpoint.pt", {})["step"] == 2
+
+    # The resume says which record is missing, and goes on: the checkpoint holds the lost step.
+    monkeypatch.undo()
+    assert _run(out, "--steps", "4", "--resume") == 0
+    metrics = out / "metrics.jsonl"
+    assert (f"warning: {metrics} has no record of step 1, which checkpoint.pt (step 2) holds: that history is lost; "
+            "the run goes on from the checkpoint") in capsys.readouterr().err
+    assert [r["step"] for r in _strict_metrics(out)] == [0, 2, 3]
 
 
 def test_free_space_is_checked_before_the_first_step(tmp_path, capsys, monkeypatch):
@@ -424,3 +439,132 @@ def test_free_space_is_checked_before_the_first_step(tmp_path, capsys, monkeypat
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * one, 8 * one, 2 * one))
     assert _run(tmp_path / "tight", "--steps", "1", "--keep-checkpoints", "2") == 0
     assert "2 kept checkpoints and the one being written need about" in capsys.readouterr().err
+
+
+def test_resume_refuses_the_metrics_of_another_run_naming_both_files_and_the_values(tmp_path, capsys, monkeypatch):
+    """metrics.jsonl copied from another run (another seed and batch size): its record of the
+    checkpoint's last step was logged for another checkpoint. Resuming would splice two runs'
+    histories, so the resume is refused before anything in the folder changes; moving the file aside
+    (as the message says) resumes with the earlier history lost."""
+    from test_train import _StopAt
+
+    from fused_remat.training.checkpoint import rng_digest
+
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    for out, extra in ((ours, []), (theirs, ["--seed", "1", "--batch-size", "4"])):
+        with monkeypatch.context() as patch:
+            patch.setattr(loop, "StopRequest", _StopAt(2))
+            assert _run(out, "--steps", "4", *extra) == 130
+    metrics, ckpt = ours / "metrics.jsonl", ours / "checkpoint.pt"
+    assert _strict_metrics(ours)[1]["checkpoint"]["tokens_seen"] == 2 * 2 * 16
+    metrics.write_bytes((theirs / "metrics.jsonl").read_bytes())
+    before = {p.name: p.read_bytes() for p in ours.iterdir()}
+    capsys.readouterr()
+
+    assert _run(ours, "--steps", "4", "--resume") == 2
+    error = capsys.readouterr().err
+    digest = {out: rng_digest(load_checkpoint(out / "checkpoint.pt", {})["rng"]["cpu"]) for out in (ours, theirs)}
+    assert (f"error: --resume: {metrics} does not belong with {ckpt} (step 2): its record of step 1, the "
+            "checkpoint's last, was logged for another checkpoint:\n"
+            "  tokens_seen: checkpoint.pt has 64, metrics.jsonl has 128\n"
+            f"  rng: checkpoint.pt has '{digest[ours]}', metrics.jsonl has '{digest[theirs]}'\n"
+            "the metrics come from another run, or the checkpoint does; put back this run's metrics.jsonl, "
+            f"or move {metrics} aside to resume without the earlier history") in error
+    assert {p.name: p.read_bytes() for p in ours.iterdir()} == before
+
+    metrics.rename(ours / "metrics.theirs.jsonl")
+    assert _run(ours, "--steps", "4", "--resume") == 0
+    assert f"{metrics} is missing: the history of steps before 2 is lost" in capsys.readouterr().err
+    assert [r["step"] for r in _strict_metrics(ours)] == [2, 3]
+
+
+def test_resume_from_a_checkpoint_older_than_the_metrics_record_warns_and_redoes_the_steps(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """The checkpoint of step 4 fails to write (its metrics line, with its checkpoint field, is
+    already on disk): the resume goes on from the checkpoint of step 2 and warns that metrics.jsonl
+    recorded a newer one; steps 2 and 3 are trained and recorded again."""
+    out = tmp_path / "run"
+    save, calls = checkpoints.torch.save, []
+
+    def second_save_fails(obj, stream):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        save(obj, stream)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoints.torch, "save", second_save_fails)
+        assert _run(out, "--steps", "4", "--checkpoint-interval", "2") == 1
+    assert "the disk is full" in capsys.readouterr().err
+    assert [r["step"] for r in _strict_metrics(out) if "checkpoint" in r] == [1, 3]
+
+    assert _run(out, "--steps", "4", "--checkpoint-interval", "2", "--resume") == 0
+    metrics, ckpt = out / "metrics.jsonl", out / "checkpoint.pt"
+    assert (f"warning: {metrics} records a checkpoint at step 4, newer than {ckpt} (step 2): the run resumes from "
+            "checkpoint.pt and trains steps 2 to 3 again") in capsys.readouterr().err
+    records = _strict_metrics(out)
+    assert [r["step"] for r in records] == [0, 1, 2, 3] and "checkpoint" in records[3]
+    assert load_checkpoint(ckpt, {})["step"] == 4
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_a_resumed_run_that_diverges_at_once_names_its_checkpoint_and_the_way_back(keep, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """A NaN at the first step after resuming: the message names the checkpoint resumed from and its
+    step, and the previous kept checkpoint to fall back to (or says there is none); following it
+    resumes from that predecessor."""
+    from test_train import _StopAt
+
+    out = tmp_path / "run"
+    args = ["--steps", "4", "--checkpoint-interval", "1", "--keep-checkpoints", str(keep), "--lr", "1e-3", "--warmup", "1"]
+    with monkeypatch.context() as patch:
+        patch.setattr(loop, "StopRequest", _StopAt(2))
+        assert _run(out, *args) == 130
+    capsys.readouterr()
+    with monkeypatch.context() as patch:
+        _nan_at_calls(patch, {1})
+        assert _run(out, *args, "--resume") == 1
+    error = capsys.readouterr().err
+    ckpt = out / "checkpoint.pt"
+    assert (f"step 2: loss nan, gradient norm nan: training diverged at the first step after resuming from {ckpt} "
+            "(step 2), stopping; checkpoint.pt is kept as it was. ") in error
+    new_run = ("start a new run with another --out and a lower --lr (now 0.001), gradient clipping (--grad-clip, "
+               "now 1) or a longer --warmup (now 1) (--resume keeps the run's settings); "
+               "--skip-nonfinite N skips up to N such steps")
+    assert load_checkpoint(ckpt, {})["step"] == 2 and _finite_weights(ckpt)
+    if keep == 1:
+        assert f"No earlier checkpoint is kept to fall back to (checkpoint.1.pt does not exist): {new_run}" in error
+        return
+    assert ("Fall back to the previous checkpoint, checkpoint.1.pt (step 1): move checkpoint.pt aside (e.g. to "
+            f"checkpoint.pt.diverged) and --resume again; if it diverges there too, {new_run}") in error
+
+    ckpt.rename(out / "checkpoint.pt.diverged")
+    assert _run(out, *args, "--resume") == 0
+    captured = capsys.readouterr()
+    assert "resuming from the previous checkpoint checkpoint.1.pt (step 1), now checkpoint.pt\n" in captured.out
+    assert "trains step 1 again" in captured.err
+    assert [r["step"] for r in _strict_metrics(out)] == [0, 1, 2, 3]
+
+
+def test_metrics_jsonl_is_fsynced_before_each_checkpoint(tmp_path, monkeypatch):
+    """At a checkpoint step the metrics line is on disk (fsynced) before the checkpoint is written,
+    so a machine crash cannot leave a checkpoint ahead of its metrics; other steps are not synced."""
+    import os
+
+    out = tmp_path / "run"
+    fsync, synced = os.fsync, []
+
+    def recording_fsync(fd):
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        if path.name == "metrics.jsonl":
+            synced.append(("metrics.jsonl", len(path.read_text().splitlines())))
+        else:
+            synced.append(("checkpoint" if path.name.endswith(".partial") else path.name, None))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    assert _run(out, "--steps", "5", "--checkpoint-interval", "2") == 0
+    # the lines of steps 0-1, then checkpoint 2 and its folder's rename; 0-3, checkpoint 4; 0-4, checkpoint 5
+    assert synced == [("metrics.jsonl", 2), ("checkpoint", None), ("run", None),
+                      ("metrics.jsonl", 4), ("checkpoint", None), ("run", None),
+                      ("metrics.jsonl", 5), ("checkpoint", None), ("run", None)]

@@ -16,7 +16,13 @@ An unreadable newest checkpoint falls back to the newest readable predecessor
 (``load_newest_checkpoint``). Errors never pass on torch's suggestion to load with
 ``weights_only=False``: a checkpoint holds only tensors and plain containers, and unpickling
 anything else could run arbitrary code. A failed write is a ``CheckpointWriteError`` naming the
-path, the reason (disk full, permission denied) and the bytes the checkpoint needs.
+path, the reason (disk full, permission denied) and the bytes the checkpoint needs, and whether a
+previous checkpoint is there to fall back to.
+
+The metrics record of a checkpoint's last step carries a ``checkpoint`` field (``checkpoint_mark``:
+the tokens trained on and a digest of the RNG state), appended and fsynced before the checkpoint is
+written; on resume ``check_metrics`` compares it with the checkpoint, so a ``metrics.jsonl`` of
+another run is refused instead of being spliced into this one's history.
 
 One trainer per run folder (``RunLock``): two trainers writing one folder would rotate each other's
 checkpoints away and interleave their metrics.
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import os
 import pickle
 import re
@@ -176,8 +183,71 @@ def _write_failure(path: Path, state: dict, error: BaseException) -> str:
     else:
         reason = f"{type(error).__name__}: {_first_line(error)}"
     space = f"; {free:,} bytes free there" if free is not None else ""
-    return (f"could not write the checkpoint {path}: {reason} (it needs about {needed:,} bytes{space}); "
-            "the previous checkpoint is untouched")
+    # a failed write leaves ``path`` as it was: there is a previous checkpoint exactly when it exists
+    fallback = ("the previous checkpoint is untouched" if path.is_file() else
+                f"there is no previous checkpoint (this was the run's first): its {state['step']} finished steps "
+                "are not saved")
+    return f"could not write the checkpoint {path}: {reason} (it needs about {needed:,} bytes{space}); {fallback}"
+
+
+def rng_digest(rng_state: torch.Tensor) -> str:
+    """A short fingerprint of a torch RNG state: the first 16 hex digits of its bytes' sha256."""
+    return hashlib.sha256(rng_state.numpy().tobytes()).hexdigest()[:16]
+
+
+def checkpoint_mark(step: int, tokens_per_step: int, rng_state: torch.Tensor) -> dict:
+    """The ``checkpoint`` field of the metrics record of a checkpoint's last step (step ``step - 1``
+    in metrics.jsonl): the tokens trained on up to the checkpoint and the digest of its RNG state."""
+    return dict(tokens_seen=step * tokens_per_step, rng=rng_digest(rng_state))
+
+
+def check_metrics(state: dict, path: Path, records: list[dict], metrics_path: Path, tokens_per_step: int) -> list[str]:
+    """Checks the metrics history (``records`` of ``metrics_path``) against the checkpoint ``state``
+    read from ``path``; returns the warnings to print. A record of the checkpoint's last step whose
+    ``checkpoint`` field differs from the checkpoint is a CheckpointError: the history before the
+    checkpoint would be another run's. A history that ends before the checkpoint (a lost line or
+    file) or records a newer checkpoint than ``path`` (a write that failed, a checkpoint set aside)
+    is a warning: the run goes on from the checkpoint, and redoes and records again the steps after
+    it."""
+    step = state["step"]
+    if not metrics_path.is_file():
+        return [f"{metrics_path} is missing: the history of steps before {step} is lost; it is written again from here"]
+    by_step = {record["step"]: record for record in records}
+    warnings = []
+    last = by_step.get(step - 1)
+    if last is None:
+        first = max((s + 1 for s in by_step if s < step - 1), default=0)
+        warnings.append(f"{metrics_path} has no record of {_steps(first, step - 1)}, which {path.name} (step {step}) "
+                        "holds: that history is lost; the run goes on from the checkpoint")
+    elif "checkpoint" in last:
+        ours = checkpoint_mark(step, tokens_per_step, state["rng"]["cpu"])
+        theirs = last["checkpoint"] if isinstance(last["checkpoint"], dict) else {}  # another tool's field
+        differences = [f"{key}: {path.name} has {value!r}, {metrics_path.name} has {theirs.get(key)!r}"
+                       for key, value in ours.items() if theirs.get(key) != value]
+        if differences:
+            raise CheckpointError(
+                f"--resume: {metrics_path} does not belong with {path} (step {step}): its record of step {step - 1}, "
+                "the checkpoint's last, was logged for another checkpoint:\n  " + "\n  ".join(differences) +
+                f"\nthe metrics come from another run, or the checkpoint does; put back this run's metrics.jsonl, "
+                f"or move {metrics_path} aside to resume without the earlier history")
+    newer = [s + 1 for s, record in by_step.items() if s >= step and "checkpoint" in record]
+    if newer:
+        warnings.append(f"{metrics_path} records a checkpoint at step {max(newer)}, newer than {path} (step {step}): "
+                        f"the run resumes from {path.name} and trains {_steps(step, max(newer) - 1)} again")
+    return warnings
+
+
+def _steps(first: int, last: int) -> str:
+    return f"step {first}" if first == last else f"steps {first} to {last}"
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The step of the checkpoint at ``path`` without reading its tensors (memory-mapped), or None
+    where it cannot be read."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"]
+    except Exception:  # torch.load raises many types for damaged files; the caller only names the step
+        return None
 
 
 def remove_stale_partials(out_dir: Path) -> list[tuple[Path, int]]:

@@ -27,7 +27,8 @@ from ..model import LanguageModel, ModelConfig
 from ..planner import PLANNED_POLICIES, RematPlan, explain_policies, measure_policy_costs, plan_remat
 from ..remat import Remat
 from . import data as token_data
-from .checkpoint import (CheckpointError, CheckpointWriteError, RunLock, checkpoint_path, load_newest_checkpoint,
+from .checkpoint import (CheckpointError, CheckpointWriteError, RunLock, check_metrics, checkpoint_files,
+                         checkpoint_mark, checkpoint_path, checkpoint_step, load_newest_checkpoint, predecessor,
                          promote, remove_stale_partials, save_checkpoint)
 from .config import TrainConfig, describe_size
 from .distributed import Distributed, load_training_state, training_state, unwrap, wrap_model
@@ -186,14 +187,20 @@ def train(config: TrainConfig, run: Distributed) -> int:
 def _train(config: TrainConfig, run: Distributed) -> int:
     device = run.device()
     log = functools.partial(print, flush=True) if run.is_main else (lambda *a, **k: None)
+    warn = functools.partial(print, "warning:", file=sys.stderr, flush=True) if run.is_main else (lambda *a, **k: None)
     backend = describe_backend(device)
     data = token_data.load_data(config.data, config.vocab_size, config.seq_len, config.document_boundary)
     model_config = config.model_config(data.vocab_size)
     settings = run_settings(config, model_config, data, run)
     ckpt = checkpoint_path(config.out)
-    state = None
+    metrics_path = config.out / "metrics.jsonl"
+    tokens_per_step = config.batch_size * config.seq_len * config.grad_accum * run.data_parallel_size
+    state, history, disagreements = None, [], []
     if config.resume:
         state, resumed_from, unreadable = load_newest_checkpoint(ckpt, settings)
+        # every rank reads the history, as it reads the checkpoint, so that every rank refuses a mismatch
+        history = read_metrics(metrics_path, warn)
+        disagreements = check_metrics(state, resumed_from, history, metrics_path, tokens_per_step)
     elif ckpt.exists():
         raise CheckpointError(f"--out {config.out} already holds a checkpoint; pass --resume to continue it or choose another --out")
     run.barrier()  # every rank has read its checkpoint before rank 0 renames any
@@ -202,10 +209,12 @@ def _train(config: TrainConfig, run: Distributed) -> int:
             log(f"removed {partial}: a partial checkpoint ({size:,} bytes) left by a process killed while writing it")
         if state is not None and resumed_from != ckpt:
             for reason in unreadable:
-                print(f"warning: {reason}", file=sys.stderr)
+                warn(reason)
             aside = promote(resumed_from, ckpt)
-            log(f"resuming from the previous checkpoint {resumed_from.name} (step {state['step']}), now {ckpt.name}; "
-                f"set aside: {', '.join(p.name for p in aside)}")
+            log(f"resuming from the previous checkpoint {resumed_from.name} (step {state['step']}), now {ckpt.name}"
+                + (f"; set aside: {', '.join(p.name for p in aside)}" if aside else ""))
+        for disagreement in disagreements:
+            warn(disagreement)
     run.barrier()
     if state is not None and state["step"] >= config.steps:
         log(f"nothing to do: the run in {config.out} is already finished (done: {config.steps} steps, checkpoint {ckpt}); "
@@ -242,18 +251,10 @@ def _train(config: TrainConfig, run: Distributed) -> int:
         log(plan.table())
     if run.is_main:
         check_free_space(config.out, parameters, config.keep_checkpoints)
-    metrics_path = config.out / "metrics.jsonl"
     if run.is_main:
         config.out.mkdir(parents=True, exist_ok=True)
-        kept = []
-        if state is not None:
-            warn = functools.partial(print, "warning:", file=sys.stderr, flush=True)
-            if not metrics_path.is_file():
-                warn(f"{metrics_path} is missing: the history of steps before {start_step} is lost; "
-                     "it is written again from here")
-            # records after the checkpoint's step belong to steps this run redoes: it writes them again
-            kept = [r for r in read_metrics(metrics_path, warn) if r["step"] < start_step]
-        write_metrics(metrics_path, kept)
+        # records after the checkpoint's step belong to steps this run redoes: it writes them again
+        write_metrics(metrics_path, [r for r in history if r["step"] < start_step])
     run.barrier()
 
     saved = start_step  # the step of the newest checkpoint
@@ -268,7 +269,6 @@ def _train(config: TrainConfig, run: Distributed) -> int:
         run.barrier()
         saved = step
 
-    tokens_per_step = config.batch_size * config.seq_len * config.grad_accum * run.data_parallel_size
     progress = Progress(config.steps, start_step, enabled=run.is_main)
     step, skipped, unwritten = start_step, 0, None
     try:
@@ -297,14 +297,21 @@ def _train(config: TrainConfig, run: Distributed) -> int:
                     record["skipped"] = True  # train_step made no update
                 if not diverged and (step % config.eval_interval == 0 or step == config.steps):
                     record["val_loss"] = validation_loss(model, val_batches, device, config.compute_dtype)
+                stopping = run.any(stop.requested)
+                failed = diverged and skipped > config.skip_nonfinite  # the run stops here, without a checkpoint
+                checkpointing = not failed and (stopping or step == config.steps or (
+                    config.checkpoint_interval > 0 and step % config.checkpoint_interval == 0))
+                if checkpointing:
+                    record["checkpoint"] = checkpoint_mark(step, tokens_per_step, torch.get_rng_state())
                 if run.is_main:
-                    write_metrics(metrics_path, [record], append=True)
+                    # synced at a checkpoint step, before the checkpoint: on disk, metrics never lag a checkpoint
+                    write_metrics(metrics_path, [record], append=True, sync=checkpointing)
                 unwritten = None
                 progress.update(record)
                 if diverged:
-                    _handle_nonfinite(config, record, skipped, saved, ckpt, progress)
-                stopping = run.any(stop.requested)
-                if stopping or step == config.steps or (config.checkpoint_interval and step % config.checkpoint_interval == 0):
+                    _handle_nonfinite(config, record, skipped, failed, saved, ckpt, progress,
+                                      None if state is None else start_step)
+                if checkpointing:
                     save(step)
                 if stopping:
                     progress.close()
@@ -313,8 +320,9 @@ def _train(config: TrainConfig, run: Distributed) -> int:
     except Exception as error:
         progress.close()
         if step > saved and run.world_size == 1 and not isinstance(error, (CheckpointWriteError, TrainingFailed)):
-            _checkpoint_after_error(error, step, save, ckpt,
-                                    lambda: unwritten is not None and write_metrics(metrics_path, [unwritten], append=True))
+            _checkpoint_after_error(error, step, save, ckpt, lambda: unwritten is not None and write_metrics(
+                metrics_path, [{**unwritten, "checkpoint": checkpoint_mark(step, tokens_per_step, torch.get_rng_state())}],
+                append=True, sync=True))
         raise
     progress.close()
     if run.is_main:
@@ -326,22 +334,40 @@ def _train(config: TrainConfig, run: Distributed) -> int:
     return 0
 
 
-def _handle_nonfinite(config: TrainConfig, record: dict, skipped: int, saved: int, ckpt, progress: Progress) -> None:
+def _handle_nonfinite(config: TrainConfig, record: dict, skipped: int, failed: bool, saved: int, ckpt: Path,
+                      progress: Progress, resumed_at: int | None) -> None:
     """A step with a NaN or infinite loss or gradient norm (train_step made no update): skipped
-    while ``--skip-nonfinite`` allows, else TrainingFailed, before anything is checkpointed."""
+    while ``--skip-nonfinite`` allows, else (``failed``) TrainingFailed, before anything is
+    checkpointed. ``resumed_at``: the step the run resumed from (None for a new run); when no step
+    since then was finite, the message names that checkpoint and how to fall back from it."""
     what = f"step {record['step']}: loss {record['loss']}, gradient norm {record['grad_norm']}"
-    if skipped <= config.skip_nonfinite:
+    if not failed:
         print(f"\nwarning: {what}: skipped without an update ({skipped} of --skip-nonfinite {config.skip_nonfinite})",
               file=sys.stderr)
         return
     progress.close()
-    kept = (f"the last good checkpoint, {ckpt} at step {saved}, is kept as it was" if saved
-            else "no checkpoint was written")
     allowance = (f"more than --skip-nonfinite {config.skip_nonfinite} such steps" if config.skip_nonfinite
                  else "--skip-nonfinite N skips up to N such steps")
-    raise TrainingFailed(f"{what}: training diverged, stopping; {kept}. Try a lower --lr (now {config.lr:g}), "
-                         f"gradient clipping (--grad-clip, now {config.grad_clip:g}) or a longer --warmup "
-                         f"(now {config.warmup}); {allowance}")
+    remedies = (f"a lower --lr (now {config.lr:g}), gradient clipping (--grad-clip, now {config.grad_clip:g}) or a "
+                f"longer --warmup (now {config.warmup})")
+    since = None if resumed_at is None else record["step"] - resumed_at + 1  # steps since the resume
+    if since != skipped or saved != resumed_at:
+        kept = (f"the last good checkpoint, {ckpt} at step {saved}, is kept as it was" if saved
+                else "no checkpoint was written")
+        raise TrainingFailed(f"{what}: training diverged, stopping; {kept}. Try {remedies}; {allowance}")
+    # every step since the resume diverged, and the checkpoint resumed from is still the newest: it is the suspect
+    new_run = f"start a new run with another --out and {remedies} (--resume keeps the run's settings)"
+    previous = checkpoint_files(ckpt)[1:]
+    if previous:
+        step = checkpoint_step(previous[0])
+        fallback = (f"Fall back to the previous checkpoint, {previous[0].name}"
+                    f"{'' if step is None else f' (step {step})'}: move {ckpt.name} aside (e.g. to "
+                    f"{ckpt.name}.diverged) and --resume again; if it diverges there too, {new_run}")
+    else:
+        fallback = f"No earlier checkpoint is kept to fall back to ({predecessor(ckpt, 1).name} does not exist): {new_run}"
+    when = "the first step after" if since == 1 else f"each of the {since} steps since"
+    raise TrainingFailed(f"{what}: training diverged at {when} resuming from {ckpt} (step {resumed_at}), stopping; "
+                         f"{ckpt.name} is kept as it was. {fallback}; {allowance}")
 
 
 def _checkpoint_after_error(error: Exception, step: int, save, ckpt, flush_metrics) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -46,13 +47,17 @@ def strict_record(record: dict) -> dict:
     return {**record, **{key: None for key in bad}, "nonfinite": flagged}
 
 
-def write_metrics(path: Path, records: list[dict], append: bool = False) -> None:
+def write_metrics(path: Path, records: list[dict], append: bool = False, sync: bool = False) -> None:
     """One strict JSON record per line (``strict_record``); each line is flushed as it is written,
-    so a crash loses at most one."""
+    so a crash of the process loses at most one. ``sync`` also fsyncs the file, so that a crash of
+    the machine cannot lose it either: the trainer asks for it at checkpoint steps, before the
+    checkpoint is written, so a checkpoint is never ahead of its metrics on disk."""
     with open(path, "a" if append else "w") as stream:
         for record in records:
             stream.write(json.dumps(strict_record(record), allow_nan=False) + "\n")
         stream.flush()
+        if sync:
+            os.fsync(stream.fileno())
 
 
 def _gib(nbytes: float) -> str:
