@@ -134,15 +134,11 @@ def test_an_all_ones_mask_and_explicit_positions_are_fine(triton_backend):
     (dict(attention_mask=torch.zeros(2, SEQ)), "masks every token"),
     (dict(cu_seq_lens_q=torch.tensor([0, 5, SEQ])), "batches are one row"),
     (dict(seq_idx=torch.zeros(2, SEQ)), "seq_idx"),
-    (dict(use_cache=True), "use_cache=True"),
-    (dict(past_key_values="cache"), "past_key_values"),
     (dict(output_attentions=True), "output_attentions"),
     (dict(output_hidden_states=True), "output_hidden_states"),
 ])
 def test_inputs_the_block_cannot_honour_are_refused(call, named):
     model = apply_fused_remat(_model("llama"))
-    if named == "past_key_values":
-        call = dict(past_key_values=transformers.DynamicCache(config=model.config))
     with pytest.raises(UnsupportedByFusedBlock, match=named):
         model(_tokens(), **call)
 
@@ -208,15 +204,35 @@ def test_calls_the_layers_cannot_honour_are_refused():
                                                           torch.as_tensor(expected[0] if isinstance(expected, tuple) else expected), atol=1e-5)
 
 
-def test_generate_refuses_the_cache_and_matches_without_it(triton_backend):
-    reference = _model("llama")
+@pytest.mark.parametrize("arch, options", [("llama", {}), ("mistral", dict(sliding_window=4)), ("gpt2", {}),
+                                           ("qwen2", {})], ids=["llama", "mistral-window4", "gpt2", "qwen2"])
+def test_generate_with_its_default_cache_follows_the_unpatched_model(arch, options, triton_backend):
+    """Greedy generate() with its DynamicCache (a sliding-window one for Mistral, whose window is
+    shorter than prompt plus answer): prefill and every decode step through the fused kernels give
+    the unpatched model's logits and tokens, one prompt and a batch of left-padded prompts."""
+    reference = _model(arch, **options)
     patched = apply_fused_remat(copy.deepcopy(reference))
-    prompt = _tokens(1, 5)
-    settings = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
-    with pytest.raises(UnsupportedByFusedBlock, match="no KV cache; pass use_cache=False"):
-        patched.generate(prompt, **settings)
-    expected = reference.generate(prompt, **settings)
-    assert torch.equal(patched.generate(prompt, use_cache=False, **settings), expected)
+    ids = torch.randint(1, VOCAB, (3, 7))
+    mask = torch.ones_like(ids)
+    mask[1, :3], mask[2, :5] = 0, 0
+    settings = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    for prompt in (dict(inputs=ids[:1]), dict(inputs=ids.masked_fill(mask == 0, 0), attention_mask=mask)):
+        expected, got = reference.generate(**prompt, **settings), patched.generate(**prompt, **settings)
+        assert torch.equal(got.sequences, expected.sequences)
+        for step, (ours, theirs) in enumerate(zip(got.logits, expected.logits)):
+            assert torch.allclose(ours, theirs, atol=2e-5, rtol=0), f"step {step}: {(ours - theirs).abs().max():.2e}"
+    with torch.no_grad():  # and the cache it returns continues exactly where the model left off
+        out = patched(ids[:1], use_cache=True)
+        cache = getattr(out, "past_key_values", None) or out.cache
+        assert cache.get_seq_length() == 7
+        step = patched(ids[:1, :1], past_key_values=cache, use_cache=True).logits[0, -1]
+        assert torch.allclose(step, reference(torch.cat([ids[:1], ids[:1, :1]], 1)).logits[0, -1], atol=2e-5, rtol=0)
+
+
+def test_caches_the_layers_cannot_append_to_are_refused():
+    model = apply_fused_remat(_model("llama"))
+    with pytest.raises(UnsupportedByFusedBlock, match="a StaticCache: the fused layers append to a DynamicCache"):
+        model.generate(_tokens(1, 5), max_new_tokens=2, do_sample=False, pad_token_id=0, cache_implementation="static")
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gpt2"])

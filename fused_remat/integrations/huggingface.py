@@ -31,6 +31,15 @@ variable-length attention, so each example attends only to itself, exactly:
 - ``num_items_in_batch`` (Hugging Face's ``Trainer``) and other loss-only keywords pass through to
   the loss.
 
+Generation. ``generate()`` with its default cache (a ``DynamicCache``, with sliding-window layers
+where the config has windows), or any call with ``use_cache=True`` or a cache: each fused layer
+appends its keys and values to the cache and attends over all of them through fused_remat's
+attention, the new tokens aligned to the bottom right; a left-padded batch attends as documents of
+each row's real tokens (``attention_varlen``). The rest of the layer runs from the block's own
+modules. Other caches (``StaticCache``: its preallocated slots are not keys) are refused. Without
+a cache and without ``use_cache=True`` (left unset means False on a patched model) the model keeps
+no cache.
+
 Weights. The block keeps one packed qkv projection ([q heads | k heads | v heads]) and, for SwiGLU,
 one packed fc1 ([gate | up]); separate Hugging Face tensors cannot be views of one packed tensor, so
 ``apply_fused_remat`` copies q/k/v and gate/up once, layer by layer, into packed tensors that become
@@ -55,8 +64,7 @@ such a layer is refused when patching, and a wrapper or hook added to a fused la
 refused at its next forward. Merge adapters first (``merge_and_unload``).
 
 Refused with ``UnsupportedByFusedBlock`` (a ValueError naming the input), never silently wrong:
-a KV cache (``past_key_values``/``cache``, ``use_cache=True``; ``use_cache`` left unset means False
-on a patched model, so ``generate()`` needs ``use_cache=False``); a 4-D ``attention_mask``;
+a cache other than a ``DynamicCache``; a 4-D ``attention_mask``;
 ``output_attentions`` and ``output_hidden_states``; dropout > 0 in training mode (attention or
 residual dropout; GPT-2's embedding dropout is outside the layers and still applies); partial
 rotary, a head_dim other than hidden_size / num_attention_heads, activations other than SiLU (Llama
@@ -88,7 +96,8 @@ import transformers  # noqa: F401  (the integration needs it; importing fails ea
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from fused_remat import TransformerBlock
+import fused_remat
+from fused_remat import TransformerBlock, reference
 from fused_remat.remat import Remat
 
 __all__ = ["FusedDecoderLayer", "UnsupportedByFusedBlock", "apply_fused_remat", "revert_fused_remat"]
@@ -363,18 +372,30 @@ class _LayerCall:
     rope_inv_freq: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class _CachedCall:
+    """What the base forward hands every fused layer when it runs with a KV cache (generation):
+    RoPE's positions (B, N) and frequencies, the cache, and the padding mask over every cached
+    and new position (B, past + N), or None without padding."""
+
+    positions: torch.Tensor
+    rope_inv_freq: torch.Tensor | None
+    cache: object
+    mask: torch.Tensor | None
+
+
 # The keyword under which the patched base forward hands a fused layer its _LayerCall: through the
 # module call, so that hooks others put on the layer (accelerate's device placement) still run.
 _LAYER_CALL = "fused_remat_layer_call"
 
-_NO_CACHE = "the block keeps no KV cache; pass use_cache=False (to generate() too)"
 # transformers 5.2x names the cache argument ``cache``; earlier versions ``past_key_values``.
-_CACHE_ARGUMENTS = {"use_cache": "use_cache=True", "past_key_values": "past_key_values", "cache": "cache (past_key_values)"}
+_CACHE_ARGUMENTS = ("cache", "past_key_values")
 # Read by the model's loss, which the causal-LM forward hands the base model too (Trainer passes it).
 _LOSS_ONLY = frozenset({"num_items_in_batch"})
 # Arguments _batch_of reads; everything else must be absent, None or False.
 _READ = frozenset({"input_ids", "inputs_embeds", "token_type_ids", "attention_mask", "position_ids", "cache_position",
-                   "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "return_dict"})
+                   "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "return_dict", "use_cache",
+                   *_CACHE_ARGUMENTS})
 
 
 def _describe(value) -> str:
@@ -390,8 +411,6 @@ def _check_unread(arguments: dict, config) -> None:
             continue
         if name == "is_causal" and value is True:
             continue
-        if name in _CACHE_ARGUMENTS:
-            raise _refuse(_CACHE_ARGUMENTS[name], _NO_CACHE)
         raise _refuse(f"{name}={_describe(value)}", "the fused decoder layers cannot honour it")
     for flag in ("output_attentions", "output_hidden_states"):
         if arguments.get(flag) is None and getattr(config, flag, False):
@@ -408,9 +427,9 @@ def _packed_offsets(arguments: dict, tokens: int) -> torch.Tensor:
     return cu_q.to(torch.int32)
 
 
-def _batch_of(arguments: dict, config) -> _Batch:
-    """The documents of one base-model call, after refusing what the block cannot honour."""
-    _check_unread(arguments, config)
+def _tokens_of(arguments: dict, past: int = 0) -> _Batch:
+    """The tokens of one base-model call and their positions (the given ``position_ids``, else
+    ``past`` + 0..N-1 in every row, as Hugging Face's), without documents."""
     input_ids, embeds = arguments.get("input_ids"), arguments.get("inputs_embeds")
     if (input_ids is None) == (embeds is None):
         raise ValueError("fused_remat: give exactly one of input_ids and inputs_embeds")
@@ -419,15 +438,22 @@ def _batch_of(arguments: dict, config) -> _Batch:
         raise _refuse(f"inputs of shape {shape}", "the fused model takes (batch, sequence) inputs")
     device = (input_ids if embeds is None else embeds).device
     position_ids = arguments.get("position_ids")
-    cache_position = arguments.get("cache_position")
-    if cache_position is not None and not torch.equal(cache_position.cpu(), torch.arange(shape[1])):
-        raise _refuse(f"cache_position other than 0..{shape[1] - 1}", _NO_CACHE)
     if position_ids is not None and position_ids.shape[-1] != shape[1]:
         raise _refuse(f"position_ids of shape {tuple(position_ids.shape)}", f"inputs are {shape}")
-    positions = (torch.arange(shape[1], device=device) if position_ids is None else position_ids).expand(shape)
+    positions = (past + torch.arange(shape[1], device=device) if position_ids is None else position_ids).expand(shape)
     token_type_ids = arguments.get("token_type_ids")
-    batch = _Batch(input_ids, embeds, None if token_type_ids is None else token_type_ids.view(shape), positions,
-                   position_ids is not None)
+    return _Batch(input_ids, embeds, None if token_type_ids is None else token_type_ids.view(shape), positions,
+                  position_ids is not None)
+
+
+def _batch_of(arguments: dict, config) -> _Batch:
+    """The documents of one base-model call without a cache, after refusing what the block cannot honour."""
+    _check_unread(arguments, config)
+    batch = _tokens_of(arguments)
+    shape, position_ids, device = batch.shape, arguments.get("position_ids"), batch.positions.device
+    cache_position = arguments.get("cache_position")
+    if cache_position is not None and not torch.equal(cache_position.cpu(), torch.arange(shape[1])):
+        raise _refuse(f"cache_position other than 0..{shape[1] - 1} without a cache", "pass the cache it continues")
 
     mask = arguments.get("attention_mask")
     if mask is not None:
@@ -447,7 +473,7 @@ def _batch_of(arguments: dict, config) -> _Batch:
     if batch.kept is None and position_ids is None:
         return batch  # one sequence per row at positions 0..N-1: nothing to read from the device
     rows = torch.arange(shape[0], device=device).repeat_interleave(shape[1])
-    flat_positions = positions.reshape(-1)
+    flat_positions = batch.positions.reshape(-1)
     if batch.kept is not None:
         rows, flat_positions = rows[batch.kept], flat_positions[batch.kept]
     starts = torch.ones_like(rows, dtype=torch.bool)
@@ -516,6 +542,8 @@ class FusedDecoderLayer(TransformerBlock):
         if call is None:
             return self._forward_alone(hidden_states, *args, **kwargs)
         self._check_call()
+        if isinstance(call, _CachedCall):
+            return self._forward_cached(hidden_states, call)
         return super().forward(hidden_states, cu_seqlens=call.cu_seqlens, max_seqlen=call.max_seqlen,
                                position_ids=call.position_ids, rope_inv_freq=call.rope_inv_freq)
 
@@ -539,6 +567,21 @@ class FusedDecoderLayer(TransformerBlock):
         self._check_call()
         y = super().forward(hidden_states)
         return (y,) if self._returns_tuple else y
+
+    def _forward_cached(self, x: torch.Tensor, call: _CachedCall) -> torch.Tensor:
+        """The layer with a KV cache (generation): the same function as the block, from its own
+        modules, with attention through fused_remat's kernels over the cached and new keys, aligned
+        to the bottom right (the new tokens are the last); padding runs as documents of the real
+        tokens of each row."""
+        batch, seq, _ = x.shape
+        heads = self.qkv(self.norm1(x)).view(batch, seq, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        q, k, v = heads.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)
+        if self.rope_theta is not None:
+            q, k = (reference.rope(t, self.rope_theta, positions=call.positions, inv_freq=call.rope_inv_freq) for t in (q, k))
+        keys, values = call.cache.update(k.transpose(1, 2), v.transpose(1, 2), self._layer_idx)
+        o = _cached_attention(q.transpose(1, 2), keys, values, call.mask, self.causal, self.attention_scale, self.window)
+        h = x + self.out_proj(o.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
+        return h + self.fc2(self._activate(self.fc1(self.norm2(h))))
 
     def _check_call(self) -> None:
         if self.training and self._dropout > 0:
@@ -590,6 +633,25 @@ class FusedDecoderLayer(TransformerBlock):
         return layer.train(self.training)
 
 
+def _cached_attention(q, keys, values, mask, causal: bool, scale: float | None, window: tuple[int, int]) -> torch.Tensor:
+    """Attention of q (B, Hq, N, D) over a cache's keys and values (B, Hkv, K, D), the last N of
+    which are q's own positions. ``mask`` (B, >= K) marks the real tokens, its last K columns the
+    cached keys' (a sliding-window cache returns only the newest keys); masked queries give 0."""
+    options = dict(causal=causal, scale=scale, window=window)
+    if mask is None:
+        return fused_remat.attention(q, keys, values, **options)
+    batch, _, seq, _ = q.shape
+    key_mask, query_mask = mask[:, -keys.shape[2]:].bool(), mask[:, -seq:].bool()
+    counts = [query_mask.sum(1), key_mask.sum(1)]
+    offsets = [torch.nn.functional.pad(c.cumsum(0), (1, 0)).to(torch.int32) for c in counts]
+    packed = fused_remat.attention_varlen(q.transpose(1, 2)[query_mask], keys.transpose(1, 2)[key_mask],
+                                          values.transpose(1, 2)[key_mask], *offsets,
+                                          *(int(c.max()) for c in counts), **options)
+    o = q.new_zeros(batch, seq, *q.shape[1:2], q.shape[3])
+    o[query_mask] = packed
+    return o.transpose(1, 2)
+
+
 def _returns_tuple(signature: inspect.Signature, cls: type) -> bool:
     """Whether the installed transformers' layer returns a tuple (GPT-2 before 5.0) or a tensor."""
     annotation = signature.return_annotation
@@ -615,12 +677,16 @@ class _FusedBaseForward:
         self.keywords = next((n for n, p in self.signature.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
         output = self.signature.return_annotation
         self.output_class = output if isinstance(output, type) else transformers.modeling_outputs.BaseModelOutputWithPast
+        fields = getattr(self.output_class, "__dataclass_fields__", {})
+        self.cache_field = "cache" if "cache" in fields else "past_key_values"
 
     def __call__(self, *args, **kwargs):
         base, architecture = self.base, self.architecture
         arguments = dict(self.signature.bind(base, *args, **kwargs).arguments)
         arguments.pop("self", None)
         arguments.update(arguments.pop(self.keywords, {}) if self.keywords else {})
+        if arguments.get("use_cache") or any(arguments.get(name) is not None for name in _CACHE_ARGUMENTS):
+            return self._call_cached(arguments)
         batch = _batch_of(arguments, base.config)
         hidden = batch.pack(architecture.embed(base, batch))
         positions = batch.layer_positions()
@@ -630,6 +696,39 @@ class _FusedBaseForward:
             hidden = layer(hidden, **{_LAYER_CALL: call})
         hidden = batch.unpack(getattr(base, architecture.final_norm)(hidden))
         output = self.output_class(last_hidden_state=hidden)
+        return output.to_tuple() if arguments.get("return_dict") is False else output
+
+    def _call_cached(self, arguments: dict):
+        """With a KV cache (``generate()``: prefill, then one token a step): every layer appends its
+        keys and values to the cache and attends over all of them. Returns the cache with the output."""
+        base, architecture = self.base, self.architecture
+        cache = next((arguments.pop(name) for name in _CACHE_ARGUMENTS if arguments.get(name) is not None), None)
+        if cache is None:
+            cache = transformers.DynamicCache(config=base.config)
+        if not isinstance(cache, transformers.DynamicCache):
+            raise _refuse(f"a {type(cache).__name__}", "the fused layers append to a DynamicCache (generate()'s default, "
+                          "sliding windows included); generate without cache_implementation, or with 'dynamic'")
+        for name in ("use_cache", *_CACHE_ARGUMENTS, "cache_position"):
+            arguments.pop(name, None)
+        _check_unread({k: v for k, v in arguments.items() if not k.startswith(("cu_seq_lens", "max_length"))}, base.config)
+        if any(arguments.get(name) is not None for name in ("cu_seq_lens_q", "cu_seq_lens_k")):
+            raise _refuse("packed examples (cu_seq_lens) with a KV cache", "a cache holds one sequence per row")
+        past = cache.get_seq_length()
+        batch = _tokens_of(arguments, past)
+        mask = arguments.get("attention_mask")
+        if mask is not None:
+            if mask.dim() != 2 or mask.shape[0] != batch.shape[0] or mask.shape[1] != past + batch.shape[1]:
+                raise _refuse(f"an attention_mask of shape {tuple(mask.shape)} with {past} cached tokens",
+                              f"it covers the cached and the new tokens: ({batch.shape[0]}, {past + batch.shape[1]})")
+            mask = None if bool(mask.all()) else mask
+        hidden = architecture.embed(base, batch)
+        call = _CachedCall(batch.positions, architecture.rope(base, hidden, batch.positions), cache, mask)
+        for layer in getattr(base, architecture.layers):
+            hidden = layer(hidden, **{_LAYER_CALL: call})
+        hidden = getattr(base, architecture.final_norm)(hidden)
+        if mask is not None:  # as without a cache: a padding position predicts nothing
+            hidden = hidden * mask[:, -batch.shape[1]:, None].to(hidden.dtype)
+        output = self.output_class(last_hidden_state=hidden, **{self.cache_field: cache})
         return output.to_tuple() if arguments.get("return_dict") is False else output
 
 
