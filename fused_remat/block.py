@@ -52,6 +52,8 @@ class _BlockCall:
     softcap: float = 0.0  # attention's softcap, 0 off
     max_seqlen: int = 0  # the longest document when the tokens are packed documents, else 0
     scale: float = 0.0  # attention's softmax scale; 0 for head_dim ** -0.5
+    # low-rank adapters (LoRA), one (linear layer's index in _LINEARS, first output row, rows, scale) each
+    adapters: tuple[tuple[int, int, int, float], ...] = ()
 
     @property
     def tokens(self) -> int:
@@ -72,18 +74,23 @@ class _BlockCall:
 
     def op_args(self) -> tuple:
         """The call as the block custom ops take it (``from_op_args`` reverses it): the integers, the
-        floats (eps, softcap, scale), and the rest; an operator's schema takes the policy by name."""
+        floats (eps, softcap, scale), the rest, and the adapters as their integers and their scales; an
+        operator's schema takes the policy by name."""
         sizes = [self.batch, self.seq, self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim,
                  int(self.rms), int(self.causal), *self.window, self.max_seqlen]
         return (sizes, [self.eps, self.softcap, self.scale], self.rope_theta, self.activation, self.remat.value,
-                self.compute_dtype, self.context_parallel)
+                self.compute_dtype, self.context_parallel, [n for a in self.adapters for n in a[:3]],
+                [a[3] for a in self.adapters])
 
     @classmethod
-    def from_op_args(cls, sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel) -> _BlockCall:
+    def from_op_args(cls, sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
+                     lora_scales) -> _BlockCall:
         batch, seq, dim, n_heads, n_kv_heads, head_dim, ffn_dim, rms, causal, left, right, max_seqlen = sizes
         eps, softcap, scale = numbers
+        adapters = tuple((*lora_layout[3 * i:3 * i + 3], s) for i, s in enumerate(lora_scales))
         return cls(batch, seq, dim, n_heads, n_kv_heads, head_dim, ffn_dim, bool(rms), activation, bool(causal), eps,
-                   rope_theta, Remat(remat), compute_dtype, context_parallel, (left, right), softcap, max_seqlen, scale)
+                   rope_theta, Remat(remat), compute_dtype, context_parallel, (left, right), softcap, max_seqlen, scale,
+                   adapters)
 
     def context_parallel_group(self):
         """The process group the sequence is split over, or None."""
@@ -97,11 +104,40 @@ _PARAMETERS = (
 )
 
 
+_LINEARS = reference.LINEARS
+
+
+@dataclass(frozen=True)
+class _LowRank:
+    """One adapter of a linear layer in a pass: ``rows`` of its output get scale * (x A^T) B^T."""
+
+    a: torch.Tensor  # (r, in)
+    b: torch.Tensor  # (rows, r)
+    scale: float
+    rows: slice
+    index: int  # its place in _BlockCall.adapters
+    dtype: torch.dtype  # the adapter's own dtype, its gradients'
+
+    def add_to(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        out[:, self.rows] += (x @ self.a.t()) @ (self.scale * self.b).t()
+
+    def add_input_grad(self, dx: torch.Tensor, dy: torch.Tensor) -> None:
+        dx += ((dy[:, self.rows] @ self.b) * self.scale) @ self.a
+
+    def grads(self, dy: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dA, dB) from the output's gradient and the input, in the adapter's dtype."""
+        d_low = (dy[:, self.rows] @ self.b) * self.scale  # (T, r)
+        da = d_low.t() @ x
+        db = (dy[:, self.rows] * self.scale).t() @ (x @ self.a.t())
+        return da.to(self.dtype), db.to(self.dtype)
+
+
 class _Weights:
     """The block's parameters for one pass: matmul operands in the compute dtype (a cast under
-    autocast, never kept across forward and backward), norm weights as they are (fp32 is fine)."""
+    autocast, never kept across forward and backward), norm weights as they are (fp32 is fine);
+    each linear layer's low-rank adapters, likewise cast."""
 
-    def __init__(self, params, compute_dtype: torch.dtype):
+    def __init__(self, params, compute_dtype: torch.dtype, adapters=(), lora=()):
         named = dict(zip(_PARAMETERS, params))
         cast = lambda t: None if t is None else t.to(compute_dtype)  # noqa: E731
         self.norm1 = (named["norm1.weight"], named["norm1.bias"])
@@ -110,6 +146,28 @@ class _Weights:
         self.out, self.out_bias = cast(named["out_proj.weight"]), cast(named["out_proj.bias"])
         self.fc1, self.fc1_bias = cast(named["fc1.weight"]), cast(named["fc1.bias"])
         self.fc2, self.fc2_bias = cast(named["fc2.weight"]), cast(named["fc2.bias"])
+        self.adapters = {name: [] for name in _LINEARS}
+        for index, ((linear, first, rows, scale), a, b) in enumerate(zip(adapters, lora[0::2], lora[1::2])):
+            self.adapters[_LINEARS[linear]].append(
+                _LowRank(cast(a), cast(b), scale, slice(first, first + rows), index, a.dtype))
+
+    def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+        """x W^T + b, plus the layer's adapters."""
+        out = F.linear(x, weight, bias)
+        for adapter in self.adapters[name]:
+            adapter.add_to(out, x)
+        return out
+
+    def adapter_grads(self, name: str, dy: torch.Tensor, x: torch.Tensor) -> list:
+        """[(index, (dA, dB))] of the layer's adapters."""
+        return [(adapter.index, adapter.grads(dy, x)) for adapter in self.adapters[name]]
+
+    def input_grad(self, name: str, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """dy W, plus the adapters' share of the input's gradient."""
+        dx = dy @ weight
+        for adapter in self.adapters[name]:
+            adapter.add_input_grad(dx, dy)
+        return dx
 
 
 @dataclass
@@ -198,7 +256,7 @@ def _forward_pass(x: torch.Tensor, w: _Weights, g: _BlockCall, seqs: _Sequences,
     kept (o, lse) of the same x, stands in for attention's forward."""
     keep_outputs = not g.remat.rebuilds_outputs
     y1, mean1, rstd1, _ = _norm_forward(x, w.norm1, g)
-    qkv = F.linear(y1, w.qkv, w.qkv_bias)
+    qkv = w.linear("qkv", y1, w.qkv, w.qkv_bias)
     if g.rope_theta is not None:
         _rope_qk_(qkv, g, seqs, inverse=False)
     group = g.context_parallel_group()
@@ -212,8 +270,8 @@ def _forward_pass(x: torch.Tensor, w: _Weights, g: _BlockCall, seqs: _Sequences,
         _, lse = context_parallel.ring_attention_fwd(*custom_ops.split_heads(qkv, g.batch, g.n_heads, g.n_kv_heads),
                                                      group, g.causal, g.softmax_scale,
                                                      out=custom_ops.token_major_heads(o, g.batch, g.n_heads))
-    y2, mean2, rstd2, h = _norm_forward(x, w.norm2, g, residual=F.linear(o, w.out, w.out_bias))
-    u = F.linear(y2, w.fc1, w.fc1_bias)
+    y2, mean2, rstd2, h = _norm_forward(x, w.norm2, g, residual=w.linear("out_proj", o, w.out, w.out_bias))
+    u = w.linear("fc1", y2, w.fc1, w.fc1_bias)
     saved = _Activations(qkv, o, lse, h, u, mean1, rstd1, mean2, rstd2)
     if keep_outputs:
         saved.y1, saved.y2 = y1, y2
@@ -222,7 +280,7 @@ def _forward_pass(x: torch.Tensor, w: _Weights, g: _BlockCall, seqs: _Sequences,
     a = _activation_forward(u, g)
     if keep_outputs:
         saved.a = a
-    return saved, h + F.linear(a, w.fc2, w.fc2_bias)
+    return saved, h + w.linear("fc2", a, w.fc2, w.fc2_bias)
 
 
 def _weight_grad(needed: bool, grad_out: torch.Tensor, inputs: torch.Tensor, param: torch.Tensor | None):
@@ -247,24 +305,28 @@ def _slots_kept(remat: Remat) -> list[bool]:
 
 @torch.library.custom_op("fused_remat::block_fwd", mutates_args=())
 def _block_fwd(x: torch.Tensor, cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | None,
-               rope_inv_freq: torch.Tensor | None, params: list[torch.Tensor], has_param: list[bool], sizes: list[int],
-               numbers: list[float], rope_theta: float | None, activation: str, remat: str, compute_dtype: torch.dtype,
-               context_parallel: str) -> list[torch.Tensor]:
+               rope_inv_freq: torch.Tensor | None, params: list[torch.Tensor], has_param: list[bool],
+               lora: list[torch.Tensor], sizes: list[int], numbers: list[float], rope_theta: float | None,
+               activation: str, remat: str, compute_dtype: torch.dtype, context_parallel: str, lora_layout: list[int],
+               lora_scales: list[float]) -> list[torch.Tensor]:
     """[y (T, dim), then each of _SLOTS: the activation if ``remat`` keeps it, else empty] for x (T, dim).
 
     ``params`` holds the block's parameters that exist (``has_param`` says which of _PARAMETERS);
-    ``cu_seqlens``, ``position_ids`` and ``rope_inv_freq`` as in _Sequences."""
-    g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel)
+    ``lora`` the adapters' (A, B) pairs in the order of ``_BlockCall.adapters``; ``cu_seqlens``,
+    ``position_ids`` and ``rope_inv_freq`` as in _Sequences."""
+    g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
+                                lora_scales)
     with torch.autocast(x.device.type, enabled=False):
-        weights = _Weights(_with_absent(params, has_param), compute_dtype)
+        weights = _Weights(_with_absent(params, has_param), compute_dtype, g.adapters, lora)
         acts, y = _forward_pass(x, weights, g, _Sequences(cu_seqlens, position_ids, rope_inv_freq), finish=True)
     return [y, *(getattr(acts, k.name) if keeps else x.new_empty(0) for k, keeps in zip(_SLOTS, _slots_kept(g.remat)))]
 
 
 @_block_fwd.register_fake
-def _(x, cu_seqlens, position_ids, rope_inv_freq, params, has_param, sizes, numbers, rope_theta, activation, remat,
-      compute_dtype, context_parallel):
-    g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel)
+def _(x, cu_seqlens, position_ids, rope_inv_freq, params, has_param, lora, sizes, numbers, rope_theta, activation,
+      remat, compute_dtype, context_parallel, lora_layout, lora_scales):
+    g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
+                                lora_scales)
     return [torch.empty_like(x),
             *(_kept_like(k, g, x) if keeps else x.new_empty(0) for k, keeps in zip(_SLOTS, _slots_kept(g.remat)))]
 
@@ -285,17 +347,18 @@ def _kept_like(kept: Kept, g: _BlockCall, x: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("fused_remat::block_bwd", mutates_args=())
 def _block_bwd(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | None,
                rope_inv_freq: torch.Tensor | None, kept: list[torch.Tensor], params: list[torch.Tensor],
-               has_param: list[bool], needs: list[bool], sizes: list[int], numbers: list[float],
-               rope_theta: float | None, activation: str, remat: str, compute_dtype: torch.dtype,
-               context_parallel: str) -> list[torch.Tensor]:
-    """[dx, then the gradient of each of ``params`` (empty where ``needs`` is False)] from dy (T, dim),
-    x and the ``_SLOTS`` the forward returned."""
-    g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel)
+               has_param: list[bool], needs: list[bool], lora: list[torch.Tensor], sizes: list[int],
+               numbers: list[float], rope_theta: float | None, activation: str, remat: str, compute_dtype: torch.dtype,
+               context_parallel: str, lora_layout: list[int], lora_scales: list[float]) -> list[torch.Tensor]:
+    """[dx, then the gradient of each of ``params`` (empty where ``needs`` is False), then of each of
+    ``lora``] from dy (T, dim), x and the ``_SLOTS`` the forward returned."""
+    g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
+                                lora_scales)
     seqs = _Sequences(cu_seqlens, position_ids, rope_inv_freq)
     named = dict(zip(_PARAMETERS, _with_absent(params, has_param)))
     needed = _needed(has_param, needs)
     with torch.autocast(dy.device.type, enabled=False):
-        w = _Weights(list(named.values()), compute_dtype)
+        w = _Weights(list(named.values()), compute_dtype, g.adapters, lora)
         kept_acts = {k.name: t for k, t, keeps in zip(_SLOTS, kept, _slots_kept(g.remat)) if keeps}
         if g.remat.replays:
             # The same kernels on the same x give bitwise the same activations.
@@ -305,13 +368,14 @@ def _block_bwd(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor | Non
             acts = _Activations(**kept_acts)
         needs = {name: needed.get(name, False) for name in _PARAMETERS}
         grads = _backward_pass(dy.contiguous(), x, acts, w, g, seqs, needs, named)
-    return [grads["x"], *(grads.get(name, x.new_empty(0)) for name in needed)]
+    return [grads["x"], *(grads.get(name, x.new_empty(0)) for name in needed), *grads["lora"]]
 
 
 @_block_bwd.register_fake
-def _(dy, x, cu_seqlens, position_ids, rope_inv_freq, kept, params, has_param, needs, sizes, numbers, rope_theta,
-      activation, remat, compute_dtype, context_parallel):
-    return [torch.empty_like(x), *(torch.empty_like(p) if need else x.new_empty(0) for p, need in zip(params, needs))]
+def _(dy, x, cu_seqlens, position_ids, rope_inv_freq, kept, params, has_param, needs, lora, sizes, numbers, rope_theta,
+      activation, remat, compute_dtype, context_parallel, lora_layout, lora_scales):
+    return [torch.empty_like(x), *(torch.empty_like(p) if need else x.new_empty(0) for p, need in zip(params, needs)),
+            *(torch.empty_like(t) for t in lora)]
 
 
 # What the block operators run, for FlopCounterMode (which does not see inside a custom operator):
@@ -334,33 +398,47 @@ def _attention_pairs(g: _BlockCall, cu_seqlens: torch.Tensor | None) -> int:
     return g.batch * (visible_pairs(g.seq * world, g.seq * world, g.causal, g.window) // world)
 
 
-def _forward_flops(g: _BlockCall, cu_seqlens: torch.Tensor | None, finish: bool) -> int:
+def _adapter_flops(g: _BlockCall, lora, layers, backward: bool = False) -> int:
+    """The low-rank products of the adapters on ``layers``: x A^T, then times B^T, forward; in
+    backward dy B, times A (the input's gradient), dA, x A^T again and dB."""
+    total = 0
+    for (linear, _, rows, _), a in zip(g.adapters, lora[0::2]):
+        if _LINEARS[linear] in layers:
+            rank, inputs = a.shape
+            total += matmul_flops(g.tokens, rank, 3 * inputs + 2 * rows if backward else inputs + rows)
+    return total
+
+
+def _forward_flops(g: _BlockCall, cu_seqlens: torch.Tensor | None, finish: bool, lora=()) -> int:
     """The forward (``finish=False``: the replay, which stops after fc1 and runs attention only
     where the policy did not keep its results)."""
     layers = ("qkv", "out_proj", "fc1", "fc2") if finish else ("qkv", "out_proj", "fc1")
-    linear = sum(matmul_flops(g.tokens, *_linear_shapes(g)[name]) for name in layers)
+    linear = sum(matmul_flops(g.tokens, *_linear_shapes(g)[name]) for name in layers) + _adapter_flops(g, lora, layers)
     if not (finish or g.remat.replays_attention):
         return linear
     return linear + attention_op_flops(1, g.n_heads, g.head_dim, _attention_pairs(g, cu_seqlens))
 
 
 @flop_formula("block_fwd", get_raw=True)
-def _(x, cu_seqlens, position_ids, rope_inv_freq, params, has_param, sizes, numbers, rope_theta, activation, remat,
-      compute_dtype, context_parallel, **_) -> int:
-    g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel)
-    return _forward_flops(g, cu_seqlens, finish=True)
+def _(x, cu_seqlens, position_ids, rope_inv_freq, params, has_param, lora, sizes, numbers, rope_theta, activation,
+      remat, compute_dtype, context_parallel, lora_layout, lora_scales, **_) -> int:
+    g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
+                                lora_scales)
+    return _forward_flops(g, cu_seqlens, finish=True, lora=lora)
 
 
 @flop_formula("block_bwd", get_raw=True)
-def _(dy, x, cu_seqlens, position_ids, rope_inv_freq, kept, params, has_param, needs, sizes, numbers, rope_theta,
-      activation, remat, compute_dtype, context_parallel, **_) -> int:
-    g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel)
+def _(dy, x, cu_seqlens, position_ids, rope_inv_freq, kept, params, has_param, needs, lora, sizes, numbers, rope_theta,
+      activation, remat, compute_dtype, context_parallel, lora_layout, lora_scales, **_) -> int:
+    g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
+                                lora_scales)
     needed = _needed(has_param, needs)
     # Each linear layer's input gradient always (it carries dx), its weight gradient where asked.
     linear = sum(matmul_flops(g.tokens, *shape) * (1 + needed.get(f"{name}.weight", False))
                  for name, shape in _linear_shapes(g).items())
+    linear += _adapter_flops(g, lora, _LINEARS, backward=True)
     attention = attention_op_flops(1, g.n_heads, g.head_dim, _attention_pairs(g, cu_seqlens), backward=True)
-    return linear + attention + (_forward_flops(g, cu_seqlens, finish=False) if g.remat.replays else 0)
+    return linear + attention + (_forward_flops(g, cu_seqlens, finish=False, lora=lora) if g.remat.replays else 0)
 
 
 def _needed(has_param, needs) -> dict[str, bool]:
@@ -378,25 +456,29 @@ class _BlockFunction(torch.autograd.Function):
     """The block's autograd: the two custom operators above, and what is kept between them."""
 
     @staticmethod
-    def forward(x, g: _BlockCall, cu_seqlens, position_ids, rope_inv_freq, *params):
+    def forward(x, g: _BlockCall, cu_seqlens, position_ids, rope_inv_freq, *tensors):
+        """``tensors``: the block's _PARAMETERS (None where absent), then each adapter's A and B."""
+        params, lora = tensors[:len(_PARAMETERS)], list(tensors[len(_PARAMETERS):])
         has_param = [p is not None for p in params]
         return tuple(_block_fwd(x, cu_seqlens, position_ids, rope_inv_freq, [p for p in params if p is not None],
-                                has_param, *g.op_args()))
+                                has_param, lora, *g.op_args()))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, g, cu_seqlens, position_ids, rope_inv_freq, *params = inputs
+        x, g, cu_seqlens, position_ids, rope_inv_freq, *tensors = inputs
+        params, lora = tensors[:len(_PARAMETERS)], tensors[len(_PARAMETERS):]
         # Everything kept for backward, in one place: x (or, offloaded, its host copy), the policy's
         # activations (``remat.kept()``), the parameters as themselves (no copies; under autocast
-        # backward casts them again), and the documents' offsets and positions where given (the
-        # model's inputs, shared by every layer), and RoPE's frequencies where given.
+        # backward casts them again), the adapters' factors likewise, and the documents' offsets and
+        # positions where given (the model's inputs, shared by every layer), and RoPE's frequencies
+        # where given.
         ctx.host_copy = offload.HostCopy(x) if g.remat.host_resident else None
         sequences = (cu_seqlens, position_ids, rope_inv_freq)
         ctx.sequences = [t is not None for t in sequences]
         ctx.save_for_backward(x if ctx.host_copy is None else ctx.host_copy.host,
                               *(t for t in sequences if t is not None),
                               *(t for t, keeps in zip(output[1:], _slots_kept(g.remat)) if keeps),
-                              *(p for p in params if p is not None))
+                              *(p for p in params if p is not None), *lora)
         ctx.call, ctx.has_param = g, [p is not None for p in params]
         ctx.mark_non_differentiable(*output[1:])
 
@@ -410,14 +492,18 @@ class _BlockFunction(torch.autograd.Function):
         cu_seqlens, position_ids, rope_inv_freq = (next(saved) if given else None for given in ctx.sequences)
         saved = list(saved)
         slots_kept = _slots_kept(g.remat)
-        kept_tensors, params = iter(saved[:sum(slots_kept)]), saved[sum(slots_kept):]
+        n_lora = 2 * len(g.adapters)
+        kept_tensors = iter(saved[:sum(slots_kept)])
+        params, lora = saved[sum(slots_kept):len(saved) - n_lora], saved[len(saved) - n_lora:]
         kept = [next(kept_tensors) if keeps else x.new_empty(0) for keeps in slots_kept]
-        needs = [need for need, has in zip(ctx.needs_input_grad[5:], ctx.has_param) if has]
-        dx, *dparams = _block_bwd(dy, x, cu_seqlens, position_ids, rope_inv_freq, kept, params, ctx.has_param, needs,
-                                  *g.op_args())
-        dparams = iter(d if need else None for d, need in zip(dparams, needs))
+        needs_params = ctx.needs_input_grad[5:5 + len(_PARAMETERS)]
+        needs = [need for need, has in zip(needs_params, ctx.has_param) if has]
+        dx, *grads = _block_bwd(dy, x, cu_seqlens, position_ids, rope_inv_freq, kept, params, ctx.has_param, needs,
+                                lora, *g.op_args())
+        dparams = iter(d if need else None for d, need in zip(grads[:len(needs)], needs))
+        dlora = [d if need else None for d, need in zip(grads[len(needs):], ctx.needs_input_grad[5 + len(_PARAMETERS):])]
         return custom_ops.first_order_only(_OP, dx, None, None, None, None,
-                                           *(next(dparams) if has else None for has in ctx.has_param))
+                                           *(next(dparams) if has else None for has in ctx.has_param), *dlora)
 
 
 def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, seqs: _Sequences, needs: dict,
@@ -430,33 +516,37 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, seqs: 
     grads = {}
     rebuild = g.remat.rebuilds_outputs
     dz = dy.to(g.compute_dtype)
+    adapter_grads = []  # (dA, dB) of each adapter, last layer first
     grads["fc2.bias"] = _bias_grad(needs["fc2.bias"], dz, named["fc2.bias"])
-    da = dz @ w.fc2
+    da = w.input_grad("fc2", dz, w.fc2)
     if g.activation == "swiglu":
         du, rebuilt = custom_ops.swiglu_packed_bwd(da, acts.u, rebuild)
     else:
         du, rebuilt = custom_ops.gelu_bwd(da, acts.u, _approximation(g), rebuild)
     del da
     grads["fc2.weight"] = _weight_grad(needs["fc2.weight"], dz, rebuilt if rebuild else acts.a, named["fc2.weight"])
+    adapter_grads += w.adapter_grads("fc2", dz, rebuilt if rebuild else acts.a)
     del rebuilt, dz
 
     grads["fc1.bias"] = _bias_grad(needs["fc1.bias"], du, named["fc1.bias"])
-    dh, grads["norm2.weight"], grads["norm2.bias"], rebuilt = _norm_backward(du @ w.fc1, acts.h, w.norm2, acts.mean2,
-                                                                             acts.rstd2, dy, rebuild, g)
+    dh, grads["norm2.weight"], grads["norm2.bias"], rebuilt = _norm_backward(w.input_grad("fc1", du, w.fc1), acts.h,
+                                                                             w.norm2, acts.mean2, acts.rstd2, dy, rebuild, g)
     grads["fc1.weight"] = _weight_grad(needs["fc1.weight"], du, acts.y2 if rebuilt is None else rebuilt, named["fc1.weight"])
+    adapter_grads += w.adapter_grads("fc1", du, acts.y2 if rebuilt is None else rebuilt)
     del du, rebuilt
 
     d_attn = dh.to(g.compute_dtype)
     grads["out_proj.bias"] = _bias_grad(needs["out_proj.bias"], d_attn, named["out_proj.bias"])
     grads["out_proj.weight"] = _weight_grad(needs["out_proj.weight"], d_attn, acts.o, named["out_proj.weight"])
+    adapter_grads += w.adapter_grads("out_proj", d_attn, acts.o)
     group = g.context_parallel_group()
     if group is None:
-        dqkv = custom_ops.attention_packed_bwd(d_attn @ w.out, acts.qkv, acts.o, acts.lse, g.batch, g.n_heads,
+        dqkv = custom_ops.attention_packed_bwd(w.input_grad("out_proj", d_attn, w.out), acts.qkv, acts.o, acts.lse, g.batch, g.n_heads,
                                                g.n_kv_heads, *g.attention_mask, seqs.cu_seqlens, g.max_seqlen)
     else:
         dqkv = torch.empty_like(acts.qkv)
         grads_qkv = context_parallel.ring_attention_bwd(
-            custom_ops.token_major_heads(d_attn @ w.out, g.batch, g.n_heads),
+            custom_ops.token_major_heads(w.input_grad("out_proj", d_attn, w.out), g.batch, g.n_heads),
             *custom_ops.split_heads(acts.qkv, g.batch, g.n_heads, g.n_kv_heads),
             custom_ops.token_major_heads(acts.o, g.batch, g.n_heads), acts.lse, group, g.causal, g.softmax_scale)
         for packed, grad in zip(custom_ops.split_heads(dqkv, g.batch, g.n_heads, g.n_kv_heads), grads_qkv):
@@ -466,10 +556,13 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, seqs: 
         _rope_qk_(dqkv, g, seqs, inverse=True)
 
     grads["qkv.bias"] = _bias_grad(needs["qkv.bias"], dqkv, named["qkv.bias"])
-    grads["x"], grads["norm1.weight"], grads["norm1.bias"], rebuilt = _norm_backward(dqkv @ w.qkv, x, w.norm1, acts.mean1,
-                                                                                     acts.rstd1, dh, rebuild, g)
+    grads["x"], grads["norm1.weight"], grads["norm1.bias"], rebuilt = _norm_backward(
+        w.input_grad("qkv", dqkv, w.qkv), x, w.norm1, acts.mean1, acts.rstd1, dh, rebuild, g)
     grads["qkv.weight"] = _weight_grad(needs["qkv.weight"], dqkv, acts.y1 if rebuilt is None else rebuilt, named["qkv.weight"])
-    return {name: grad for name, grad in grads.items() if name == "x" or needs[name]}
+    adapter_grads += w.adapter_grads("qkv", dqkv, acts.y1 if rebuilt is None else rebuilt)
+    grads = {name: grad for name, grad in grads.items() if name == "x" or needs[name]}
+    grads["lora"] = [grad for _, pair in sorted(adapter_grads, key=lambda item: item[0]) for grad in pair]
+    return grads
 
 
 def _norm_backward(dy, x, weights, mean, rstd, residual_grad, rebuild: bool, g: _BlockCall):
@@ -547,12 +640,17 @@ class TransformerBlock(reference.TransformerBlock):
         return fused
 
     def forward(self, x: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
-                position_ids: torch.Tensor | None = None, rope_inv_freq: torch.Tensor | None = None) -> torch.Tensor:
-        """x (B, N, dim) -> (B, N, dim); ``cu_seqlens``, ``max_seqlen``, ``position_ids`` and
-        ``rope_inv_freq`` as the reference block's (documents packed in the B N tokens, RoPE's
-        positions and frequencies)."""
+                position_ids: torch.Tensor | None = None, rope_inv_freq: torch.Tensor | None = None,
+                adapters=None) -> torch.Tensor:
+        """x (B, N, dim) -> (B, N, dim); ``cu_seqlens``, ``max_seqlen``, ``position_ids``,
+        ``rope_inv_freq`` and ``adapters`` as the reference block's (documents packed in the B N
+        tokens, RoPE's positions and frequencies, LoRA terms). An adapter's input (the norm or
+        activation output a policy does not keep) is the one its layer's weight gradient uses, so
+        adapters keep nothing more: their products are recomputed in backward (rank r: a few
+        percent of the layer's)."""
         self._check_input(x)
         max_seqlen = self._check_sequences(x, cu_seqlens, max_seqlen, position_ids, rope_inv_freq)
+        adapters = reference.check_adapters(_OP, adapters, {name: getattr(self, name) for name in reference.LINEARS})
         if self.context_parallel is not None and (cu_seqlens is not None or position_ids is not None
                                                   or rope_inv_freq is not None or self.window != (-1, -1)
                                                   or self.softcap):
@@ -567,7 +665,7 @@ class TransformerBlock(reference.TransformerBlock):
         compute_dtype = self._compute_dtype(x, params)  # the same dtype check on both paths
         if not use_triton(_OP, x.device):  # the reference math; a policy that replays through torch.utils.checkpoint
             return super().forward(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen or None, position_ids=position_ids,
-                                   rope_inv_freq=rope_inv_freq)
+                                   rope_inv_freq=rope_inv_freq, adapters=adapters)
         call = _BlockCall(
             batch=x.shape[0], seq=x.shape[1], dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
             head_dim=self.head_dim, ffn_dim=self.ffn_dim, rms=self.norm == "rmsnorm",
@@ -575,10 +673,11 @@ class TransformerBlock(reference.TransformerBlock):
             remat=self.remat, compute_dtype=compute_dtype,
             context_parallel="" if self.context_parallel is None else self.context_parallel.group_name,
             window=self.window, softcap=self.softcap, max_seqlen=max_seqlen, scale=self.attention_scale or 0.0,
+            adapters=tuple((_LINEARS.index(a.linear), a.first_row, a.b.shape[0], float(a.scale)) for a in adapters),
         )
         apply = _eager_block_function() if call.remat.host_resident else _BlockFunction.apply
         y, *_ = apply(x.reshape(call.tokens, self.dim).contiguous(), call, cu_seqlens, position_ids, rope_inv_freq,
-                      *params)
+                      *params, *(t for a in adapters for t in (a.a, a.b)))
         return y.view(x.shape)
 
     def _parameter(self, name: str) -> torch.nn.Parameter | None:

@@ -7,6 +7,8 @@ dtype. Call them with float64 tensors to get the high-precision reference the te
 from __future__ import annotations
 
 import math
+import numbers
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -177,6 +179,56 @@ def document_positions(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
     return torch.arange(tokens, device=cu_seqlens.device, dtype=torch.int32) - cu_seqlens[document]
 
 
+LINEARS = ("qkv", "out_proj", "fc1", "fc2")
+
+
+@dataclass(frozen=True)
+class LowRankAdapter:
+    """A low-rank adapter (LoRA) on one of the block's linear layers: rows ``first_row`` to
+    ``first_row + B.shape[0]`` of ``linear``'s output (the whole output by default; a part of the
+    packed qkv or [gate | up] for an adapter of one of the projections packed there) get
+    ``scale * (x A^T) B^T``, where x is the layer's input. A: (r, in_features), B: (rows, r), float
+    tensors on the layer's device (computed in the layer's dtype, as PEFT keeps fp32 adapters on a
+    16-bit model); both get gradients."""
+
+    linear: str
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+    first_row: int = 0
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.first_row, self.first_row + self.b.shape[0])
+
+
+def check_adapters(op: str, adapters, layers: dict) -> tuple:
+    """``adapters`` as a tuple of LowRankAdapter that fit ``layers`` (name -> nn.Linear)."""
+    adapters = tuple(adapters or ())
+    for i, adapter in enumerate(adapters):
+        where = f"{op}: adapters[{i}]"
+        if not isinstance(adapter, LowRankAdapter):
+            raise TypeError(f"{where} must be a LowRankAdapter, got {type(adapter).__name__}")
+        if adapter.linear not in layers:
+            raise ValueError(f"{where}.linear must be one of {tuple(layers)}, got {adapter.linear!r}")
+        weight = layers[adapter.linear].weight
+        a, b = adapter.a, adapter.b
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == 2 and b.dim() == 2
+                and a.shape[1] == weight.shape[1] and b.shape[1] == a.shape[0]):
+            raise ValueError(f"{where}: A must be (r, {weight.shape[1]}) and B (rows, r) for {adapter.linear}, got "
+                             f"{tuple(getattr(a, 'shape', ()))} and {tuple(getattr(b, 'shape', ()))}")
+        if isinstance(adapter.first_row, bool) or not isinstance(adapter.first_row, int) or adapter.first_row < 0 \
+                or adapter.first_row + b.shape[0] > weight.shape[0]:
+            raise ValueError(f"{where}: rows {adapter.first_row}..{adapter.first_row + b.shape[0]} are outside "
+                             f"{adapter.linear}'s {weight.shape[0]} outputs")
+        if not (a.is_floating_point() and b.is_floating_point()) or a.device != weight.device or b.device != weight.device:
+            raise TypeError(f"{where}: A and B must be float tensors on {adapter.linear}.weight's device "
+                            f"{weight.device}, got {a.dtype}/{b.dtype} on {a.device}/{b.device}")
+        if isinstance(adapter.scale, bool) or not isinstance(adapter.scale, numbers.Real) or not math.isfinite(adapter.scale):
+            raise ValueError(f"{where}.scale must be a finite real number, got {adapter.scale!r}")
+    return adapters
+
+
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 
@@ -256,17 +308,20 @@ class TransformerBlock(nn.Module):
         return nn.LayerNorm(self.dim, eps=self.eps, bias=bias, **factory)
 
     def forward(self, x: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
-                position_ids: torch.Tensor | None = None, rope_inv_freq: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, rope_inv_freq: torch.Tensor | None = None,
+                adapters=None) -> torch.Tensor:
         """x (B, N, dim). ``cu_seqlens``: documents packed in the B N tokens (int32 offsets, as
         ``attention_varlen``'s; each attends only within itself, and RoPE restarts at each);
         ``max_seqlen`` their longest length (read from the offsets when None); ``position_ids``
         (B, N) ints: RoPE's positions instead; ``rope_inv_freq`` ((head_dim / 2,) fp32): RoPE's
-        inverse frequencies instead of rope_theta's, for scaled RoPE (the block must have RoPE)."""
+        inverse frequencies instead of rope_theta's, for scaled RoPE (the block must have RoPE);
+        ``adapters``: LowRankAdapter (LoRA) terms added to the linear layers' outputs."""
         max_seqlen = self._check_sequences(x, cu_seqlens, max_seqlen, position_ids, rope_inv_freq)
+        adapters = check_adapters("TransformerBlock", adapters, {name: getattr(self, name) for name in LINEARS})
         if self.remat.replays and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(self._eager, x, cu_seqlens, max_seqlen, position_ids,
-                                                     rope_inv_freq, use_reentrant=False)
-        return self._eager(x, cu_seqlens, max_seqlen, position_ids, rope_inv_freq)
+                                                     rope_inv_freq, adapters, use_reentrant=False)
+        return self._eager(x, cu_seqlens, max_seqlen, position_ids, rope_inv_freq, adapters)
 
     def _check_sequences(self, x, cu_seqlens, max_seqlen, position_ids, rope_inv_freq) -> int:
         """The longest document (0 without documents), after checking the documents' and RoPE's arguments."""
@@ -283,13 +338,26 @@ class TransformerBlock(nn.Module):
         return check_documents("TransformerBlock", cu_seqlens, x.shape[0] * x.shape[1], x.device, max_seqlen)
 
     def _eager(self, x: torch.Tensor, cu_seqlens=None, max_seqlen: int = 0, position_ids=None,
-               rope_inv_freq=None) -> torch.Tensor:
-        h = x + self._attention(self.norm1(x), cu_seqlens, max_seqlen, position_ids, rope_inv_freq)
-        return h + self.fc2(self._activate(self.fc1(self.norm2(h))))
+               rope_inv_freq=None, adapters=()) -> torch.Tensor:
+        h = x + self._attention(self.norm1(x), cu_seqlens, max_seqlen, position_ids, rope_inv_freq, adapters)
+        u = self._linear("fc1", self.norm2(h), adapters)
+        return h + self._linear("fc2", self._activate(u), adapters)
 
-    def _attention(self, y: torch.Tensor, cu_seqlens, max_seqlen: int, position_ids, rope_inv_freq) -> torch.Tensor:
+    def _linear(self, name: str, x: torch.Tensor, adapters) -> torch.Tensor:
+        """Linear layer ``name`` on x, plus its adapters' terms."""
+        out = getattr(self, name)(x)
+        terms = [(a, F.linear(F.linear(x, a.a.to(x.dtype)), a.b.to(x.dtype)) * a.scale) for a in adapters if a.linear == name]
+        if not terms:
+            return out
+        delta = torch.zeros_like(out)
+        for adapter, term in terms:
+            delta = delta + F.pad(term, (adapter.first_row, out.shape[-1] - adapter.rows.stop))
+        return out + delta
+
+    def _attention(self, y: torch.Tensor, cu_seqlens, max_seqlen: int, position_ids, rope_inv_freq,
+                   adapters=()) -> torch.Tensor:
         batch, seq, _ = y.shape
-        heads = self.qkv(y).view(batch, seq, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        heads = self._linear("qkv", y, adapters).view(batch, seq, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
         q, k, v = heads.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)
         if self.rope_theta is not None:
             if position_ids is None and cu_seqlens is not None:
@@ -307,7 +375,7 @@ class TransformerBlock(nn.Module):
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                 is_causal=self.causal, scale=self.attention_scale, enable_gqa=self.n_kv_heads != self.n_heads,
             ).transpose(1, 2)
-        return self.out_proj(o.reshape(batch, seq, self.dim))
+        return self._linear("out_proj", o.reshape(batch, seq, self.dim), adapters)
 
     def _activate(self, u: torch.Tensor) -> torch.Tensor:
         if self.activation == "swiglu":

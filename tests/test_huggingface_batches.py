@@ -139,7 +139,8 @@ ROPE_TYPES = {
                    original_max_position_embeddings=4),
     "yarn": dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=4),  # cos/sin scaled by s != 1
     "longrope": dict(rope_type="longrope", short_factor=[1.0 + i / 10 for i in range(HALF_HEAD)],
-                     long_factor=[2.0 + i / 10 for i in range(HALF_HEAD)], original_max_position_embeddings=4),
+                     long_factor=[2.0 + i / 10 for i in range(HALF_HEAD)], original_max_position_embeddings=4,
+                     factor=2.0),  # 4.x needs it (5.x derives 8 / 4 = 2 itself)
 }
 
 

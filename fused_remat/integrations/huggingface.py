@@ -89,6 +89,7 @@ from the installed ``transformers`` when patching; plain attributes of the layer
 from __future__ import annotations
 
 import inspect
+import typing
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +99,7 @@ from transformers.pytorch_utils import Conv1D
 
 import fused_remat
 from fused_remat import TransformerBlock, reference
+from fused_remat.reference import LowRankAdapter
 from fused_remat.remat import Remat
 
 __all__ = ["FusedDecoderLayer", "UnsupportedByFusedBlock", "apply_fused_remat", "revert_fused_remat"]
@@ -253,31 +255,56 @@ class _Piece:
     transposed: bool
 
 
-def _check_plain(module: nn.Module, source: str, fused: str, layer_name: str) -> None:
-    """Refuses a module the block would bypass by reading its weights: an adapter or quantized
-    layer around a linear layer, any module with children, or one with hooks."""
-    wrapped = type(module) not in (nn.Linear, Conv1D) if fused in _LINEAR_PARTS else any(True for _ in module.children())
-    if wrapped or module._forward_hooks or module._forward_pre_hooks:
-        what = f"hooks on {source}" if not wrapped else f"{source} is a {type(module).__module__}.{type(module).__name__}"
-        raise _refuse(f"{layer_name}: {what}", "the fused block reads the weights directly and would bypass it; merge "
-                      "adapters first (merge_and_unload) or apply them to the unpatched model", patched=False)
+def _is_lora(module: nn.Module) -> bool:
+    """A PEFT LoRA layer (``peft.tuners.lora.LoraLayer``), told by its attributes: peft is optional."""
+    return all(hasattr(module, name) for name in ("base_layer", "lora_A", "lora_B", "scaling", "active_adapters"))
+
+
+def _hooks(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
+
+
+def _unwrapped(module: nn.Module, source: str, fused: str, where: str) -> nn.Module:
+    """The plain module under ``module`` (a PEFT LoRA layer's base layer), after refusing what the
+    block would bypass by reading the weights: any other wrapper or quantized layer, a module
+    with children, hooks."""
+    plain = module.base_layer if fused in _LINEAR_PARTS and _is_lora(module) else module
+    wrapped = type(plain) not in (nn.Linear, Conv1D) if fused in _LINEAR_PARTS else any(True for _ in plain.children())
+    if wrapped or _hooks(plain) or _hooks(module):
+        what = f"hooks on {source}" if not wrapped else f"{source} is a {type(plain).__module__}.{type(plain).__name__}"
+        raise _refuse(f"{where}: {what}", "the fused block reads the weights directly and would bypass it; apply it "
+                      "to the unpatched model, or merge adapters other than LoRA first", patched=False)
+    return plain
+
+
+def _check_layer(layer: nn.Module, parts: dict) -> None:
+    """Every refusal _pack would make, without packing anything."""
+    where = type(layer).__name__
+    if _hooks(layer):
+        raise _refuse(f"hooks on a {where}", "the fused layer that replaces it would not run them", patched=False)
+    for fused, sources in parts.items():
+        modules = [_unwrapped(layer.get_submodule(source), source, fused, where) for source in sources]
+        for attr in ("weight", "bias"):
+            params = [getattr(module, attr, None) for module in modules]
+            if all(p is None for p in params):
+                continue
+            if any(p is None for p in params) or len({p.requires_grad for p in params}) > 1:
+                raise _refuse(f"{fused}.{attr} from {', '.join(sources)}", "some of the pieces packed into it lack a "
+                              "bias or are frozen while others are not", patched=False)
 
 
 def _pack(layer: nn.Module, parts: dict) -> tuple[dict, dict]:
     """The fused block's state (name -> tensor) from a Hugging Face layer, and where every piece came from."""
+    _check_layer(layer, parts)
     state, layout = {}, {}
     for fused, sources in parts.items():
-        modules = [layer.get_submodule(source) for source in sources]
-        for source, module in zip(sources, modules):
-            _check_plain(module, source, fused, type(layer).__name__)
+        modules = [_unwrapped(layer.get_submodule(source), source, fused, "") for source in sources]
         for attr in ("weight", "bias"):
             params = [getattr(module, attr, None) for module in modules]
             if all(p is None for p in params):
                 continue
             name = f"{fused}.{attr}"
-            if any(p is None for p in params) or len({p.requires_grad for p in params}) > 1:
-                raise _refuse(f"{name} from {', '.join(sources)}", "some of the pieces packed into it lack a bias or are "
-                              "frozen while others are not", patched=False)
             transposed = [attr == "weight" and isinstance(m, Conv1D) for m in modules]
             tensors = [p.detach().t() if t else p.detach() for p, t in zip(params, transposed)]
             state[name] = (tensors[0] if len(tensors) == 1 else torch.cat(tensors)).contiguous()
@@ -286,26 +313,104 @@ def _pack(layer: nn.Module, parts: dict) -> tuple[dict, dict]:
     return state, layout
 
 
+class _Packed(nn.Module):
+    """A fused layer's linear layer: its packed weight and bias, applied as F.linear. Not an
+    nn.Linear, so that adapters looking for linear layers (PEFT's ``all-linear``) find the Hugging
+    Face projections (_Slot) instead."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device="meta"))
+        self.bias = nn.Parameter(torch.empty(out_features, device="meta")) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+class _Slot(nn.Linear):
+    """A Hugging Face projection packed into a fused parameter, under its Hugging Face name, where
+    adapters (PEFT's LoRA, before or after patching) find and wrap it. Its weight and bias are views
+    of the packed rows (transposed for GPT-2's Conv1D, see _ConvSlot): a LoRA merge writes into the
+    packed parameter. Holds no parameter of its own."""
+
+    def __init__(self, packed: _Packed, first: int, rows: int, has_bias: bool):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = packed.in_features, rows
+        self.__dict__["_packed"] = packed  # not a submodule: it is the fused layer's
+        self._rows, self._has_bias = slice(first, first + rows), has_bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._packed.weight[self._rows]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self._packed.bias[self._rows] if self._has_bias else None
+
+
+class _ConvSlot(Conv1D):
+    """_Slot for GPT-2's Conv1D projections: the weight viewed (in, out), as Conv1D stores it."""
+
+    def __init__(self, packed: _Packed, first: int, rows: int, has_bias: bool):
+        nn.Module.__init__(self)
+        self.nx, self.nf = packed.in_features, rows
+        self.__dict__["_packed"] = packed
+        self._rows, self._has_bias = slice(first, first + rows), has_bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._packed.weight[self._rows].t()
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self._packed.bias[self._rows] if self._has_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight.t(), self.bias)
+
+
+def _state_key(layer: FusedDecoderLayer, piece: _Piece) -> str:
+    """A piece's name in the state dict: under each LoRA layer wrapped around its slot, in the
+    ``base_layer``, as PEFT names it."""
+    path, attr = piece.name.rsplit(".", 1)
+    if path not in layer._slot_paths:  # a norm: no slot
+        return piece.name
+    module = layer.get_submodule(path)
+    while _is_lora(module):
+        path, module = f"{path}.base_layer", module.base_layer
+    return f"{path}.{attr}"
+
+
+def _huggingface_weights(layer: FusedDecoderLayer, tensors: dict, copies: bool) -> dict:
+    """``tensors`` named like the layer's packed parameters, split into the Hugging Face pieces
+    (piece -> tensor); ``copies``: each piece that is a part or a transpose is copied."""
+    out = {}
+    for name, pieces in layer._layout.items():
+        if tensors.get(name) is None:
+            continue
+        for piece, part in zip(pieces, tensors[name].split([p.rows for p in pieces])):
+            part = part.t() if piece.transposed else part
+            copy = copies and (len(pieces) > 1 or piece.transposed)
+            out[piece] = part.clone(memory_format=torch.contiguous_format) if copy else part
+    return out
+
+
 def _huggingface_state_dict(layer: FusedDecoderLayer, state_dict: dict, prefix: str, local_metadata) -> None:
     """state_dict hook: the packed parameters split into Hugging Face's names and layouts (copies,
     so that no two entries share storage), the zero stand-in biases left out."""
     for name in layer._zero_biases:
         state_dict.pop(prefix + name, None)
-    for name, pieces in layer._layout.items():
-        packed = state_dict.pop(prefix + name, None)
-        if packed is None:
-            continue
-        for piece, part in zip(pieces, packed.split([p.rows for p in pieces])):
-            part = part.t() if piece.transposed else part
-            copy = len(pieces) > 1 or piece.transposed
-            state_dict[prefix + piece.name] = part.clone(memory_format=torch.contiguous_format) if copy else part
+    packed = {name: state_dict.pop(prefix + name, None) for name in layer._layout}
+    for piece, tensor in _huggingface_weights(layer, packed, copies=True).items():
+        state_dict[prefix + _state_key(layer, piece)] = tensor
 
 
 def _packed_state_dict(layer: FusedDecoderLayer, state_dict: dict, prefix: str, *_) -> None:
     """load_state_dict pre-hook: Hugging Face's names and layouts packed into the block's, and the
     zero stand-in biases filled in from the layer (they are not in a Hugging Face state dict)."""
     for name, pieces in layer._layout.items():
-        keys = [prefix + piece.name for piece in pieces]
+        keys = [prefix + _state_key(layer, piece) for piece in pieces]
         if not all(key in state_dict for key in keys):
             continue
         parts = [state_dict.pop(key) for key in keys]
@@ -503,8 +608,12 @@ class FusedDecoderLayer(TransformerBlock):
         kwargs, dropout = architecture.block(config, layer_idx, base)
         state, layout = _pack(original, architecture.parts)
         param = state["qkv.weight"]
-        super().__init__(kwargs.pop("dim"), kwargs.pop("n_heads"), bias=any(n.endswith(".bias") for n in state),
-                         remat=remat, device="meta", dtype=param.dtype, **kwargs)
+        bias = any(n.endswith(".bias") for n in state)
+        super().__init__(kwargs.pop("dim"), kwargs.pop("n_heads"), bias=bias, remat=remat, device="meta",
+                         dtype=param.dtype, **kwargs)
+        for name in _LINEAR_PARTS:
+            linear = getattr(self, name)
+            setattr(self, name, _Packed(linear.in_features, linear.out_features, bias))
         zero = {n: torch.zeros(p.shape, device=param.device, dtype=p.dtype) for n, p in self.named_parameters() if n not in state}
         missing = [n for n in zero if not n.endswith(".bias")]
         if missing:
@@ -525,8 +634,37 @@ class FusedDecoderLayer(TransformerBlock):
         for name, value in vars(original).items():  # plain attributes the model reads (Qwen2's attention_type)
             if not name.startswith("_") and isinstance(value, (str, int, float)) and not hasattr(self, name):
                 setattr(self, name, value)
+        self._install_slots(original)
         self._register_state_dict_hook(_huggingface_state_dict)
         self.register_load_state_dict_pre_hook(_packed_state_dict)
+
+    def _install_slots(self, original: nn.Module) -> None:
+        """A _Slot under each Hugging Face projection's name, viewing its rows of the packed weight;
+        a LoRA layer that wrapped the projection in ``original`` moves here, around the slot."""
+        self._slot_paths = set()
+        for name, pieces in self._layout.items():
+            fused, attr = name.split(".")
+            if fused not in _LINEAR_PARTS or attr != "weight":
+                continue
+            first = 0
+            for piece in pieces:
+                path = piece.name.rsplit(".", 1)[0]
+                has_bias = f"{fused}.bias" in self._layout
+                slot_class = _ConvSlot if piece.transposed else _Slot
+                slot = slot_class(getattr(self, fused), first, piece.rows, has_bias)
+                first += piece.rows
+                module = original.get_submodule(path)
+                if _is_lora(module):
+                    module.base_layer = slot
+                    slot = module
+                parent, child = path.rsplit(".", 1)
+                container = self
+                for part in parent.split("."):
+                    if not hasattr(container, part):
+                        container.add_module(part, nn.Module())
+                    container = getattr(container, part)
+                container.add_module(child, slot)
+                self._slot_paths.add(path)
 
     @property
     def gradient_checkpointing(self) -> bool:
@@ -541,11 +679,11 @@ class FusedDecoderLayer(TransformerBlock):
         call = kwargs.pop(_LAYER_CALL, None)
         if call is None:
             return self._forward_alone(hidden_states, *args, **kwargs)
-        self._check_call()
+        adapters = self._check_call()
         if isinstance(call, _CachedCall):
-            return self._forward_cached(hidden_states, call)
+            return self._forward_cached(hidden_states, call, adapters)
         return super().forward(hidden_states, cu_seqlens=call.cu_seqlens, max_seqlen=call.max_seqlen,
-                               position_ids=call.position_ids, rope_inv_freq=call.rope_inv_freq)
+                               position_ids=call.position_ids, rope_inv_freq=call.rope_inv_freq, adapters=adapters)
 
     def _forward_alone(self, hidden_states, *args, **kwargs):
         """A call from outside the patched model, with the original layer's arguments."""
@@ -564,26 +702,26 @@ class FusedDecoderLayer(TransformerBlock):
         if self.rope_theta is not None:
             raise _refuse("a fused decoder layer with RoPE called on its own",
                           "RoPE's frequencies come from the patched model's rotary embedding; call the model")
-        self._check_call()
-        y = super().forward(hidden_states)
+        y = super().forward(hidden_states, adapters=self._check_call())
         return (y,) if self._returns_tuple else y
 
-    def _forward_cached(self, x: torch.Tensor, call: _CachedCall) -> torch.Tensor:
+    def _forward_cached(self, x: torch.Tensor, call: _CachedCall, adapters) -> torch.Tensor:
         """The layer with a KV cache (generation): the same function as the block, from its own
         modules, with attention through fused_remat's kernels over the cached and new keys, aligned
         to the bottom right (the new tokens are the last); padding runs as documents of the real
         tokens of each row."""
         batch, seq, _ = x.shape
-        heads = self.qkv(self.norm1(x)).view(batch, seq, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        heads = self._linear("qkv", self.norm1(x), adapters).view(batch, seq, -1, self.head_dim)
         q, k, v = heads.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)
         if self.rope_theta is not None:
             q, k = (reference.rope(t, self.rope_theta, positions=call.positions, inv_freq=call.rope_inv_freq) for t in (q, k))
         keys, values = call.cache.update(k.transpose(1, 2), v.transpose(1, 2), self._layer_idx)
         o = _cached_attention(q.transpose(1, 2), keys, values, call.mask, self.causal, self.attention_scale, self.window)
-        h = x + self.out_proj(o.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
-        return h + self.fc2(self._activate(self.fc1(self.norm2(h))))
+        h = x + self._linear("out_proj", o.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim), adapters)
+        return h + self._linear("fc2", self._activate(self._linear("fc1", self.norm2(h), adapters)), adapters)
 
-    def _check_call(self) -> None:
+    def _check_call(self) -> list[LowRankAdapter]:
+        """Refuses a call the layer would compute wrongly; returns the LoRA adapters to apply."""
         if self.training and self._dropout > 0:
             raise _refuse(f"dropout {self._dropout} in training mode", "the block has no dropout; set the config's attention/residual dropout to 0")
         trainable = [name for name in self._zero_biases if self.get_parameter(name).requires_grad]
@@ -591,23 +729,28 @@ class FusedDecoderLayer(TransformerBlock):
             raise _refuse(f"requires_grad on {trainable}", f"these biases stand for ones {self._original_class.__name__} does not have and must stay zero and frozen")
         for name in (*_LINEAR_PARTS, "norm1", "norm2"):
             module = getattr(self, name)
-            expected = nn.Linear if name in _LINEAR_PARTS else (nn.RMSNorm if self.norm == "rmsnorm" else nn.LayerNorm)
-            if type(module) is not expected or module._forward_hooks or module._forward_pre_hooks:
+            expected = _Packed if name in _LINEAR_PARTS else (nn.RMSNorm if self.norm == "rmsnorm" else nn.LayerNorm)
+            if type(module) is not expected or _hooks(module):
                 raise _refuse(f"{name} of a fused decoder layer is now a {type(module).__module__}.{type(module).__name__}"
                               f"{' with hooks' if type(module) is expected else ''}",
-                              "the fused block reads its weights directly and would bypass it; apply adapters "
-                              "before patching and merge them (merge_and_unload), or to the unpatched model")
+                              "the fused block reads its weights directly and would bypass it; wrap the Hugging "
+                              "Face projections (q_proj, ..., c_attn, ...) instead, which the block honours for LoRA")
+        adapters = []
+        for name, pieces in self._layout.items():
+            fused, attr = name.split(".")
+            if fused not in _LINEAR_PARTS or attr != "weight":
+                continue
+            first = 0
+            for piece in pieces:
+                path = piece.name.rsplit(".", 1)[0]
+                adapters += _lora_adapters(self.get_submodule(path), path, fused, first, self.training)
+                first += piece.rows
+        return adapters
 
     def huggingface_tensors(self, tensors: dict) -> dict:
         """``tensors`` named like this layer's parameters (the parameters, their gradients, ...) split
         into the Hugging Face layer's names and layouts; the zero stand-in biases are left out."""
-        out = {}
-        for name, pieces in self._layout.items():
-            if tensors.get(name) is None:
-                continue
-            for piece, part in zip(pieces, tensors[name].split([p.rows for p in pieces])):
-                out[piece.name] = part.t() if piece.transposed else part
-        return out
+        return {piece.name: t for piece, t in _huggingface_weights(self, tensors, copies=False).items()}
 
     def check_revertible(self) -> None:
         """Raises if the Hugging Face layer cannot hold this layer's weights (a stand-in bias became nonzero)."""
@@ -621,16 +764,58 @@ class FusedDecoderLayer(TransformerBlock):
         self.check_revertible()
         with torch.device(self.qkv.weight.device):
             layer = self._original_class(self._config, layer_idx=self._layer_idx)
-        state = self.state_dict()  # in Hugging Face's layout (_huggingface_state_dict)
+        params = {name: self.get_parameter(name).detach() for name in self._layout}
+        state = {piece.name: t for piece, t in _huggingface_weights(self, params, copies=True).items()}
         trainable = {piece.name: self.get_parameter(name).requires_grad
                      for name, pieces in self._layout.items() for piece in pieces}
         layer.load_state_dict(state, assign=True)
         for name, requires_grad in trainable.items():
             layer.get_parameter(name).requires_grad_(requires_grad)
+        for piece in (piece for fused in _LINEAR_PARTS for piece in self._layout[f"{fused}.weight"]):
+            path = piece.name.rsplit(".", 1)[0]
+            wrapper = self.get_submodule(path)
+            if _is_lora(wrapper):  # the LoRA layers go back around the Hugging Face projection
+                innermost = wrapper
+                while _is_lora(innermost.base_layer):
+                    innermost = innermost.base_layer
+                innermost.base_layer = layer.get_submodule(path)
+                parent, child = path.rsplit(".", 1)
+                layer.get_submodule(parent).add_module(child, wrapper)
         if self._checkpointing and hasattr(self, "_gradient_checkpointing_func"):
             layer._gradient_checkpointing_func = self._gradient_checkpointing_func
             layer.gradient_checkpointing = True
         return layer.train(self.training)
+
+
+def _lora_adapters(module: nn.Module, path: str, fused: str, first: int, training: bool) -> list[LowRankAdapter]:
+    """The active LoRA adapters of the module at ``path`` (a _Slot, or PEFT LoRA layers around one),
+    as the block's adapters of ``fused`` at its rows from ``first``; refuses what the block cannot
+    apply exactly (a variant such as DoRA, a LoRA bias, dropout while training, another wrapper)."""
+    adapters = []
+    while _is_lora(module):
+        if _hooks(module):
+            raise _refuse(f"hooks on {path}", "the fused block would not run them")
+        if module.disable_adapters:
+            if module.merged:  # as PEFT does: a disabled adapter is not in the weights
+                module.unmerge()
+        elif not module.merged:
+            for name in module.active_adapters:
+                if name not in module.lora_A:
+                    continue
+                a, b, dropout = module.lora_A[name], module.lora_B[name], module.lora_dropout[name]
+                if name in getattr(module, "lora_variant", {}) or getattr(b, "bias", None) is not None:
+                    raise _refuse(f"LoRA adapter {name!r} on {path} with a variant (DoRA, ...) or a bias",
+                                  "the fused block applies plain LoRA (x A^T B^T times the scale)")
+                if training and isinstance(dropout, nn.Dropout) and dropout.p > 0:
+                    raise _refuse(f"lora_dropout={dropout.p} of adapter {name!r} on {path} in training mode",
+                                  "the fused block applies LoRA without dropout; train with lora_dropout=0")
+                adapters.append(LowRankAdapter(fused, a.weight, b.weight, float(module.scaling[name]), first))
+        module = module.base_layer
+    if not isinstance(module, (_Slot, _ConvSlot)) or _hooks(module):
+        raise _refuse(f"{path} is a {type(module).__module__}.{type(module).__name__}"
+                      f"{' with hooks' if isinstance(module, (_Slot, _ConvSlot)) else ''}",
+                      "the fused block reads the packed weights directly and would bypass it")
+    return adapters
 
 
 def _cached_attention(q, keys, values, mask, causal: bool, scale: float | None, window: tuple[int, int]) -> torch.Tensor:
@@ -666,6 +851,17 @@ def _returns_tuple(signature: inspect.Signature, cls: type) -> bool:
 
 # --- the base model's forward -----------------------------------------------------------------
 
+def _output_class(annotation, cls: type) -> type:
+    """The ModelOutput class the base model's forward returns: the annotation itself (transformers 5,
+    4.x Llama family) or the ModelOutput inside ``Union[tuple, ...]`` (4.x GPT-2, whose LM head reads
+    ``cross_attentions`` from it)."""
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, transformers.utils.ModelOutput):
+            return candidate
+    raise _refuse(f"{cls.__name__}.forward returning {annotation!r}", "cannot tell which output class this "
+                  "transformers version's base model returns", patched=False)
+
+
 class _FusedBaseForward:
     """The patched base model's forward: embeddings, the fused layers over the batch's documents,
     the final norm. An object rather than a closure, holding its base model as an attribute, so
@@ -675,8 +871,7 @@ class _FusedBaseForward:
         self.base, self.architecture = base, architecture
         self.signature = inspect.signature(type(base).forward)
         self.keywords = next((n for n, p in self.signature.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
-        output = self.signature.return_annotation
-        self.output_class = output if isinstance(output, type) else transformers.modeling_outputs.BaseModelOutputWithPast
+        self.output_class = _output_class(self.signature.return_annotation, type(base))
         fields = getattr(self.output_class, "__dataclass_fields__", {})
         self.cache_field = "cache" if "cache" in fields else "past_key_values"
 
@@ -749,6 +944,9 @@ def apply_fused_remat(model: nn.Module, remat: Remat | str = Remat.CHEAP) -> nn.
     it was: the config is checked before any layer changes, and a layer refused on its weights puts
     the layers swapped before it back. Build the optimizer afterwards."""
     remat = Remat.parse(remat, owner="apply_fused_remat: remat")
+    if type(model).__module__.startswith("peft") and hasattr(model, "get_base_model"):
+        apply_fused_remat(model.get_base_model(), remat)  # a PeftModel: its LoRA layers move into the fused ones
+        return model
     if getattr(model, "_fused_remat_patch", None) is not None:
         raise ValueError("apply_fused_remat: the model is already patched")
     config = getattr(model, "config", None)
@@ -759,8 +957,10 @@ def apply_fused_remat(model: nn.Module, remat: Remat | str = Remat.CHEAP) -> nn.
                       patched=False)
     base = model.base_model
     layers = getattr(base, architecture.layers)
-    for index in range(len(layers)):
-        architecture.block(config, index, base)  # every configuration refusal before anything changes
+    for index in range(len(layers)):  # every refusal before anything changes
+        architecture.block(config, index, base)
+        _check_layer(layers[index], architecture.parts)
+    fused_forward = _FusedBaseForward(base, architecture)  # refuses an unknown output class before anything changes
     checkpointing = bool(getattr(base, "gradient_checkpointing", False))
     swapped = 0
     try:
@@ -776,7 +976,7 @@ def apply_fused_remat(model: nn.Module, remat: Remat | str = Remat.CHEAP) -> nn.
             layers[index] = layers[index].to_huggingface()
         raise
     own_forward = base.__dict__.get("forward")
-    base.forward = _FusedBaseForward(base, architecture)
+    base.forward = fused_forward
     model._fused_remat_patch = _Patch(base, layers, own_forward)
     return model
 

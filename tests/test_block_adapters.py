@@ -1,0 +1,117 @@
+"""Low-rank adapters (LoRA) inside the fused block: forward and every gradient (the adapters' A
+and B too) against the reference twin in float64 and fp32 for every policy, bitwise equal across
+policies, nothing more kept for backward, the FLOP count, and the argument checks."""
+
+import copy
+
+import pytest
+import torch
+from test_block import POLICIES, _config, _fused_block, _reference_block
+from torch.utils.flop_counter import FlopCounterMode
+
+from fused_remat.flops import matmul_flops
+from fused_remat.memory import saved_memory
+from fused_remat.reference import LowRankAdapter
+from numerics import assert_error_rule
+
+RANK = 3
+
+
+def _adapters(block, dtype=None):
+    """One adapter on each linear layer: the whole output of out_proj and fc2, the v heads of qkv
+    and the up half of a SwiGLU fc1 (as LoRA on v_proj and up_proj of a model packed into it)."""
+    kv = block.n_kv_heads * block.head_dim
+    qkv_rows = block.qkv.weight.shape[0]
+    up = block.ffn_dim if block.activation == "swiglu" else 0
+    places = [("qkv", qkv_rows - kv, kv), ("out_proj", 0, block.dim), ("fc1", up, block.ffn_dim), ("fc2", 0, block.dim)]
+    dtype = dtype or block.qkv.weight.dtype
+    device = block.qkv.weight.device
+    return [LowRankAdapter(name, torch.randn(RANK, getattr(block, name).weight.shape[1], dtype=dtype, device=device) / 4,
+                           torch.randn(rows, RANK, dtype=dtype, device=device) / 4, scale=0.7 + i, first_row=first)
+            for i, (name, first, rows) in enumerate(places)]
+
+
+def _run(block, x, dy, adapters, **sequences):
+    x = x.detach().clone().requires_grad_()
+    adapters = [LowRankAdapter(a.linear, a.a.detach().clone().requires_grad_(), a.b.detach().clone().requires_grad_(),
+                               a.scale, a.first_row) for a in adapters]
+    y = block(x, adapters=adapters, **sequences)
+    names, params = zip(*block.named_parameters())
+    inputs = [x, *params, *(t for a in adapters for t in (a.a, a.b))]
+    grads = torch.autograd.grad(y, inputs, dy)
+    labels = ["x", *names, *(f"{a.linear}.lora_{t}" for a in adapters for t in "AB")]
+    return y.detach(), dict(zip(labels, grads))
+
+
+@pytest.mark.parametrize("options", [dict(norm="rmsnorm", activation="swiglu", rope=True, kv_heads=1), dict()],
+                         ids=["llama-like", "gpt-like"])
+def test_adapters_match_the_twin_for_every_policy(options, device, triton_backend):
+    config = _config(**options)
+    ref = _reference_block(config, device)
+    adapters = _adapters(ref)
+    x, dy = (torch.randn(2, 19, config["dim"], device=device) for _ in range(2))
+    docs = dict(cu_seqlens=torch.tensor([0, 7, 30, 38], dtype=torch.int32, device=device))
+    for sequences in ({}, docs):
+        y64, grads64 = _run(copy.deepcopy(ref).double(), x.double(), dy.double(),
+                            [LowRankAdapter(a.linear, a.a.double(), a.b.double(), a.scale, a.first_row) for a in adapters],
+                            **sequences)
+        y_same, grads_same = _run(ref, x, dy, adapters, **sequences)
+        results = []
+        for policy in POLICIES:
+            y, grads = _run(_fused_block(ref, config, policy), x, dy, adapters, **sequences)
+            assert_error_rule(f"{policy} y", y, y_same, y64, torch.float32)
+            assert grads.keys() == grads64.keys()
+            for name, grad in grads.items():
+                assert_error_rule(f"{policy} d{name}", grad, grads_same[name], grads64[name], torch.float32)
+            results.append((y, grads))
+        for y, grads in results[1:]:
+            assert torch.equal(y, results[0][0]) and all(torch.equal(grads[n], results[0][1][n]) for n in grads)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_adapters_keep_only_their_factors(policy, device, triton_backend):
+    """The block keeps what it keeps without adapters, plus the factors themselves (parameters)."""
+    config = _config(norm="rmsnorm", activation="swiglu", rope=True)
+    block = _fused_block(_reference_block(config, device), config, policy)
+    adapters = [LowRankAdapter(a.linear, torch.nn.Parameter(a.a), torch.nn.Parameter(a.b), a.scale, a.first_row)
+                for a in _adapters(block)]
+    x = torch.randn(2, 16, config["dim"], device=device, requires_grad=True)
+    with saved_memory() as plain:
+        block(x)
+    with saved_memory() as adapted:
+        block(x, adapters=adapters)
+    assert adapted.device_bytes == plain.device_bytes
+
+
+def test_flop_count_adds_the_low_rank_products(device, triton_backend):
+    config = _config(norm="rmsnorm", activation="swiglu", rope=True)
+    block = _fused_block(_reference_block(config, device), config, "cheap")
+    x = torch.randn(2, 16, config["dim"], device=device, requires_grad=True)
+    counts = []
+    for adapters in ([], _adapters(block)):
+        adapters = [LowRankAdapter(a.linear, a.a.requires_grad_(), a.b.requires_grad_(), a.scale, a.first_row)
+                    for a in adapters]
+        with FlopCounterMode(display=False) as counter:
+            block(x, adapters=adapters).sum().backward()
+        counts.append(counter.get_total_flops())
+    tokens = 32
+    expected = sum(matmul_flops(tokens, RANK, (a.a.shape[1] + a.b.shape[0]) + (3 * a.a.shape[1] + 2 * a.b.shape[0]))
+                   for a in _adapters(block))
+    assert counts[1] - counts[0] == expected
+
+
+def test_adapter_arguments_are_checked(device):
+    config = _config()
+    block = _fused_block(_reference_block(config, device), config, "cheap")
+    x = torch.randn(1, 4, config["dim"], device=device)
+    good = _adapters(block)[1]
+    with pytest.raises(ValueError, match=r"adapters\[0\].linear must be one of"):
+        block(x, adapters=[LowRankAdapter("q_proj", good.a, good.b, 1.0)])
+    with pytest.raises(ValueError, match=r"adapters\[0\]: A must be \(r, 32\) and B \(rows, r\) for out_proj"):
+        block(x, adapters=[LowRankAdapter("out_proj", good.a[:, :5], good.b, 1.0)])
+    with pytest.raises(ValueError, match=r"adapters\[0\]: rows 1..33 are outside out_proj's 32 outputs"):
+        block(x, adapters=[LowRankAdapter("out_proj", good.a, good.b, 1.0, first_row=1)])
+    with pytest.raises(TypeError, match=r"adapters\[0\]: A and B must be float tensors on out_proj.weight's device"):
+        block(x, adapters=[LowRankAdapter("out_proj", good.a.int(), good.b.int(), 1.0)])
+    with pytest.raises(TypeError, match=r"adapters\[0\] must be a LowRankAdapter"):
+        block(x, adapters=[(good.a, good.b)])
