@@ -263,3 +263,18 @@ def test_revert_restores_huggingface_layers_with_the_weights(arch):
     assert all(torch.equal(state[name], value) for name, value in expected.items())
     with pytest.raises(ValueError, match="not patched"):
         revert_fused_remat(model)
+
+
+def test_a_patched_model_compiles_whole(triton_backend):
+    """torch.compile(fullgraph=True) traces the patched model with no graph break (the block's two
+    operators are single nodes) and computes what it computes eagerly, gradients included."""
+    model = apply_fused_remat(_model("llama"))
+    ids = _tokens()
+    expected_logits, expected_grads = _loss_and_grads(model, ids)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    model.zero_grad(set_to_none=True)
+    out = compiled(ids, labels=ids)
+    out.loss.backward()
+    assert torch.allclose(out.logits, expected_logits, atol=1e-6, rtol=0)
+    grads = _huggingface_grads(model)
+    assert all(torch.allclose(grads[name], grad, atol=1e-6, rtol=0) for name, grad in expected_grads.items())
