@@ -52,8 +52,9 @@ class _BlockCall:
     softcap: float = 0.0  # attention's softcap, 0 off
     max_seqlen: int = 0  # the longest document when the tokens are packed documents, else 0
     scale: float = 0.0  # attention's softmax scale; 0 for head_dim ** -0.5
-    # low-rank adapters (LoRA), one (linear layer's index in _LINEARS, first output row, rows, scale) each
-    adapters: tuple[tuple[int, int, int, float], ...] = ()
+    # low-rank adapters (LoRA), one (linear layer's index in _LINEARS, first output row, rows, dropout
+    # seed, scale, dropout probability) each
+    adapters: tuple[tuple[int, int, int, int, float, float], ...] = ()
 
     @property
     def tokens(self) -> int:
@@ -79,15 +80,16 @@ class _BlockCall:
         sizes = [self.batch, self.seq, self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim,
                  int(self.rms), int(self.causal), *self.window, self.max_seqlen]
         return (sizes, [self.eps, self.softcap, self.scale], self.rope_theta, self.activation, self.remat.value,
-                self.compute_dtype, self.context_parallel, [n for a in self.adapters for n in a[:3]],
-                [a[3] for a in self.adapters])
+                self.compute_dtype, self.context_parallel, [n for a in self.adapters for n in a[:4]],
+                [x for a in self.adapters for x in a[4:]])
 
     @classmethod
     def from_op_args(cls, sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
                      lora_scales) -> _BlockCall:
         batch, seq, dim, n_heads, n_kv_heads, head_dim, ffn_dim, rms, causal, left, right, max_seqlen = sizes
         eps, softcap, scale = numbers
-        adapters = tuple((*lora_layout[3 * i:3 * i + 3], s) for i, s in enumerate(lora_scales))
+        adapters = tuple((*lora_layout[4 * i:4 * i + 4], *lora_scales[2 * i:2 * i + 2])
+                         for i in range(len(lora_scales) // 2))
         return cls(batch, seq, dim, n_heads, n_kv_heads, head_dim, ffn_dim, bool(rms), activation, bool(causal), eps,
                    rope_theta, Remat(remat), compute_dtype, context_parallel, (left, right), softcap, max_seqlen, scale,
                    adapters)
@@ -109,7 +111,9 @@ _LINEARS = reference.LINEARS
 
 @dataclass(frozen=True)
 class _LowRank:
-    """One adapter of a linear layer in a pass: ``rows`` of its output get scale * (x A^T) B^T."""
+    """One adapter of a linear layer in a pass: ``rows`` of its output get scale * (drop(x) A^T) B^T,
+    where drop is inverted dropout with probability ``dropout``, its mask drawn from ``seed``:
+    the same mask in forward, replay and backward, and never stored."""
 
     a: torch.Tensor  # (r, in)
     b: torch.Tensor  # (rows, r)
@@ -117,15 +121,21 @@ class _LowRank:
     rows: slice
     index: int  # its place in _BlockCall.adapters
     dtype: torch.dtype  # the adapter's own dtype, its gradients'
+    dropout: float
+    seed: int
+
+    def _dropped(self, x: torch.Tensor) -> torch.Tensor:
+        return x if not self.dropout else x * reference.lora_dropout_scale(x, self.dropout, self.seed)
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> None:
-        out[:, self.rows] += (x @ self.a.t()) @ (self.scale * self.b).t()
+        out[:, self.rows] += (self._dropped(x) @ self.a.t()) @ (self.scale * self.b).t()
 
     def add_input_grad(self, dx: torch.Tensor, dy: torch.Tensor) -> None:
-        dx += ((dy[:, self.rows] @ self.b) * self.scale) @ self.a
+        dx += self._dropped(((dy[:, self.rows] @ self.b) * self.scale) @ self.a)
 
     def grads(self, dy: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(dA, dB) from the output's gradient and the input, in the adapter's dtype."""
+        x = self._dropped(x)
         d_low = (dy[:, self.rows] @ self.b) * self.scale  # (T, r)
         da = d_low.t() @ x
         db = (dy[:, self.rows] * self.scale).t() @ (x @ self.a.t())
@@ -147,9 +157,9 @@ class _Weights:
         self.fc1, self.fc1_bias = cast(named["fc1.weight"]), cast(named["fc1.bias"])
         self.fc2, self.fc2_bias = cast(named["fc2.weight"]), cast(named["fc2.bias"])
         self.adapters = {name: [] for name in _LINEARS}
-        for index, ((linear, first, rows, scale), a, b) in enumerate(zip(adapters, lora[0::2], lora[1::2])):
+        for index, ((linear, first, rows, seed, scale, dropout), a, b) in enumerate(zip(adapters, lora[0::2], lora[1::2])):
             self.adapters[_LINEARS[linear]].append(
-                _LowRank(cast(a), cast(b), scale, slice(first, first + rows), index, a.dtype))
+                _LowRank(cast(a), cast(b), scale, slice(first, first + rows), index, a.dtype, dropout, seed))
 
     def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
         """x W^T + b, plus the layer's adapters."""
@@ -402,7 +412,7 @@ def _adapter_flops(g: _BlockCall, lora, layers, backward: bool = False) -> int:
     """The low-rank products of the adapters on ``layers``: x A^T, then times B^T, forward; in
     backward dy B, times A (the input's gradient), dA, x A^T again and dB."""
     total = 0
-    for (linear, _, rows, _), a in zip(g.adapters, lora[0::2]):
+    for (linear, _, rows, *_), a in zip(g.adapters, lora[0::2]):
         if _LINEARS[linear] in layers:
             rank, inputs = a.shape
             total += matmul_flops(g.tokens, rank, 3 * inputs + 2 * rows if backward else inputs + rows)
@@ -673,7 +683,8 @@ class TransformerBlock(reference.TransformerBlock):
             remat=self.remat, compute_dtype=compute_dtype,
             context_parallel="" if self.context_parallel is None else self.context_parallel.group_name,
             window=self.window, softcap=self.softcap, max_seqlen=max_seqlen, scale=self.attention_scale or 0.0,
-            adapters=tuple((_LINEARS.index(a.linear), a.first_row, a.b.shape[0], float(a.scale)) for a in adapters),
+            adapters=tuple((_LINEARS.index(a.linear), a.first_row, a.b.shape[0], a.seed, float(a.scale), float(a.dropout))
+                           for a in adapters),
         )
         apply = _eager_block_function() if call.remat.host_resident else _BlockFunction.apply
         y, *_ = apply(x.reshape(call.tokens, self.dim).contiguous(), call, cu_seqlens, position_ids, rope_inv_freq,

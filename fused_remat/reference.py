@@ -6,6 +6,7 @@ dtype. Call them with float64 tensors to get the high-precision reference the te
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
@@ -196,10 +197,28 @@ class LowRankAdapter:
     b: torch.Tensor
     scale: float
     first_row: int = 0
+    dropout: float = 0.0  # LoRA dropout on x, as PEFT's lora_dropout in training mode
+    seed: int = 0  # the dropout mask's; check_adapters draws one when dropout > 0 and it is 0
 
     @property
     def rows(self) -> slice:
         return slice(self.first_row, self.first_row + self.b.shape[0])
+
+
+def lora_dropout_scale(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    """Inverted dropout's factor for x (0 or 1 / (1 - p) per element, in x's dtype), drawn from
+    ``seed``: the same for the same shape, device and seed, so a backward redraws the forward's."""
+    generator = torch.Generator(device=x.device).manual_seed(seed)
+    keep = torch.rand(x.shape, generator=generator, device=x.device) >= p
+    return keep.to(x.dtype) / (1 - p)
+
+
+def _dropped(x: torch.Tensor, adapter: LowRankAdapter) -> torch.Tensor:
+    """The adapter's input after its dropout, the mask drawn per token row as the fused block draws it."""
+    if not adapter.dropout:
+        return x
+    flat = x.reshape(-1, x.shape[-1])
+    return (flat * lora_dropout_scale(flat, adapter.dropout, adapter.seed)).view(x.shape)
 
 
 def check_adapters(op: str, adapters, layers: dict) -> tuple:
@@ -226,7 +245,12 @@ def check_adapters(op: str, adapters, layers: dict) -> tuple:
                             f"{weight.device}, got {a.dtype}/{b.dtype} on {a.device}/{b.device}")
         if isinstance(adapter.scale, bool) or not isinstance(adapter.scale, numbers.Real) or not math.isfinite(adapter.scale):
             raise ValueError(f"{where}.scale must be a finite real number, got {adapter.scale!r}")
-    return adapters
+        if isinstance(adapter.dropout, bool) or not isinstance(adapter.dropout, numbers.Real) \
+                or not 0 <= adapter.dropout < 1:
+            raise ValueError(f"{where}.dropout must be a probability in [0, 1), got {adapter.dropout!r}")
+    # a mask seed per call where none is given, from the global generator (as nn.Dropout draws from it)
+    return tuple(dataclasses.replace(a, seed=int(torch.randint(1, 2**62, ()))) if a.dropout and not a.seed else a
+                 for a in adapters)
 
 
 NORMS = ("layernorm", "rmsnorm")
@@ -346,7 +370,8 @@ class TransformerBlock(nn.Module):
     def _linear(self, name: str, x: torch.Tensor, adapters) -> torch.Tensor:
         """Linear layer ``name`` on x, plus its adapters' terms."""
         out = getattr(self, name)(x)
-        terms = [(a, F.linear(F.linear(x, a.a.to(x.dtype)), a.b.to(x.dtype)) * a.scale) for a in adapters if a.linear == name]
+        terms = [(a, F.linear(F.linear(_dropped(x, a), a.a.to(x.dtype)), a.b.to(x.dtype)) * a.scale)
+                 for a in adapters if a.linear == name]
         if not terms:
             return out
         delta = torch.zeros_like(out)

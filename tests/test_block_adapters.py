@@ -3,6 +3,7 @@ and B too) against the reference twin in float64 and fp32 for every policy, bitw
 policies, nothing more kept for backward, the FLOP count, and the argument checks."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -11,15 +12,16 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fused_remat.flops import matmul_flops
 from fused_remat.memory import saved_memory
-from fused_remat.reference import LowRankAdapter
+from fused_remat.reference import LowRankAdapter, lora_dropout_scale
 from numerics import assert_error_rule
 
 RANK = 3
 
 
-def _adapters(block, dtype=None):
+def _adapters(block, dtype=None, dropout=0.0):
     """One adapter on each linear layer: the whole output of out_proj and fc2, the v heads of qkv
-    and the up half of a SwiGLU fc1 (as LoRA on v_proj and up_proj of a model packed into it)."""
+    and the up half of a SwiGLU fc1 (as LoRA on v_proj and up_proj of a model packed into it);
+    with ``dropout``, each with its own fixed mask seed."""
     kv = block.n_kv_heads * block.head_dim
     qkv_rows = block.qkv.weight.shape[0]
     up = block.ffn_dim if block.activation == "swiglu" else 0
@@ -27,14 +29,15 @@ def _adapters(block, dtype=None):
     dtype = dtype or block.qkv.weight.dtype
     device = block.qkv.weight.device
     return [LowRankAdapter(name, torch.randn(RANK, getattr(block, name).weight.shape[1], dtype=dtype, device=device) / 4,
-                           torch.randn(rows, RANK, dtype=dtype, device=device) / 4, scale=0.7 + i, first_row=first)
+                           torch.randn(rows, RANK, dtype=dtype, device=device) / 4, scale=0.7 + i, first_row=first,
+                           dropout=dropout, seed=1000 + i if dropout else 0)
             for i, (name, first, rows) in enumerate(places)]
 
 
 def _run(block, x, dy, adapters, **sequences):
     x = x.detach().clone().requires_grad_()
-    adapters = [LowRankAdapter(a.linear, a.a.detach().clone().requires_grad_(), a.b.detach().clone().requires_grad_(),
-                               a.scale, a.first_row) for a in adapters]
+    adapters = [dataclasses.replace(a, a=a.a.detach().clone().requires_grad_(), b=a.b.detach().clone().requires_grad_())
+                for a in adapters]
     y = block(x, adapters=adapters, **sequences)
     names, params = zip(*block.named_parameters())
     inputs = [x, *params, *(t for a in adapters for t in (a.a, a.b))]
@@ -43,17 +46,20 @@ def _run(block, x, dy, adapters, **sequences):
     return y.detach(), dict(zip(labels, grads))
 
 
-@pytest.mark.parametrize("options", [dict(norm="rmsnorm", activation="swiglu", rope=True, kv_heads=1), dict()],
-                         ids=["llama-like", "gpt-like"])
-def test_adapters_match_the_twin_for_every_policy(options, device, triton_backend):
+@pytest.mark.parametrize("options, dropout", [(dict(norm="rmsnorm", activation="swiglu", rope=True, kv_heads=1), 0.0),
+                                              (dict(), 0.0), (dict(norm="rmsnorm", activation="swiglu"), 0.3)],
+                         ids=["llama-like", "gpt-like", "dropout"])
+def test_adapters_match_the_twin_for_every_policy(options, dropout, device, triton_backend):
+    """With dropout, the twin draws the same masks from the same seeds: forward, replay and backward
+    of every policy use one mask per adapter."""
     config = _config(**options)
     ref = _reference_block(config, device)
-    adapters = _adapters(ref)
+    adapters = _adapters(ref, dropout=dropout)
     x, dy = (torch.randn(2, 19, config["dim"], device=device) for _ in range(2))
     docs = dict(cu_seqlens=torch.tensor([0, 7, 30, 38], dtype=torch.int32, device=device))
     for sequences in ({}, docs):
         y64, grads64 = _run(copy.deepcopy(ref).double(), x.double(), dy.double(),
-                            [LowRankAdapter(a.linear, a.a.double(), a.b.double(), a.scale, a.first_row) for a in adapters],
+                            [dataclasses.replace(a, a=a.a.double(), b=a.b.double()) for a in adapters],
                             **sequences)
         y_same, grads_same = _run(ref, x, dy, adapters, **sequences)
         results = []
@@ -100,6 +106,31 @@ def test_flop_count_adds_the_low_rank_products(device, triton_backend):
     assert counts[1] - counts[0] == expected
 
 
+def test_lora_dropout_is_inverted_dropout_with_one_mask_per_seed(device):
+    """The twin's definition: scale * ((x * m / (1 - p)) A^T) B^T with m drawn from the seed (about
+    1 - p of it kept), the same seed the same mask, a new seed drawn per call when none is given."""
+    factor = lora_dropout_scale(torch.empty(400, 64, device=device), 0.25, seed=3)
+    kept = factor > 0
+    assert torch.all(factor[kept] == torch.tensor(1 / 0.75)) and 0.7 < kept.float().mean() < 0.8
+    assert torch.equal(factor, lora_dropout_scale(torch.empty(400, 64, device=device), 0.25, seed=3))
+    assert not torch.equal(factor, lora_dropout_scale(torch.empty(400, 64, device=device), 0.25, seed=4))
+
+    config = _config()
+    block = _reference_block(config, device)
+    x = torch.randn(3, 50, config["dim"], device=device)
+    fc2 = dataclasses.replace(_adapters(block)[3], dropout=0.25, seed=3)  # its output is the block's
+    inputs = []
+    handle = block.fc2.register_forward_hook(lambda module, args, out: inputs.append(args[0]))
+    with torch.no_grad():
+        delta = block(x, adapters=[fc2]) - block(x)
+        handle.remove()
+        a = inputs[0].reshape(-1, inputs[0].shape[-1])
+        expected = ((a * lora_dropout_scale(a, 0.25, 3)) @ fc2.a.t()) @ fc2.b.t() * fc2.scale
+        assert torch.allclose(delta.reshape(-1, config["dim"]), expected, atol=1e-5, rtol=0)
+        unseeded = dataclasses.replace(fc2, seed=0)
+        assert not torch.equal(block(x, adapters=[unseeded]), block(x, adapters=[unseeded]))
+
+
 def test_adapter_arguments_are_checked(device):
     config = _config()
     block = _fused_block(_reference_block(config, device), config, "cheap")
@@ -113,5 +144,7 @@ def test_adapter_arguments_are_checked(device):
         block(x, adapters=[LowRankAdapter("out_proj", good.a, good.b, 1.0, first_row=1)])
     with pytest.raises(TypeError, match=r"adapters\[0\]: A and B must be float tensors on out_proj.weight's device"):
         block(x, adapters=[LowRankAdapter("out_proj", good.a.int(), good.b.int(), 1.0)])
+    with pytest.raises(ValueError, match=r"adapters\[0\].dropout must be a probability in \[0, 1\)"):
+        block(x, adapters=[dataclasses.replace(good, dropout=1.0)])
     with pytest.raises(TypeError, match=r"adapters\[0\] must be a LowRankAdapter"):
         block(x, adapters=[(good.a, good.b)])

@@ -227,14 +227,32 @@ def test_peft_lora_follows_the_unpatched_lora_model(arch, when, tmp_path, triton
     assert_error_rule("merged logits", _logits(merged, ids), logits32, logits64, torch.float32)
 
 
+def test_lora_dropout_runs_inside_the_block(monkeypatch):
+    """PEFT's lora_dropout in training mode: inverted dropout on each adapter's input, one mask per
+    adapter and call, the same in forward and backward; the fused kernels and the reference twin
+    draw the same masks from the same seed, and eval mode has none."""
+    peft = pytest.importorskip("peft")
+    ids = _tokens()
+    model = apply_fused_remat(peft.get_peft_model(_model("llama"), peft.LoraConfig(
+        r=4, target_modules=["q_proj", "up_proj"], lora_dropout=0.3, init_lora_weights=False)))
+    runs = {}
+    for backend in ("triton", "reference"):
+        monkeypatch.setenv("FUSED_REMAT_BACKEND", backend)
+        model.train().zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        runs[backend] = loss.detach(), _lora_grads(model)
+    (loss, grads), (loss_ref, grads_ref) = runs["triton"], runs["reference"]
+    assert torch.allclose(loss, loss_ref, atol=1e-5, rtol=0)
+    assert all(torch.allclose(grads[n], grads_ref[n], atol=1e-5, rtol=1e-4) for n in grads)
+    with torch.no_grad():
+        assert (model.eval()(ids, labels=ids).loss - loss).abs() > 1e-4  # training mode did drop
+
+
 def test_lora_the_block_cannot_apply_is_refused(triton_backend):
     peft = pytest.importorskip("peft")
     ids = _tokens()
-    dropout = apply_fused_remat(peft.get_peft_model(_model("llama"), peft.LoraConfig(
-        r=4, target_modules=["q_proj"], lora_dropout=0.1, init_lora_weights=False)))
-    with pytest.raises(UnsupportedByFusedBlock, match=r"lora_dropout=0.1 of adapter 'default' on self_attn.q_proj in training"):
-        dropout.train()(ids, labels=ids)
-    dropout.eval()(ids)  # dropout is the identity in eval mode
     dora = peft.get_peft_model(apply_fused_remat(_model("llama")), peft.LoraConfig(r=4, target_modules=["v_proj"],
                                                                                    use_dora=True))
     with pytest.raises(UnsupportedByFusedBlock, match=r"LoRA adapter 'default' on self_attn.v_proj with a variant \(DoRA"):

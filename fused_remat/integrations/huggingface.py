@@ -58,10 +58,14 @@ built with ``bias=True`` and the missing ones are zero tensors with ``requires_g
 real parameters get the same gradients. A forward refuses to run if one of them was made trainable
 (``model.requires_grad_(True)``), and revert refuses if one is no longer zero.
 
-Adapters. The block reads its weights directly, so a module wrapped around one of the layer's
-linear layers or norms (PEFT's LoRA, a quantized linear layer, a forward hook) would be bypassed:
-such a layer is refused when patching, and a wrapper or hook added to a fused layer afterwards is
-refused at its next forward. Merge adapters first (``merge_and_unload``).
+Adapters. Each Hugging Face projection stays under its name as a ``_Slot`` whose weight is a view
+of its packed rows, so PEFT finds it. PEFT LoRA (applied before patching: its LoRA layers move
+around the slots; or after) runs inside the fused block as ``LowRankAdapter``s, ``lora_dropout``
+included (training mode); ``merge_and_unload`` merges into the packed weights and the state dict
+has PEFT's names. Anything else the block would bypass by reading the weights directly (a LoRA
+variant such as DoRA or a LoRA bias, another wrapper, a quantized linear layer, hooks of any kind
+on a projection, a norm or the layer) is refused when patching, or at the next forward when added
+afterwards.
 
 Refused with ``UnsupportedByFusedBlock`` (a ValueError naming the input), never silently wrong:
 a cache other than a ``DynamicCache``; a 4-D ``attention_mask``;
@@ -743,7 +747,7 @@ class FusedDecoderLayer(TransformerBlock):
             first = 0
             for piece in pieces:
                 path = piece.name.rsplit(".", 1)[0]
-                adapters += _lora_adapters(self.get_submodule(path), path, fused, first, self.training)
+                adapters += _lora_adapters(self.get_submodule(path), path, fused, first)
                 first += piece.rows
         return adapters
 
@@ -787,10 +791,11 @@ class FusedDecoderLayer(TransformerBlock):
         return layer.train(self.training)
 
 
-def _lora_adapters(module: nn.Module, path: str, fused: str, first: int, training: bool) -> list[LowRankAdapter]:
+def _lora_adapters(module: nn.Module, path: str, fused: str, first: int) -> list[LowRankAdapter]:
     """The active LoRA adapters of the module at ``path`` (a _Slot, or PEFT LoRA layers around one),
-    as the block's adapters of ``fused`` at its rows from ``first``; refuses what the block cannot
-    apply exactly (a variant such as DoRA, a LoRA bias, dropout while training, another wrapper)."""
+    as the block's adapters of ``fused`` at its rows from ``first``, with their dropout where it is
+    in training mode; refuses what the block cannot apply exactly (a variant such as DoRA, a LoRA
+    bias, another wrapper)."""
     adapters = []
     while _is_lora(module):
         if _hooks(module):
@@ -806,10 +811,11 @@ def _lora_adapters(module: nn.Module, path: str, fused: str, first: int, trainin
                 if name in getattr(module, "lora_variant", {}) or getattr(b, "bias", None) is not None:
                     raise _refuse(f"LoRA adapter {name!r} on {path} with a variant (DoRA, ...) or a bias",
                                   "the fused block applies plain LoRA (x A^T B^T times the scale)")
-                if training and isinstance(dropout, nn.Dropout) and dropout.p > 0:
-                    raise _refuse(f"lora_dropout={dropout.p} of adapter {name!r} on {path} in training mode",
-                                  "the fused block applies LoRA without dropout; train with lora_dropout=0")
-                adapters.append(LowRankAdapter(fused, a.weight, b.weight, float(module.scaling[name]), first))
+                if type(dropout) not in (nn.Dropout, nn.Identity):
+                    raise _refuse(f"lora_dropout of adapter {name!r} on {path} is a {type(dropout).__name__}",
+                                  "the fused block applies nn.Dropout's inverted dropout")
+                p = dropout.p if isinstance(dropout, nn.Dropout) and dropout.training else 0.0
+                adapters.append(LowRankAdapter(fused, a.weight, b.weight, float(module.scaling[name]), first, p))
         module = module.base_layer
     if not isinstance(module, (_Slot, _ConvSlot)) or _hooks(module):
         raise _refuse(f"{path} is a {type(module).__module__}.{type(module).__name__}"
