@@ -10,7 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from fused_remat.integrations.huggingface import apply_fused_remat  # noqa: E402
+from fused_remat.integrations.huggingface import UnsupportedByFusedBlock, apply_fused_remat  # noqa: E402
 from numerics import assert_error_rule  # noqa: E402
 from test_huggingface import VOCAB, _huggingface_grads, _model  # noqa: E402
 
@@ -185,3 +185,13 @@ def test_sliding_windows_follow_the_config(triton_backend):
         assert_error_rule(f"{arch} logits", logits, logits32, logits64, torch.float32)
         for name, grad in grads.items():
             assert_error_rule(f"{arch} d {name}", grad, grads32[name], grads64[name], torch.float32)
+
+
+def test_labels_read_from_a_padding_position_are_refused():
+    """Left padding with labels = input_ids masked only at the padding: the first real token's label
+    would be predicted at a padding position, where the patched and unpatched models differ."""
+    patched = apply_fused_remat(_model("llama"))
+    ids, mask = _padded(_examples(), "left")
+    with pytest.raises(UnsupportedByFusedBlock, match=r"labels read the prediction at padding position 4 of row 1"):
+        patched(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    patched(input_ids=ids, attention_mask=mask, labels=_labels(ids, mask.bool()))  # the first real labels -100: fine

@@ -868,6 +868,10 @@ def _output_class(annotation, cls: type) -> type:
                   "transformers version's base model returns", patched=False)
 
 
+def _bound_signature(signature: inspect.Signature) -> inspect.Signature:
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
 class _FusedBaseForward:
     """The patched base model's forward: embeddings, the fused layers over the batch's documents,
     the final norm. An object rather than a closure, holding its base model as an attribute, so
@@ -880,6 +884,10 @@ class _FusedBaseForward:
         self.output_class = _output_class(self.signature.return_annotation, type(base))
         fields = getattr(self.output_class, "__dataclass_fields__", {})
         self.cache_field = "cache" if "cache" in fields else "past_key_values"
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return _bound_signature(self.signature)
 
     def __call__(self, *args, **kwargs):
         base, architecture = self.base, self.architecture
@@ -933,6 +941,50 @@ class _FusedBaseForward:
         return output.to_tuple() if arguments.get("return_dict") is False else output
 
 
+def _check_labels(mask, labels, shift_labels) -> None:
+    """Refuses labels that read a prediction made at a padding position: the patched model outputs
+    zeros there and the unpatched one attends from a token that is not there, so the two losses
+    would differ, silently. (Left padding with labels = input_ids reads one: mask the first real
+    token's label, -100, as no example run alone predicts it.)"""
+    if mask is None or mask.dim() != 2:
+        return
+    padding = mask == 0
+    if labels is not None and labels.shape == mask.shape:  # logits at i predict labels at i + 1
+        read = (labels[:, 1:] != -100) & padding[:, :-1]
+    elif shift_labels is not None and shift_labels.shape == mask.shape:
+        read = (shift_labels != -100) & padding
+    else:
+        return
+    if bool(read.any()):
+        row, position = (int(i) for i in read.nonzero()[0])
+        raise _refuse(f"labels read the prediction at padding position {position} of row {row} (attention_mask 0)",
+                      "a padding position predicts nothing; set the labels it would predict to -100", patched=False)
+
+
+class _LabelsCheckedForward:
+    """The patched causal LM's own forward, after _check_labels. An object holding its model, like
+    _FusedBaseForward, so that copies and pickles follow it."""
+
+    def __init__(self, model: nn.Module, own_forward):
+        self.model, self.own_forward = model, own_forward
+        self.signature = inspect.signature(type(model).forward)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The model's forward's, as a bound method shows it: transformers reads it (generate() to
+        choose the inputs it passes, Trainer to keep a dataset's columns)."""
+        return _bound_signature(self.signature)
+
+    def __call__(self, *args, **kwargs):
+        arguments = self.signature.bind(self.model, *args, **kwargs).arguments
+        keywords = {**arguments, **next((v for k, v in arguments.items()
+                                         if self.signature.parameters[k].kind is inspect.Parameter.VAR_KEYWORD), {})}
+        _check_labels(keywords.get("attention_mask"), keywords.get("labels"), keywords.get("shift_labels"))
+        if self.own_forward is not None:
+            return self.own_forward(*args, **kwargs)
+        return type(self.model).forward(self.model, *args, **kwargs)
+
+
 # --- patch and revert -------------------------------------------------------------------------
 
 @dataclass
@@ -940,6 +992,7 @@ class _Patch:
     base: nn.Module
     layers: nn.ModuleList
     own_forward: object  # the base model's instance-level forward before patching, or None
+    model_forward: object  # the model's instance-level forward before patching, or None (the base model patched itself)
 
 
 def apply_fused_remat(model: nn.Module, remat: Remat | str = Remat.CHEAP) -> nn.Module:
@@ -947,8 +1000,8 @@ def apply_fused_remat(model: nn.Module, remat: Remat | str = Remat.CHEAP) -> nn.
     (a ``fused_remat.TransformerBlock`` with ``remat``) holding the same weights, packed, and the base
     model's forward for fused_remat's. Returns ``model``. Raises ``UnsupportedByFusedBlock`` for
     configurations the block cannot compute exactly (see the module docstring), leaving the model as
-    it was: the config is checked before any layer changes, and a layer refused on its weights puts
-    the layers swapped before it back. Build the optimizer afterwards."""
+    it was: every layer is checked before any changes. The causal LM's forward refuses labels read
+    from a padding position (_check_labels). Build the optimizer afterwards."""
     remat = Remat.parse(remat, owner="apply_fused_remat: remat")
     if type(model).__module__.startswith("peft") and hasattr(model, "get_base_model"):
         apply_fused_remat(model.get_base_model(), remat)  # a PeftModel: its LoRA layers move into the fused ones
@@ -983,7 +1036,11 @@ def apply_fused_remat(model: nn.Module, remat: Remat | str = Remat.CHEAP) -> nn.
         raise
     own_forward = base.__dict__.get("forward")
     base.forward = fused_forward
-    model._fused_remat_patch = _Patch(base, layers, own_forward)
+    model_forward = None
+    if model is not base:
+        model_forward = model.__dict__.get("forward")
+        model.forward = _LabelsCheckedForward(model, model_forward)
+    model._fused_remat_patch = _Patch(base, layers, own_forward, model_forward)
     return model
 
 
@@ -998,9 +1055,11 @@ def revert_fused_remat(model: nn.Module) -> nn.Module:
         layer.check_revertible()  # before any change
     for index in range(len(patch.layers)):
         patch.layers[index] = patch.layers[index].to_huggingface()  # one layer's copies at a time
-    if patch.own_forward is None:
-        del patch.base.forward
-    else:
-        patch.base.forward = patch.own_forward
+    for module, own in ((patch.base, patch.own_forward), (model, patch.model_forward)):
+        if isinstance(module.__dict__.get("forward"), (_FusedBaseForward, _LabelsCheckedForward)):
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own
     del model._fused_remat_patch
     return model
