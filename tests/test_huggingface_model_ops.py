@@ -22,7 +22,7 @@ from fused_remat.integrations.huggingface import (  # noqa: E402
 from numerics import assert_error_rule  # noqa: E402
 from test_huggingface import SEQ, VOCAB, _model, _tokens  # noqa: E402
 
-LAYERS = {"llama": "layers", "mistral": "layers", "qwen2": "layers", "gpt2": "h"}
+LAYERS = {"llama": "layers", "mistral": "layers", "qwen2": "layers", "phi3": "layers", "gpt2": "h"}
 
 
 def _layers(model) -> torch.nn.ModuleList:
@@ -184,7 +184,8 @@ def _lora_grads(model) -> dict:
     return {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
 
 
-LORA_TARGETS = {"llama": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"], "gpt2": ["c_attn", "c_proj", "c_fc"]}
+LORA_TARGETS = {"llama": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"], "gpt2": ["c_attn", "c_proj", "c_fc"],
+                "phi3": ["qkv_proj", "gate_up_proj"]}
 
 
 @pytest.mark.parametrize("when", ["before", "after"])

@@ -7,8 +7,8 @@
     ...train with model(input_ids, attention_mask=mask, labels=labels).loss, or transformers.Trainer...
     model.save_pretrained(...)                # Hugging Face's own layout, patched or not
 
-Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` (any
-``config.model_type`` of llama, mistral, qwen2) and ``GPT2LMHeadModel`` (gpt2). Every decoder layer
+Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Phi3ForCausalLM``
+(any ``config.model_type`` of llama, mistral, qwen2, phi3) and ``GPT2LMHeadModel`` (gpt2). Every decoder layer
 becomes a ``FusedDecoderLayer``, a ``fused_remat.TransformerBlock``, and the base model's forward
 becomes fused_remat's (``_FusedBaseForward``): embeddings, the layers, the final norm.
 
@@ -128,6 +128,15 @@ _LLAMA_PARTS = {
     "fc1": ("mlp.gate_proj", "mlp.up_proj"),
     "fc2": ("mlp.down_proj",),
 }
+# Phi-3 already packs [q | k | v] and [gate | up], in the block's order.
+_PHI3_PARTS = {
+    "norm1": ("input_layernorm",),
+    "qkv": ("self_attn.qkv_proj",),
+    "out_proj": ("self_attn.o_proj",),
+    "norm2": ("post_attention_layernorm",),
+    "fc1": ("mlp.gate_up_proj",),
+    "fc2": ("mlp.down_proj",),
+}
 _GPT2_PARTS = {
     "norm1": ("ln_1",),
     "qkv": ("attn.c_attn",),
@@ -187,7 +196,8 @@ def _llama_block(config, layer_idx: int, base: nn.Module) -> tuple[dict, float]:
                   ffn_dim=config.intermediate_size, norm="rmsnorm", activation="swiglu", eps=config.rms_norm_eps,
                   rope_theta=_rope_theta(config), attention_scale=_rotary_attention_scale(base, head_dim),
                   window=(-1, -1) if window is None else (window - 1, 0))  # Hugging Face: key > query - window
-    return kwargs, float(_config_value(config, "attention_dropout", 0.0))
+    dropout = max(_config_value(config, "attention_dropout", 0.0), _config_value(config, "resid_pdrop", 0.0))  # Phi-3
+    return kwargs, float(dropout)
 
 
 def _gpt2_block(config, layer_idx: int, base: nn.Module) -> tuple[dict, float]:
@@ -243,6 +253,7 @@ _ARCHITECTURES = {
     "llama": _LLAMA,
     "mistral": _LLAMA,
     "qwen2": _LLAMA,
+    "phi3": _Architecture("layers", "norm", _PHI3_PARTS, _llama_block, _llama_embed, _llama_rope),
     "gpt2": _Architecture("h", "ln_f", _GPT2_PARTS, _gpt2_block, _gpt2_embed, _no_rope),
 }
 
