@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fused_remat.training import checkpoint as checkpoints
-from fused_remat.training import cli, loop
+from fused_remat.training import cli, loop, reporting
 from fused_remat.training import step as step_module
 from fused_remat.training.checkpoint import (CheckpointError, CheckpointWriteError, load_checkpoint,
                                              load_newest_checkpoint, remove_stale_partials, save_checkpoint)
@@ -564,7 +564,41 @@ def test_metrics_jsonl_is_fsynced_before_each_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "fsync", recording_fsync)
     assert _run(out, "--steps", "5", "--checkpoint-interval", "2") == 0
-    # the lines of steps 0-1, then checkpoint 2 and its folder's rename; 0-3, checkpoint 4; 0-4, checkpoint 5
-    assert synced == [("metrics.jsonl", 2), ("checkpoint", None), ("run", None),
+    # the empty metrics.jsonl, written atomically (its .tmp, the folder's rename); the lines of steps 0-1, then
+    # checkpoint 2 and its folder's rename; 0-3, checkpoint 4; 0-4, checkpoint 5
+    assert synced == [("metrics.jsonl.tmp", None), ("run", None),
+                      ("metrics.jsonl", 2), ("checkpoint", None), ("run", None),
                       ("metrics.jsonl", 4), ("checkpoint", None), ("run", None),
                       ("metrics.jsonl", 5), ("checkpoint", None), ("run", None)]
+
+
+def _disk_full(*args):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("failing", ["strict_record", "replace"])
+def test_a_failing_metrics_rewrite_on_resume_loses_no_history(failing, tmp_path, capsys, monkeypatch):
+    """The resume rewrites metrics.jsonl through metrics.jsonl.tmp and a rename: a disk that fails
+    while the records are written (which a truncating rewrite in place would have lost) or at the
+    rename leaves metrics.jsonl as it was, says so, and leaves no .tmp; a .tmp left by an earlier
+    crash is overwritten, not read."""
+    from test_train import _StopAt
+
+    out = tmp_path / "run"
+    metrics, temporary = out / "metrics.jsonl", out / "metrics.jsonl.tmp"
+    with monkeypatch.context() as patch:
+        patch.setattr(loop, "StopRequest", _StopAt(2))
+        assert _run(out, "--steps", "4") == 130
+    before = metrics.read_bytes()
+    capsys.readouterr()
+
+    with monkeypatch.context() as patch:
+        patch.setattr(reporting if failing == "strict_record" else reporting.os, failing, _disk_full)
+        assert _run(out, "--steps", "4", "--resume") == 1
+    assert (f"error: could not rewrite {metrics} (No space left on device); its earlier records are intact"
+            in capsys.readouterr().err)
+    assert metrics.read_bytes() == before and not temporary.exists()
+
+    temporary.write_text("not a record\n")
+    assert _run(out, "--steps", "4", "--resume") == 0
+    assert [r["step"] for r in _strict_metrics(out)] == [0, 1, 2, 3] and not temporary.exists()

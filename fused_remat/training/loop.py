@@ -171,8 +171,8 @@ def describe_documents(data: token_data.TokenData, first_batch: token_data.Batch
 
 
 class TrainingFailed(RuntimeError):
-    """The run stopped on a failure it explains itself (a NaN or infinite loss or gradient norm);
-    the last good checkpoint is left as it was."""
+    """The run stopped on a failure it explains itself (a NaN or infinite loss or gradient norm, a
+    metrics.jsonl that could not be rewritten); the last good checkpoint is left as it was."""
 
 
 def train(config: TrainConfig, run: Distributed) -> int:
@@ -254,7 +254,12 @@ def _train(config: TrainConfig, run: Distributed) -> int:
     if run.is_main:
         config.out.mkdir(parents=True, exist_ok=True)
         # records after the checkpoint's step belong to steps this run redoes: it writes them again
-        write_metrics(metrics_path, [r for r in history if r["step"] < start_step])
+        try:
+            write_metrics(metrics_path, [r for r in history if r["step"] < start_step])
+        except OSError as error:
+            raise TrainingFailed(f"could not rewrite {metrics_path} ({error.strerror or error}); its earlier records "
+                                 "are intact; free some space or fix the folder's permissions, then run the same "
+                                 "command again") from error
     run.barrier()
 
     saved = start_step  # the step of the newest checkpoint

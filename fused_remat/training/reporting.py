@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from .checkpoint import _fsync_directory
+
 
 def read_metrics(path: Path, warn=None) -> list[dict]:
     """The records of ``metrics.jsonl``, one JSON object a line ([] without the file). A last line
@@ -51,13 +53,32 @@ def write_metrics(path: Path, records: list[dict], append: bool = False, sync: b
     """One strict JSON record per line (``strict_record``); each line is flushed as it is written,
     so a crash of the process loses at most one. ``sync`` also fsyncs the file, so that a crash of
     the machine cannot lose it either: the trainer asks for it at checkpoint steps, before the
-    checkpoint is written, so a checkpoint is never ahead of its metrics on disk."""
-    with open(path, "a" if append else "w") as stream:
-        for record in records:
-            stream.write(json.dumps(strict_record(record), allow_nan=False) + "\n")
-        stream.flush()
-        if sync:
-            os.fsync(stream.fileno())
+    checkpoint is written, so a checkpoint is never ahead of its metrics on disk.
+
+    Without ``append`` the file is replaced atomically (always synced): the records go to
+    ``<path>.tmp``, which is fsynced, renamed over ``path``, and the folder fsynced. A crash or a
+    failed write leaves either the old file or the new one whole, never a truncated one."""
+    if append:
+        with open(path, "a") as stream:
+            _write_records(stream, records, sync)
+        return
+    temporary = path.with_name(path.name + ".tmp")
+    try:
+        with open(temporary, "w") as stream:  # "w": a .tmp left by an earlier crash is overwritten, never read
+            _write_records(stream, records, sync=True)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)  # ``path`` is as it was; leave no partial copy taking up space
+        raise
+    _fsync_directory(path.parent)  # makes the rename itself survive a crash of the machine
+
+
+def _write_records(stream, records: list[dict], sync: bool) -> None:
+    for record in records:
+        stream.write(json.dumps(strict_record(record), allow_nan=False) + "\n")
+    stream.flush()
+    if sync:
+        os.fsync(stream.fileno())
 
 
 def _gib(nbytes: float) -> str:
