@@ -52,6 +52,7 @@ class _BlockCall:
     softcap: float = 0.0  # attention's softcap, 0 off
     max_seqlen: int = 0  # the longest document when the tokens are packed documents, else 0
     scale: float = 0.0  # attention's softmax scale; 0 for head_dim ** -0.5
+    qk_norm: bool = False  # RMSNorm of each q and k head before RoPE (Qwen3)
     # low-rank adapters (LoRA), one (linear layer's index in _LINEARS, first output row, rows, dropout
     # seed, scale, dropout probability) each
     adapters: tuple[tuple[int, int, int, int, float, float], ...] = ()
@@ -78,7 +79,7 @@ class _BlockCall:
         floats (eps, softcap, scale), the rest, and the adapters as their integers and their scales; an
         operator's schema takes the policy by name."""
         sizes = [self.batch, self.seq, self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim,
-                 int(self.rms), int(self.causal), *self.window, self.max_seqlen]
+                 int(self.rms), int(self.causal), *self.window, self.max_seqlen, int(self.qk_norm)]
         return (sizes, [self.eps, self.softcap, self.scale], self.rope_theta, self.activation, self.remat.value,
                 self.compute_dtype, self.context_parallel, [n for a in self.adapters for n in a[:4]],
                 [x for a in self.adapters for x in a[4:]])
@@ -86,13 +87,13 @@ class _BlockCall:
     @classmethod
     def from_op_args(cls, sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
                      lora_scales) -> _BlockCall:
-        batch, seq, dim, n_heads, n_kv_heads, head_dim, ffn_dim, rms, causal, left, right, max_seqlen = sizes
+        batch, seq, dim, n_heads, n_kv_heads, head_dim, ffn_dim, rms, causal, left, right, max_seqlen, qk_norm = sizes
         eps, softcap, scale = numbers
         adapters = tuple((*lora_layout[4 * i:4 * i + 4], *lora_scales[2 * i:2 * i + 2])
                          for i in range(len(lora_scales) // 2))
         return cls(batch, seq, dim, n_heads, n_kv_heads, head_dim, ffn_dim, bool(rms), activation, bool(causal), eps,
                    rope_theta, Remat(remat), compute_dtype, context_parallel, (left, right), softcap, max_seqlen, scale,
-                   adapters)
+                   bool(qk_norm), adapters)
 
     def context_parallel_group(self):
         """The process group the sequence is split over, or None."""
@@ -102,7 +103,7 @@ class _BlockCall:
 # Parameter order of the Function's inputs after x.
 _PARAMETERS = (
     "norm1.weight", "norm1.bias", "qkv.weight", "qkv.bias", "out_proj.weight", "out_proj.bias",
-    "norm2.weight", "norm2.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias",
+    "norm2.weight", "norm2.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "q_norm.weight", "k_norm.weight",
 )
 
 
@@ -156,6 +157,7 @@ class _Weights:
         self.out, self.out_bias = cast(named["out_proj.weight"]), cast(named["out_proj.bias"])
         self.fc1, self.fc1_bias = cast(named["fc1.weight"]), cast(named["fc1.bias"])
         self.fc2, self.fc2_bias = cast(named["fc2.weight"]), cast(named["fc2.bias"])
+        self.q_norm, self.k_norm = named["q_norm.weight"], named["k_norm.weight"]
         self.adapters = {name: [] for name in _LINEARS}
         for index, ((linear, first, rows, seed, scale, dropout), a, b) in enumerate(zip(adapters, lora[0::2], lora[1::2])):
             self.adapters[_LINEARS[linear]].append(
@@ -241,6 +243,43 @@ def _rope_qk_(qkv: torch.Tensor, g: _BlockCall, seqs: _Sequences, inverse: bool)
                         seqs.rope_positions(g))
 
 
+def _qk_pieces(g: _BlockCall) -> list[tuple[slice, str]]:
+    """The q and the k columns of a packed qkv buffer, with the name of each one's norm weight."""
+    q_width, k_width = g.n_heads * g.head_dim, g.n_kv_heads * g.head_dim
+    return [(slice(0, q_width), "q_norm"), (slice(q_width, q_width + k_width), "k_norm")]
+
+
+def _attention_input(qkv: torch.Tensor, w: _Weights, g: _BlockCall, seqs: _Sequences) -> torch.Tensor:
+    """The packed qkv attention reads: q and k rotated by RoPE, in place in ``qkv`` itself; with
+    qk_norm, in a copy whose q and k heads are normalized first (each head a row of head_dim), so
+    that ``qkv`` stays the projection's output, which is what is kept, and backward rebuilds this."""
+    if g.qk_norm:
+        qkv = qkv.clone()
+        for columns, weight in _qk_pieces(g):
+            heads = qkv[:, columns].reshape(-1, g.head_dim)
+            y, _, _, _ = custom_ops.norm_fwd(heads, getattr(w, weight), None, None, g.eps, True, g.compute_dtype)
+            qkv[:, columns] = y.view(g.tokens, -1)
+    if g.rope_theta is not None:
+        _rope_qk_(qkv, g, seqs, inverse=False)
+    return qkv
+
+
+def _qk_norm_backward(dqkv: torch.Tensor, qkv: torch.Tensor, w: _Weights, g: _BlockCall, needs: dict) -> dict:
+    """The q and k heads' norm backward, in place in ``dqkv`` (the gradient of the normalized heads
+    becomes that of the projection's output); the statistics are recomputed from the kept ``qkv``.
+    Returns the norm weights' gradients."""
+    grads = {}
+    for columns, weight in _qk_pieces(g):
+        heads = qkv[:, columns].reshape(-1, g.head_dim)
+        _, mean, rstd, _ = custom_ops.norm_fwd(heads, getattr(w, weight), None, None, g.eps, True, g.compute_dtype)
+        dx, dw, _, _ = custom_ops.norm_bwd(dqkv[:, columns].reshape(-1, g.head_dim), heads, getattr(w, weight), None,
+                                           mean, rstd, None, True, False, False, g.compute_dtype)
+        dqkv[:, columns] = dx.view(g.tokens, -1)
+        if needs[f"{weight}.weight"]:
+            grads[f"{weight}.weight"] = dw
+    return grads
+
+
 def _norm_forward(x, weights, g: _BlockCall, residual=None):
     """(y in the compute dtype, mean, rstd, h = x + residual or None)."""
     weight, bias = weights
@@ -267,17 +306,16 @@ def _forward_pass(x: torch.Tensor, w: _Weights, g: _BlockCall, seqs: _Sequences,
     keep_outputs = not g.remat.rebuilds_outputs
     y1, mean1, rstd1, _ = _norm_forward(x, w.norm1, g)
     qkv = w.linear("qkv", y1, w.qkv, w.qkv_bias)
-    if g.rope_theta is not None:
-        _rope_qk_(qkv, g, seqs, inverse=False)
+    attended = _attention_input(qkv, w, g, seqs)
     group = g.context_parallel_group()
     if attention is not None:
         o, lse = attention
     elif group is None:
-        o, lse = custom_ops.attention_packed_fwd(qkv, g.batch, g.n_heads, g.n_kv_heads, *g.attention_mask,
+        o, lse = custom_ops.attention_packed_fwd(attended, g.batch, g.n_heads, g.n_kv_heads, *g.attention_mask,
                                                  seqs.cu_seqlens, g.max_seqlen)
     else:
         o = qkv.new_empty(g.tokens, g.n_heads * g.head_dim)
-        _, lse = context_parallel.ring_attention_fwd(*custom_ops.split_heads(qkv, g.batch, g.n_heads, g.n_kv_heads),
+        _, lse = context_parallel.ring_attention_fwd(*custom_ops.split_heads(attended, g.batch, g.n_heads, g.n_kv_heads),
                                                      group, g.causal, g.softmax_scale,
                                                      out=custom_ops.token_major_heads(o, g.batch, g.n_heads))
     y2, mean2, rstd2, h = _norm_forward(x, w.norm2, g, residual=w.linear("out_proj", o, w.out, w.out_bias))
@@ -550,20 +588,23 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, seqs: 
     grads["out_proj.weight"] = _weight_grad(needs["out_proj.weight"], d_attn, acts.o, named["out_proj.weight"])
     adapter_grads += w.adapter_grads("out_proj", d_attn, acts.o)
     group = g.context_parallel_group()
+    attended = _attention_input(acts.qkv, w, g, seqs) if g.qk_norm else acts.qkv
     if group is None:
-        dqkv = custom_ops.attention_packed_bwd(w.input_grad("out_proj", d_attn, w.out), acts.qkv, acts.o, acts.lse, g.batch, g.n_heads,
+        dqkv = custom_ops.attention_packed_bwd(w.input_grad("out_proj", d_attn, w.out), attended, acts.o, acts.lse, g.batch, g.n_heads,
                                                g.n_kv_heads, *g.attention_mask, seqs.cu_seqlens, g.max_seqlen)
     else:
         dqkv = torch.empty_like(acts.qkv)
         grads_qkv = context_parallel.ring_attention_bwd(
             custom_ops.token_major_heads(w.input_grad("out_proj", d_attn, w.out), g.batch, g.n_heads),
-            *custom_ops.split_heads(acts.qkv, g.batch, g.n_heads, g.n_kv_heads),
+            *custom_ops.split_heads(attended, g.batch, g.n_heads, g.n_kv_heads),
             custom_ops.token_major_heads(acts.o, g.batch, g.n_heads), acts.lse, group, g.causal, g.softmax_scale)
         for packed, grad in zip(custom_ops.split_heads(dqkv, g.batch, g.n_heads, g.n_kv_heads), grads_qkv):
             packed.copy_(grad)
-    del d_attn
+    del d_attn, attended
     if g.rope_theta is not None:
         _rope_qk_(dqkv, g, seqs, inverse=True)
+    if g.qk_norm:
+        grads.update(_qk_norm_backward(dqkv, acts.qkv, w, g, needs))
 
     grads["qkv.bias"] = _bias_grad(needs["qkv.bias"], dqkv, named["qkv.bias"])
     grads["x"], grads["norm1.weight"], grads["norm1.bias"], rebuilt = _norm_backward(
@@ -631,11 +672,11 @@ class TransformerBlock(reference.TransformerBlock):
     def __init__(self, dim: int, n_heads: int, *, n_kv_heads: int | None = None, ffn_dim: int | None = None,
                  norm: str = "layernorm", activation: str = "gelu", bias: bool = True, causal: bool = True,
                  eps: float = 1e-5, rope_theta: float | None = None, window: tuple[int, int] = (-1, -1),
-                 softcap: float = 0.0, attention_scale: float | None = None, remat: Remat | str = Remat.CHEAP,
-                 device=None, dtype=None):
+                 softcap: float = 0.0, attention_scale: float | None = None, qk_norm: bool = False,
+                 remat: Remat | str = Remat.CHEAP, device=None, dtype=None):
         super().__init__(dim, n_heads, n_kv_heads=n_kv_heads, ffn_dim=ffn_dim, norm=norm, activation=activation,
                          bias=bias, causal=causal, eps=eps, rope_theta=rope_theta, window=window, softcap=softcap,
-                         attention_scale=attention_scale, remat=remat, device=device, dtype=dtype)
+                         attention_scale=attention_scale, qk_norm=qk_norm, remat=remat, device=device, dtype=dtype)
         self.context_parallel = None
 
     @classmethod
@@ -683,6 +724,7 @@ class TransformerBlock(reference.TransformerBlock):
             remat=self.remat, compute_dtype=compute_dtype,
             context_parallel="" if self.context_parallel is None else self.context_parallel.group_name,
             window=self.window, softcap=self.softcap, max_seqlen=max_seqlen, scale=self.attention_scale or 0.0,
+            qk_norm=self.q_norm is not None,
             adapters=tuple((_LINEARS.index(a.linear), a.first_row, a.b.shape[0], a.seed, float(a.scale), float(a.dropout))
                            for a in adapters),
         )

@@ -279,7 +279,8 @@ class TransformerBlock(nn.Module):
     qkv projection packs [q heads | k heads | v heads] along its output. With ``rope_theta`` set,
     q and k get rotary embeddings (``rope``). ``window`` and ``softcap`` are attention's
     (``fused_remat.attention``; a model alternating local and global layers sets them per layer);
-    ``attention_scale`` its softmax scale (None: head_dim ** -0.5).
+    ``attention_scale`` its softmax scale (None: head_dim ** -0.5); ``qk_norm`` adds Qwen3's RMSNorm
+    of each q and k head (weights ``q_norm.weight``, ``k_norm.weight`` of head_dim) before RoPE.
     ``activation="swiglu"`` makes fc1 the
     packed [gate | up] projection of width 2 * ffn_dim and computes silu(gate) * up; fc2 is the down
     projection. ffn_dim defaults to 4 * dim (GELU) or LLaMA's rounded 8/3 * dim (SwiGLU). ``bias``
@@ -295,8 +296,8 @@ class TransformerBlock(nn.Module):
     def __init__(self, dim: int, n_heads: int, *, n_kv_heads: int | None = None, ffn_dim: int | None = None,
                  norm: str = "layernorm", activation: str = "gelu", bias: bool = True, causal: bool = True,
                  eps: float = 1e-5, rope_theta: float | None = None, window: tuple[int, int] = (-1, -1),
-                 softcap: float = 0.0, attention_scale: float | None = None, remat: Remat | str = Remat.NONE,
-                 device=None, dtype=None):
+                 softcap: float = 0.0, attention_scale: float | None = None, qk_norm: bool = False,
+                 remat: Remat | str = Remat.NONE, device=None, dtype=None):
         super().__init__()
         self.remat = remat
         self.window = check_window("TransformerBlock", window)
@@ -317,6 +318,9 @@ class TransformerBlock(nn.Module):
         self.norm2 = self._make_norm(bias, factory)
         self.fc1 = nn.Linear(dim, 2 * self.ffn_dim if activation == "swiglu" else self.ffn_dim, bias=bias, **factory)
         self.fc2 = nn.Linear(self.ffn_dim, dim, bias=bias, **factory)
+        # Qwen3's per-head RMSNorm of q and of k, over head_dim, before RoPE (weights, no bias)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=self.eps, **factory) if qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=self.eps, **factory) if qk_norm else None
 
     @property
     def remat(self) -> Remat:
@@ -384,6 +388,8 @@ class TransformerBlock(nn.Module):
         batch, seq, _ = y.shape
         heads = self._linear("qkv", y, adapters).view(batch, seq, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
         q, k, v = heads.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_theta is not None:
             if position_ids is None and cu_seqlens is not None:
                 position_ids = document_positions(cu_seqlens, batch * seq).view(batch, seq)
@@ -413,13 +419,14 @@ class TransformerBlock(nn.Module):
         return dict(dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, ffn_dim=self.ffn_dim,
                     norm=self.norm, activation=self.activation, bias=self.has_bias, causal=self.causal,
                     eps=self.eps, rope_theta=self.rope_theta, window=self.window, softcap=self.softcap,
-                    attention_scale=self.attention_scale)
+                    attention_scale=self.attention_scale, qk_norm=self.q_norm is not None)
 
     def extra_repr(self) -> str:
         rope_text = "" if self.rope_theta is None else f", rope_theta={self.rope_theta:g}"
         mask_text = ("" if self.window == (-1, -1) else f", window={self.window}") + (
             f", softcap={self.softcap:g}" if self.softcap else "") + (
-            "" if self.attention_scale is None else f", attention_scale={self.attention_scale:g}")
+            "" if self.attention_scale is None else f", attention_scale={self.attention_scale:g}") + (
+            ", qk_norm=True" if self.q_norm is not None else "")
         return (f"dim={self.dim}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, ffn_dim={self.ffn_dim}, "
                 f"norm={self.norm!r}, activation={self.activation!r}, causal={self.causal}{rope_text}{mask_text}")
 

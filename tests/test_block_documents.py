@@ -35,6 +35,9 @@ CASES = [
     (dict(rope=True, softcap=3.0), 2, 24, [24, 24], "random"),
     # scaled RoPE (frequencies given, as Llama 3's or YaRN's) with YaRN's larger softmax scale
     (dict(rope=True, kv_heads=1, attention_scale=0.41), 2, 26, [9, 30, 13], "scaled"),
+    # Qwen3: q and k heads normalized before RoPE
+    (dict(norm="rmsnorm", activation="swiglu", rope=True, kv_heads=1, qk_norm=True), 2, 21, [9, 12, 21], None),
+    (dict(rope=True, qk_norm=True), 1, 33, None, None),
 ]
 
 
@@ -48,7 +51,7 @@ def _case_id(case):
 def test_block_on_documents_matches_its_twin_for_every_policy(case, device, triton_backend):
     options, batch, seq, lengths, positions = case
     options = dict(options)
-    mask = {k: options.pop(k) for k in ("window", "softcap", "attention_scale") if k in options}
+    mask = {k: options.pop(k) for k in ("window", "softcap", "attention_scale", "qk_norm") if k in options}
     config = dict(_config(**options), **mask)
     sequences = {}
     if lengths:
@@ -130,3 +133,18 @@ def test_document_arguments_are_checked(device, triton_backend):
     no_rope = _config()
     with pytest.raises(ValueError, match=r"rope_inv_freq is given to a block without RoPE \(rope_theta=None\)"):
         _fused_block(_reference_block(no_rope, device), no_rope, "cheap")(x, rope_inv_freq=torch.ones(8, device=device))
+
+
+@pytest.mark.parametrize("policy", POLICIES + ("offload",))
+def test_qk_norm_keeps_what_the_block_keeps_without_it(policy, device, triton_backend):
+    """With qk_norm the kept qkv is the projection's output (backward normalizes and rotates it
+    again), so every policy keeps the same bytes as without the head norms."""
+    kept = []
+    for qk_norm in (False, True):
+        config = dict(_config(norm="rmsnorm", activation="swiglu", rope=True), qk_norm=qk_norm)
+        block = _fused_block(_reference_block(config, device), config, policy)
+        x = torch.randn(2, 24, config["dim"], device=device, requires_grad=True)
+        with saved_memory() as meter:
+            block(x)
+        kept.append((meter.device_bytes, meter.host_bytes))
+    assert kept[0] == kept[1]

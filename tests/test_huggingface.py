@@ -25,6 +25,7 @@ CONFIGS = {
     "llama": lambda **kw: transformers.LlamaConfig(**{**LLAMA_LIKE, **kw}),
     "mistral": lambda **kw: transformers.MistralConfig(**{**LLAMA_LIKE, "head_dim": 16, "sliding_window": 32, **kw}),
     "qwen2": lambda **kw: transformers.Qwen2Config(**{**LLAMA_LIKE, **kw}),
+    "qwen3": lambda **kw: transformers.Qwen3Config(**{**LLAMA_LIKE, "head_dim": 16, **kw}),
     "phi3": lambda **kw: transformers.Phi3Config(**{**LLAMA_LIKE, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
                                                     "sliding_window": 6, **kw}),
     "gpt2": lambda **kw: transformers.GPT2Config(**{**dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, n_inner=128,
@@ -207,8 +208,8 @@ def test_calls_the_layers_cannot_honour_are_refused():
 
 
 @pytest.mark.parametrize("arch, options", [("llama", {}), ("mistral", dict(sliding_window=4)), ("gpt2", {}),
-                                           ("qwen2", {}), ("phi3", {})],
-                         ids=["llama", "mistral-window4", "gpt2", "qwen2", "phi3-window6"])
+                                           ("qwen2", {}), ("phi3", {}), ("qwen3", {})],
+                         ids=["llama", "mistral-window4", "gpt2", "qwen2", "phi3-window6", "qwen3"])
 def test_generate_with_its_default_cache_follows_the_unpatched_model(arch, options, triton_backend):
     """Greedy generate() with its DynamicCache (a sliding-window one for Mistral, whose window is
     shorter than prompt plus answer): prefill and every decode step through the fused kernels give

@@ -16,7 +16,7 @@ from test_huggingface import VOCAB, _huggingface_grads, _model  # noqa: E402
 
 LENGTHS = (12, 7, 3)
 # Mistral's window is shorter than the longest example, so windows and documents meet.
-ARCH_OPTIONS = {"llama": {}, "qwen2": {}, "mistral": dict(sliding_window=5), "gpt2": {}, "phi3": {}}
+ARCH_OPTIONS = {"llama": {}, "qwen2": {}, "mistral": dict(sliding_window=5), "gpt2": {}, "phi3": {}, "qwen3": {}}
 
 
 def _examples(lengths=LENGTHS):

@@ -22,7 +22,7 @@ from fused_remat.integrations.huggingface import (  # noqa: E402
 from numerics import assert_error_rule  # noqa: E402
 from test_huggingface import SEQ, VOCAB, _model, _tokens  # noqa: E402
 
-LAYERS = {"llama": "layers", "mistral": "layers", "qwen2": "layers", "phi3": "layers", "gpt2": "h"}
+LAYERS = {"llama": "layers", "mistral": "layers", "qwen2": "layers", "qwen3": "layers", "phi3": "layers", "gpt2": "h"}
 
 
 def _layers(model) -> torch.nn.ModuleList:

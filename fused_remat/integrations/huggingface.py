@@ -7,8 +7,9 @@
     ...train with model(input_ids, attention_mask=mask, labels=labels).loss, or transformers.Trainer...
     model.save_pretrained(...)                # Hugging Face's own layout, patched or not
 
-Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Phi3ForCausalLM``
-(any ``config.model_type`` of llama, mistral, qwen2, phi3) and ``GPT2LMHeadModel`` (gpt2). Every decoder layer
+Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``
+(with its per-head q/k RMSNorm: the block's ``qk_norm``), ``Phi3ForCausalLM`` (any ``config.model_type``
+of llama, mistral, qwen2, qwen3, phi3) and ``GPT2LMHeadModel`` (gpt2). Every decoder layer
 becomes a ``FusedDecoderLayer``, a ``fused_remat.TransformerBlock``, and the base model's forward
 becomes fused_remat's (``_FusedBaseForward``): embeddings, the layers, the final norm.
 
@@ -128,6 +129,8 @@ _LLAMA_PARTS = {
     "fc1": ("mlp.gate_proj", "mlp.up_proj"),
     "fc2": ("mlp.down_proj",),
 }
+# Qwen3: Llama's layout plus an RMSNorm of each q and k head before RoPE.
+_QWEN3_PARTS = {**_LLAMA_PARTS, "q_norm": ("self_attn.q_norm",), "k_norm": ("self_attn.k_norm",)}
 # Phi-3 already packs [q | k | v] and [gate | up], in the block's order.
 _PHI3_PARTS = {
     "norm1": ("input_layernorm",),
@@ -190,12 +193,13 @@ def _llama_block(config, layer_idx: int, base: nn.Module) -> tuple[dict, float]:
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None and layer_types[layer_idx] != "sliding_attention":
         window = None
-    if config.model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+    if config.model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
         window = None
     kwargs = dict(dim=config.hidden_size, n_heads=heads, n_kv_heads=_config_value(config, "num_key_value_heads", heads),
                   ffn_dim=config.intermediate_size, norm="rmsnorm", activation="swiglu", eps=config.rms_norm_eps,
                   rope_theta=_rope_theta(config), attention_scale=_rotary_attention_scale(base, head_dim),
-                  window=(-1, -1) if window is None else (window - 1, 0))  # Hugging Face: key > query - window
+                  window=(-1, -1) if window is None else (window - 1, 0),  # Hugging Face: key > query - window
+                  qk_norm=config.model_type == "qwen3")
     dropout = max(_config_value(config, "attention_dropout", 0.0), _config_value(config, "resid_pdrop", 0.0))  # Phi-3
     return kwargs, float(dropout)
 
@@ -253,6 +257,7 @@ _ARCHITECTURES = {
     "llama": _LLAMA,
     "mistral": _LLAMA,
     "qwen2": _LLAMA,
+    "qwen3": _Architecture("layers", "norm", _QWEN3_PARTS, _llama_block, _llama_embed, _llama_rope),
     "phi3": _Architecture("layers", "norm", _PHI3_PARTS, _llama_block, _llama_embed, _llama_rope),
     "gpt2": _Architecture("h", "ln_f", _GPT2_PARTS, _gpt2_block, _gpt2_embed, _no_rope),
 }
@@ -728,6 +733,8 @@ class FusedDecoderLayer(TransformerBlock):
         batch, seq, _ = x.shape
         heads = self._linear("qkv", self.norm1(x), adapters).view(batch, seq, -1, self.head_dim)
         q, k, v = heads.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_theta is not None:
             q, k = (reference.rope(t, self.rope_theta, positions=call.positions, inv_freq=call.rope_inv_freq) for t in (q, k))
         keys, values = call.cache.update(k.transpose(1, 2), v.transpose(1, 2), self._layer_idx)
@@ -742,9 +749,11 @@ class FusedDecoderLayer(TransformerBlock):
         trainable = [name for name in self._zero_biases if self.get_parameter(name).requires_grad]
         if trainable:
             raise _refuse(f"requires_grad on {trainable}", f"these biases stand for ones {self._original_class.__name__} does not have and must stay zero and frozen")
-        for name in (*_LINEAR_PARTS, "norm1", "norm2"):
+        head_norms = ("q_norm", "k_norm") if self.q_norm is not None else ()
+        for name in (*_LINEAR_PARTS, "norm1", "norm2", *head_norms):
             module = getattr(self, name)
-            expected = _Packed if name in _LINEAR_PARTS else (nn.RMSNorm if self.norm == "rmsnorm" else nn.LayerNorm)
+            expected = _Packed if name in _LINEAR_PARTS else (
+                nn.RMSNorm if self.norm == "rmsnorm" or name in head_norms else nn.LayerNorm)
             if type(module) is not expected or _hooks(module):
                 raise _refuse(f"{name} of a fused decoder layer is now a {type(module).__module__}.{type(module).__name__}"
                               f"{' with hooks' if type(module) is expected else ''}",
