@@ -187,7 +187,7 @@ class _Activations:
     """What the forward produces on the way; each policy keeps a different subset."""
 
     qkv: torch.Tensor  # (T, (Hq + 2 Hkv) D), q and k already rotated
-    o: torch.Tensor  # (T, dim): attention output, token-major
+    o: torch.Tensor  # (T, Hq D): attention output, token-major
     lse: torch.Tensor  # (B, Hq, N) fp32; (Hq, T) for packed documents
     h: torch.Tensor  # (T, dim): residual stream after attention
     u: torch.Tensor  # (T, F): fc1 output, the activation's input
@@ -201,13 +201,13 @@ class _Activations:
 
 
 def block_widths(dim: int, n_heads: int, n_kv_heads: int | None, ffn_dim: int | None, norm: str,
-                 activation: str) -> dict[str, int]:
+                 activation: str, head_dim: int | None = None) -> dict[str, int]:
     """Elements per token of each kind of tensor the block keeps (``Kept.width_key``), for one block
-    configuration."""
-    head_dim = dim // n_heads
+    configuration (``head_dim`` None: dim // n_heads)."""
+    head_dim = dim // n_heads if head_dim is None else head_dim
     ffn = reference.default_ffn_dim(dim, activation) if ffn_dim is None else ffn_dim
     return dict(
-        dim=dim, qkv=(n_heads + 2 * (n_kv_heads or n_heads)) * head_dim, heads=n_heads, ffn=ffn,
+        dim=dim, qkv=(n_heads + 2 * (n_kv_heads or n_heads)) * head_dim, attention=n_heads * head_dim, heads=n_heads, ffn=ffn,
         pre_activation=2 * ffn if activation == "swiglu" else ffn, mean=int(norm == "layernorm"), rstd=1,
     )
 
@@ -381,7 +381,7 @@ def _(x, cu_seqlens, position_ids, rope_inv_freq, params, has_param, lora, sizes
 
 def _kept_like(kept: Kept, g: _BlockCall, x: torch.Tensor) -> torch.Tensor:
     """An uninitialized tensor of the shape and dtype the forward gives the kept activation."""
-    width = block_widths(g.dim, g.n_heads, g.n_kv_heads, g.ffn_dim, g.norm, g.activation)[kept.width_key]
+    width = block_widths(g.dim, g.n_heads, g.n_kv_heads, g.ffn_dim, g.norm, g.activation, g.head_dim)[kept.width_key]
     dtype = {RESIDUAL: x.dtype, COMPUTE: g.compute_dtype, FP32: torch.float32}[kept.dtype]
     if kept.width_key == "heads":
         shape = (g.n_heads, g.tokens) if g.max_seqlen else (g.batch, g.n_heads, g.seq)
@@ -430,7 +430,7 @@ def _(dy, x, cu_seqlens, position_ids, rope_inv_freq, kept, params, has_param, n
 # the four linear layers and attention; norms, activations and RoPE are element-wise, not counted.
 def _linear_shapes(g: _BlockCall) -> dict[str, tuple[int, int]]:
     """(in, out) features of each linear layer."""
-    widths = block_widths(g.dim, g.n_heads, g.n_kv_heads, g.ffn_dim, g.norm, g.activation)
+    widths = block_widths(g.dim, g.n_heads, g.n_kv_heads, g.ffn_dim, g.norm, g.activation, g.head_dim)
     return {"qkv": (g.dim, widths["qkv"]), "out_proj": (g.n_heads * g.head_dim, g.dim),
             "fc1": (g.dim, widths["pre_activation"]), "fc2": (widths["ffn"], g.dim)}
 
@@ -673,10 +673,11 @@ class TransformerBlock(reference.TransformerBlock):
                  norm: str = "layernorm", activation: str = "gelu", bias: bool = True, causal: bool = True,
                  eps: float = 1e-5, rope_theta: float | None = None, window: tuple[int, int] = (-1, -1),
                  softcap: float = 0.0, attention_scale: float | None = None, qk_norm: bool = False,
-                 remat: Remat | str = Remat.CHEAP, device=None, dtype=None):
+                 head_dim: int | None = None, remat: Remat | str = Remat.CHEAP, device=None, dtype=None):
         super().__init__(dim, n_heads, n_kv_heads=n_kv_heads, ffn_dim=ffn_dim, norm=norm, activation=activation,
                          bias=bias, causal=causal, eps=eps, rope_theta=rope_theta, window=window, softcap=softcap,
-                         attention_scale=attention_scale, qk_norm=qk_norm, remat=remat, device=device, dtype=dtype)
+                         attention_scale=attention_scale, qk_norm=qk_norm, head_dim=head_dim, remat=remat,
+                         device=device, dtype=dtype)
         self.context_parallel = None
 
     @classmethod

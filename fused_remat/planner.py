@@ -107,7 +107,7 @@ def _forward_parts(config: ModelConfig, batch: int, seq_len: int,
     widths = _widths(config)
     tokens = batch * seq_len
     head_dim = config.dim // config.n_heads
-    projections = 2 * tokens * config.dim * (widths["qkv"] + widths["dim"] + widths["pre_activation"])
+    projections = 2 * tokens * config.dim * (widths["qkv"] + widths["attention"] + widths["pre_activation"])
     if attention_pairs is None and config.window == (-1, -1):
         attention = attention_flops(batch, config.n_heads, seq_len, seq_len, head_dim, causal=True)
     else:

@@ -297,16 +297,16 @@ class TransformerBlock(nn.Module):
                  norm: str = "layernorm", activation: str = "gelu", bias: bool = True, causal: bool = True,
                  eps: float = 1e-5, rope_theta: float | None = None, window: tuple[int, int] = (-1, -1),
                  softcap: float = 0.0, attention_scale: float | None = None, qk_norm: bool = False,
-                 remat: Remat | str = Remat.NONE, device=None, dtype=None):
+                 head_dim: int | None = None, remat: Remat | str = Remat.NONE, device=None, dtype=None):
         super().__init__()
         self.remat = remat
         self.window = check_window("TransformerBlock", window)
         self.softcap = check_softcap("TransformerBlock", softcap)
         self.attention_scale = check_attention_scale("TransformerBlock", attention_scale)
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        _check_block_config(dim, n_heads, n_kv_heads, ffn_dim, norm, activation, eps, rope_theta)
+        self.head_dim = _check_block_config(dim, n_heads, n_kv_heads, ffn_dim, norm, activation, eps, rope_theta,
+                                            head_dim)
         self.dim, self.n_heads, self.n_kv_heads = dim, n_heads, n_kv_heads
-        self.head_dim = dim // n_heads
         self.norm, self.activation, self.causal, self.eps = norm, activation, bool(causal), float(eps)
         self.rope_theta = None if rope_theta is None else float(rope_theta)
         self.has_bias = bool(bias)
@@ -314,7 +314,7 @@ class TransformerBlock(nn.Module):
         factory = dict(device=device, dtype=dtype)
         self.norm1 = self._make_norm(bias, factory)
         self.qkv = nn.Linear(dim, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=bias, **factory)
-        self.out_proj = nn.Linear(dim, dim, bias=bias, **factory)
+        self.out_proj = nn.Linear(n_heads * self.head_dim, dim, bias=bias, **factory)
         self.norm2 = self._make_norm(bias, factory)
         self.fc1 = nn.Linear(dim, 2 * self.ffn_dim if activation == "swiglu" else self.ffn_dim, bias=bias, **factory)
         self.fc2 = nn.Linear(self.ffn_dim, dim, bias=bias, **factory)
@@ -406,7 +406,7 @@ class TransformerBlock(nn.Module):
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                 is_causal=self.causal, scale=self.attention_scale, enable_gqa=self.n_kv_heads != self.n_heads,
             ).transpose(1, 2)
-        return self._linear("out_proj", o.reshape(batch, seq, self.dim), adapters)
+        return self._linear("out_proj", o.reshape(batch, seq, self.n_heads * self.head_dim), adapters)
 
     def _activate(self, u: torch.Tensor) -> torch.Tensor:
         if self.activation == "swiglu":
@@ -419,7 +419,7 @@ class TransformerBlock(nn.Module):
         return dict(dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, ffn_dim=self.ffn_dim,
                     norm=self.norm, activation=self.activation, bias=self.has_bias, causal=self.causal,
                     eps=self.eps, rope_theta=self.rope_theta, window=self.window, softcap=self.softcap,
-                    attention_scale=self.attention_scale, qk_norm=self.q_norm is not None)
+                    attention_scale=self.attention_scale, qk_norm=self.q_norm is not None, head_dim=self.head_dim)
 
     def extra_repr(self) -> str:
         rope_text = "" if self.rope_theta is None else f", rope_theta={self.rope_theta:g}"
@@ -431,7 +431,8 @@ class TransformerBlock(nn.Module):
                 f"norm={self.norm!r}, activation={self.activation!r}, causal={self.causal}{rope_text}{mask_text}")
 
 
-def _check_block_config(dim, n_heads, n_kv_heads, ffn_dim, norm, activation, eps, rope_theta) -> None:
+def _check_block_config(dim, n_heads, n_kv_heads, ffn_dim, norm, activation, eps, rope_theta, head_dim) -> int:
+    """The head dim, after checking the configuration."""
     def positive_int(name, value):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"TransformerBlock: {name} must be a positive int, got {value!r}")
@@ -441,13 +442,15 @@ def _check_block_config(dim, n_heads, n_kv_heads, ffn_dim, norm, activation, eps
     positive_int("n_kv_heads", n_kv_heads)
     if ffn_dim is not None:
         positive_int("ffn_dim", ffn_dim)
-    if dim % n_heads:
-        raise ValueError(f"TransformerBlock: dim={dim} is not divisible by n_heads={n_heads}")
+    if head_dim is None:
+        if dim % n_heads:
+            raise ValueError(f"TransformerBlock: dim={dim} is not divisible by n_heads={n_heads} (or give head_dim)")
+        head_dim = dim // n_heads
+    positive_int("head_dim", head_dim)
     if n_heads % n_kv_heads:
         raise ValueError(f"TransformerBlock: n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
-    head_dim = dim // n_heads
     if head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"TransformerBlock: head dim dim // n_heads = {head_dim} exceeds {MAX_HEAD_DIM}")
+        raise ValueError(f"TransformerBlock: head_dim {head_dim} exceeds {MAX_HEAD_DIM}")
     if norm not in NORMS:
         raise ValueError(f"TransformerBlock: norm must be one of {NORMS}, got {norm!r}")
     if activation not in ACTIVATIONS:
@@ -457,5 +460,6 @@ def _check_block_config(dim, n_heads, n_kv_heads, ffn_dim, norm, activation, eps
         if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not rope_theta > 1:
             raise ValueError(f"TransformerBlock: rope_theta must be a number > 1 or None, got {rope_theta!r}")
         if head_dim % 2:
-            raise ValueError(f"TransformerBlock: rope_theta needs an even head dim, got dim // n_heads = {head_dim}")
+            raise ValueError(f"TransformerBlock: rope_theta needs an even head dim, got {head_dim}")
+    return head_dim
 

@@ -47,7 +47,7 @@ class Kept:
 KEPT_FOR_BACKWARD = (
     Kept("x", "dim", RESIDUAL),
     Kept("qkv", "qkv", COMPUTE),
-    Kept("o", "dim", COMPUTE),
+    Kept("o", "attention", COMPUTE),
     Kept("lse", "heads", FP32),
     Kept("h", "dim", RESIDUAL),
     Kept("u", "pre_activation", COMPUTE),

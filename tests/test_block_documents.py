@@ -38,6 +38,8 @@ CASES = [
     # Qwen3: q and k heads normalized before RoPE
     (dict(norm="rmsnorm", activation="swiglu", rope=True, kv_heads=1, qk_norm=True), 2, 21, [9, 12, 21], None),
     (dict(rope=True, qk_norm=True), 1, 33, None, None),
+    # heads wider than dim / n_heads (Qwen3-0.6B: 16 heads of 128 on a 1024 residual)
+    (dict(rope=True, kv_heads=1, head_dim=24), 2, 17, [17, 5, 12], None),
 ]
 
 
@@ -51,7 +53,7 @@ def _case_id(case):
 def test_block_on_documents_matches_its_twin_for_every_policy(case, device, triton_backend):
     options, batch, seq, lengths, positions = case
     options = dict(options)
-    mask = {k: options.pop(k) for k in ("window", "softcap", "attention_scale", "qk_norm") if k in options}
+    mask = {k: options.pop(k) for k in ("window", "softcap", "attention_scale", "qk_norm", "head_dim") if k in options}
     config = dict(_config(**options), **mask)
     sequences = {}
     if lengths:
@@ -87,18 +89,20 @@ def test_one_document_per_row_is_bitwise_the_dense_block(policy, device, triton_
     assert all(torch.equal(grads[name], grads_docs[name]) for name in grads)
 
 
+@pytest.mark.parametrize("head_dim", [None, 40])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_documents_keep_the_memory_contract(policy, device, triton_backend):
+def test_documents_keep_the_memory_contract(policy, head_dim, device, triton_backend):
     """Packed documents shrink attention's work, not what a policy keeps: the contract's bytes per
-    token, plus the document offsets (the model's input, shared by every layer)."""
-    config = _config(rope=True)
+    token (with heads wider than dim / n_heads too), plus the document offsets (the model's input,
+    shared by every layer)."""
+    config = dict(_config(rope=True), head_dim=head_dim)
     block = _fused_block(_reference_block(config, device), config, policy)
     cu_seqlens = _offsets([30, 2, 32], device)
     x = torch.randn(2, 32, config["dim"], device=device, requires_grad=True)
     with saved_memory() as meter:
         block(x, cu_seqlens=cu_seqlens)
     widths = block_widths(config["dim"], config["n_heads"], config["n_kv_heads"], config["ffn_dim"], config["norm"],
-                          config["activation"])
+                          config["activation"], head_dim)
     per_token = kept_bytes_per_token(policy, widths, residual_bytes=4, compute_bytes=4)
     assert meter.device_bytes == 64 * per_token + cu_seqlens.numel() * 4
 

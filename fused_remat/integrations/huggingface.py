@@ -72,8 +72,7 @@ Refused with ``UnsupportedByFusedBlock`` (a ValueError naming the input), never 
 a cache other than a ``DynamicCache``; a 4-D ``attention_mask``;
 ``output_attentions`` and ``output_hidden_states``; dropout > 0 in training mode (attention or
 residual dropout; GPT-2's embedding dropout is outside the layers and still applies); partial
-rotary, a head_dim other than hidden_size / num_attention_heads, activations other than SiLU (Llama
-family) or gelu / gelu_new / gelu_pytorch_tanh (GPT-2), GPT-2 cross-attention,
+rotary, a head dim above 256, activations other than SiLU (Llama family) or gelu / gelu_new / gelu_pytorch_tanh (GPT-2), GPT-2 cross-attention,
 ``scale_attn_by_inverse_layer_idx`` or unscaled attention; any other keyword the model is handed
 that it does not know. A fused layer called on its own (not through the model) takes no arguments
 but the hidden states, and only without RoPE (GPT-2): RoPE's frequencies come from the model.
@@ -184,9 +183,6 @@ def _llama_block(config, layer_idx: int, base: nn.Module) -> tuple[dict, float]:
     """Block kwargs (bias decided later from the modules) and dropout of one layer."""
     heads = config.num_attention_heads
     head_dim = _config_value(config, "head_dim", config.hidden_size // heads)
-    if head_dim * heads != config.hidden_size:
-        raise _refuse(f"head_dim={head_dim}", f"the block needs hidden_size / num_attention_heads = "
-                      f"{config.hidden_size // heads}", patched=False)
     if config.hidden_act != "silu":
         raise _refuse(f"hidden_act={config.hidden_act!r}", "the block's gated MLP is SwiGLU (silu)", patched=False)
     window = _config_value(config, "sliding_window")
@@ -199,7 +195,7 @@ def _llama_block(config, layer_idx: int, base: nn.Module) -> tuple[dict, float]:
                   ffn_dim=config.intermediate_size, norm="rmsnorm", activation="swiglu", eps=config.rms_norm_eps,
                   rope_theta=_rope_theta(config), attention_scale=_rotary_attention_scale(base, head_dim),
                   window=(-1, -1) if window is None else (window - 1, 0),  # Hugging Face: key > query - window
-                  qk_norm=config.model_type == "qwen3")
+                  qk_norm=config.model_type == "qwen3", head_dim=head_dim)
     dropout = max(_config_value(config, "attention_dropout", 0.0), _config_value(config, "resid_pdrop", 0.0))  # Phi-3
     return kwargs, float(dropout)
 
