@@ -8,6 +8,12 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+# The Hugging Face integration is tested on the newest transformers the test extra allows (in .venv)
+# and on the oldest (here): its tests run a second time against it.
+OLDEST_VENV ?= .venv-transformers-oldest
+OLDEST_PY := $(OLDEST_VENV)/bin/python
+OLDEST_TRANSFORMERS ?= transformers==4.57.6
+HF_TESTS := tests/test_huggingface.py tests/test_huggingface_batches.py tests/test_huggingface_model_ops.py
 
 .PHONY: run test clean
 
@@ -18,10 +24,18 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test,plot]"
 	touch $@
 
+$(OLDEST_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_PY) -m pip install --quiet --upgrade pip
+	$(OLDEST_PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(OLDEST_PY) -m pip install --quiet -e ".[test]" "$(OLDEST_TRANSFORMERS)"
+	touch $@
+
 run: $(VENV)/.installed
 	$(PY) -m fused_remat.train --out runs/main $(if $(wildcard runs/main/checkpoint.pt),--resume)
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed $(OLDEST_VENV)/.installed
 	$(PY) -m pytest -q -n auto -p no:cacheprovider --benchmark-disable
+	$(OLDEST_PY) -m pytest -q -n auto -p no:cacheprovider --benchmark-disable $(HF_TESTS)
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(OLDEST_VENV) build *.egg-info

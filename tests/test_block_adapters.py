@@ -8,12 +8,12 @@ import dataclasses
 import pytest
 import torch
 from test_block import POLICIES, _config, _fused_block, _reference_block
+from test_block_documents import assert_every_policy_matches
 from torch.utils.flop_counter import FlopCounterMode
 
 from fused_remat.flops import matmul_flops
 from fused_remat.memory import saved_memory
 from fused_remat.reference import LowRankAdapter, lora_dropout_scale
-from numerics import assert_error_rule
 
 RANK = 3
 
@@ -62,16 +62,8 @@ def test_adapters_match_the_twin_for_every_policy(options, dropout, device, trit
                             [dataclasses.replace(a, a=a.a.double(), b=a.b.double()) for a in adapters],
                             **sequences)
         y_same, grads_same = _run(ref, x, dy, adapters, **sequences)
-        results = []
-        for policy in POLICIES:
-            y, grads = _run(_fused_block(ref, config, policy), x, dy, adapters, **sequences)
-            assert_error_rule(f"{policy} y", y, y_same, y64, torch.float32)
-            assert grads.keys() == grads64.keys()
-            for name, grad in grads.items():
-                assert_error_rule(f"{policy} d{name}", grad, grads_same[name], grads64[name], torch.float32)
-            results.append((y, grads))
-        for y, grads in results[1:]:
-            assert torch.equal(y, results[0][0]) and all(torch.equal(grads[n], results[0][1][n]) for n in grads)
+        assert_every_policy_matches(lambda policy: _run(_fused_block(ref, config, policy), x, dy, adapters, **sequences),
+                                    (y_same, grads_same), (y64, grads64), POLICIES)
 
 
 @pytest.mark.parametrize("policy", POLICIES)

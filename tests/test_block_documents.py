@@ -67,10 +67,19 @@ def test_block_on_documents_matches_its_twin_for_every_policy(case, device, trit
     x, dy = (torch.randn(batch, seq, config["dim"], device=device) for _ in range(2))
     y64, grads64 = _run(copy.deepcopy(ref).double(), x.double(), dy.double(), **sequences)
     y_same, grads_same = _run(ref, x, dy, **sequences)
+    assert_every_policy_matches(lambda policy: _run(_fused_block(ref, config, policy), x, dy, **sequences),
+                                (y_same, grads_same), (y64, grads64), POLICIES + ("offload",))
+
+
+def assert_every_policy_matches(run, same_dtype, float64, policies):
+    """``run(policy)`` -> (y, gradients by name) within the error rule of the twin's (y, gradients)
+    in the same dtype and in float64, and bitwise equal across ``policies``."""
+    (y_same, grads_same), (y64, grads64) = same_dtype, float64
     results = []
-    for policy in POLICIES + ("offload",):
-        y, grads = _run(_fused_block(ref, config, policy), x, dy, **sequences)
+    for policy in policies:
+        y, grads = run(policy)
         assert_error_rule(f"{policy} y", y, y_same, y64, torch.float32)
+        assert grads.keys() == grads64.keys()
         for name, grad in grads.items():
             assert_error_rule(f"{policy} d{name}", grad, grads_same[name], grads64[name], torch.float32)
         results.append((y, grads))

@@ -658,29 +658,30 @@ class FusedDecoderLayer(TransformerBlock):
         """A _Slot under each Hugging Face projection's name, viewing its rows of the packed weight;
         a LoRA layer that wrapped the projection in ``original`` moves here, around the slot."""
         self._slot_paths = set()
-        for name, pieces in self._layout.items():
-            fused, attr = name.split(".")
-            if fused not in _LINEAR_PARTS or attr != "weight":
-                continue
+        for fused, path, first, piece in self._projections():
+            slot_class = _ConvSlot if piece.transposed else _Slot
+            slot = slot_class(getattr(self, fused), first, piece.rows, f"{fused}.bias" in self._layout)
+            module = original.get_submodule(path)
+            if _is_lora(module):
+                module.base_layer = slot
+                slot = module
+            parent, child = path.rsplit(".", 1)
+            container = self
+            for part in parent.split("."):
+                if not hasattr(container, part):
+                    container.add_module(part, nn.Module())
+                container = getattr(container, part)
+            container.add_module(child, slot)
+            self._slot_paths.add(path)
+
+    def _projections(self):
+        """(packed linear layer, Hugging Face projection's path, its first row there, its _Piece)
+        for each projection packed into the linear layers."""
+        for fused in _LINEAR_PARTS:
             first = 0
-            for piece in pieces:
-                path = piece.name.rsplit(".", 1)[0]
-                has_bias = f"{fused}.bias" in self._layout
-                slot_class = _ConvSlot if piece.transposed else _Slot
-                slot = slot_class(getattr(self, fused), first, piece.rows, has_bias)
+            for piece in self._layout[f"{fused}.weight"]:
+                yield fused, piece.name.rsplit(".", 1)[0], first, piece
                 first += piece.rows
-                module = original.get_submodule(path)
-                if _is_lora(module):
-                    module.base_layer = slot
-                    slot = module
-                parent, child = path.rsplit(".", 1)
-                container = self
-                for part in parent.split("."):
-                    if not hasattr(container, part):
-                        container.add_module(part, nn.Module())
-                    container = getattr(container, part)
-                container.add_module(child, slot)
-                self._slot_paths.add(path)
 
     @property
     def gradient_checkpointing(self) -> bool:
@@ -755,17 +756,8 @@ class FusedDecoderLayer(TransformerBlock):
                               f"{' with hooks' if type(module) is expected else ''}",
                               "the fused block reads its weights directly and would bypass it; wrap the Hugging "
                               "Face projections (q_proj, ..., c_attn, ...) instead, which the block honours for LoRA")
-        adapters = []
-        for name, pieces in self._layout.items():
-            fused, attr = name.split(".")
-            if fused not in _LINEAR_PARTS or attr != "weight":
-                continue
-            first = 0
-            for piece in pieces:
-                path = piece.name.rsplit(".", 1)[0]
-                adapters += _lora_adapters(self.get_submodule(path), path, fused, first)
-                first += piece.rows
-        return adapters
+        return [adapter for fused, path, first, _ in self._projections()
+                for adapter in _lora_adapters(self.get_submodule(path), path, fused, first)]
 
     def huggingface_tensors(self, tensors: dict) -> dict:
         """``tensors`` named like this layer's parameters (the parameters, their gradients, ...) split
@@ -791,8 +783,7 @@ class FusedDecoderLayer(TransformerBlock):
         layer.load_state_dict(state, assign=True)
         for name, requires_grad in trainable.items():
             layer.get_parameter(name).requires_grad_(requires_grad)
-        for piece in (piece for fused in _LINEAR_PARTS for piece in self._layout[f"{fused}.weight"]):
-            path = piece.name.rsplit(".", 1)[0]
+        for _, path, _, _ in self._projections():
             wrapper = self.get_submodule(path)
             if _is_lora(wrapper):  # the LoRA layers go back around the Hugging Face projection
                 innermost = wrapper
