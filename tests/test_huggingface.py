@@ -136,7 +136,7 @@ def test_an_all_ones_mask_and_explicit_positions_are_fine(triton_backend):
     (dict(attention_mask=torch.ones(2, 1, SEQ, SEQ)), "4-D attention_mask"),
     (dict(attention_mask=torch.zeros(2, SEQ)), "masks every token"),
     (dict(cu_seq_lens_q=torch.tensor([0, 5, SEQ])), "batches are one row"),
-    (dict(seq_idx=torch.zeros(2, SEQ)), "seq_idx"),
+    (dict(seq_idx=torch.tensor([[0] * 6 + [1] * 6] * 2)), "seq_idx whose examples differ from where position_ids"),
     (dict(output_attentions=True), "output_attentions"),
     (dict(output_hidden_states=True), "output_hidden_states"),
 ])

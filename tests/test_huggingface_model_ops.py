@@ -428,3 +428,37 @@ def test_trainer_with_data_collator_with_flattening(tmp_path, triton_backend):
         across = initial(ids, labels=first["labels"]).loss.item()  # one causal sequence over both examples
     assert losses[0] == pytest.approx(total / count, rel=1e-4)
     assert abs(across - total / count) > 1e-3  # attending across the examples would show
+
+
+def test_trl_sft_trainer_with_packing(tmp_path, triton_backend):
+    """TRL's SFTTrainer with packing=True (padding-free rows: restarting position_ids, FlashAttention's
+    cu_seq_lens and seq_idx) runs on a patched model as is: its first step's loss is the unpatched
+    model's on the same examples run one at a time."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    tokenizers = pytest.importorskip("tokenizers")
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t3"))
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", bos_token="t1",
+                                                     eos_token="t2", unk_token="t3")
+    examples = [torch.randint(4, VOCAB, (n,)) for n in (5, 9, 3)]
+    initial = _model("llama")
+    patched = apply_fused_remat(copy.deepcopy(initial))
+    args = trl.SFTConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=3, packing=True,
+                         max_length=64, report_to=[], use_cpu=True, save_strategy="no", logging_steps=1,
+                         learning_rate=1e-3, seed=0)
+    trainer = trl.SFTTrainer(model=patched, args=args, processing_class=tokenizer,
+                             train_dataset=datasets.Dataset.from_list([{"input_ids": e.tolist()} for e in examples]))
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert batch["input_ids"].shape[0] == 1 and "cu_seq_lens_q" in batch and "seq_idx" in batch
+    trainer.train()
+    loss = next(record["loss"] for record in trainer.state.log_history if "loss" in record)
+    starts = batch["cu_seq_lens_q"].tolist()
+    ids, labels = batch["input_ids"], batch["labels"]
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start, end in zip(starts, starts[1:]):
+            example = ids[:, start:end]
+            terms = int((labels[0, start + 1:end] != -100).sum())
+            total += initial(example, labels=labels[:, start:end]).loss.item() * terms
+            count += terms
+    assert loss == pytest.approx(total / count, rel=1e-4)

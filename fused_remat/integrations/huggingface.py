@@ -19,9 +19,9 @@ variable-length attention, so each example attends only to itself, exactly:
   before the first layer and the outputs put back (zeros at the masked places: what the model
   computes there is nobody's prediction). Positions are the ``position_ids`` given, else 0..N-1 per
   row, as Hugging Face's.
-- packed examples (``DataCollatorWithFlattening``): ``position_ids`` that restart (a position not
-  above the one before it starts a new example; the unpatched SDPA model attends across them), or
-  FlashAttention's ``cu_seq_lens_q``/``cu_seq_lens_k`` (equal; batch 1).
+- packed examples (``DataCollatorWithFlattening``, TRL's ``packing=True``): ``position_ids`` that
+  restart (a position not above the one before it starts a new example), or FlashAttention's
+  ``cu_seq_lens_q``/``cu_seq_lens_k`` (equal; batch 1); a ``seq_idx`` must mark the same examples.
 - RoPE comes from the model's own rotary embedding, called as the model calls it (so dynamic and
   LongRoPE frequencies follow the sequence length): its ``inv_freq`` goes to the block per call and
   its ``attention_scaling`` s (YaRN, LongRoPE) becomes the block's softmax scale s^2 / sqrt(head_dim).
@@ -515,7 +515,7 @@ _CACHE_ARGUMENTS = ("cache", "past_key_values")
 _LOSS_ONLY = frozenset({"num_items_in_batch"})
 # Arguments _batch_of reads; everything else must be absent, None or False.
 _READ = frozenset({"input_ids", "inputs_embeds", "token_type_ids", "attention_mask", "position_ids", "cache_position",
-                   "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "return_dict", "use_cache",
+                   "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "return_dict", "use_cache",
                    *_CACHE_ARGUMENTS})
 
 
@@ -567,6 +567,21 @@ def _tokens_of(arguments: dict, past: int = 0) -> _Batch:
                   position_ids is not None)
 
 
+def _check_sequence_index(seq_idx, starts: torch.Tensor, rows: torch.Tensor, batch: _Batch) -> None:
+    """``seq_idx`` (TRL's padding-free batches: each token's example) must mark the examples the
+    restarting positions mark, which are the ones Hugging Face's attention honours."""
+    if seq_idx is None:
+        return
+    if tuple(seq_idx.shape) != batch.shape:
+        raise _refuse(f"seq_idx of shape {tuple(seq_idx.shape)}", f"inputs are {batch.shape}")
+    flat = seq_idx.reshape(-1) if batch.kept is None else seq_idx.reshape(-1)[batch.kept]
+    marked = torch.ones_like(starts)
+    marked[1:] = (flat[1:] != flat[:-1]) | (rows[1:] != rows[:-1])
+    if not torch.equal(marked, starts):
+        raise _refuse("seq_idx whose examples differ from where position_ids restart",
+                      "the examples a batch packs are where its positions restart")
+
+
 def _batch_of(arguments: dict, config) -> _Batch:
     """The documents of one base-model call without a cache, after refusing what the block cannot honour."""
     _check_unread(arguments, config)
@@ -591,7 +606,7 @@ def _batch_of(arguments: dict, config) -> _Batch:
         batch.cu_seqlens = _packed_offsets(arguments, shape[1])
         batch.max_seqlen = arguments.get("max_length_q")
         return batch
-    if batch.kept is None and position_ids is None:
+    if batch.kept is None and position_ids is None and arguments.get("seq_idx") is None:
         return batch  # one sequence per row at positions 0..N-1: nothing to read from the device
     rows = torch.arange(shape[0], device=device).repeat_interleave(shape[1])
     flat_positions = batch.positions.reshape(-1)
@@ -599,6 +614,7 @@ def _batch_of(arguments: dict, config) -> _Batch:
         rows, flat_positions = rows[batch.kept], flat_positions[batch.kept]
     starts = torch.ones_like(rows, dtype=torch.bool)
     starts[1:] = (rows[1:] != rows[:-1]) | (flat_positions[1:] <= flat_positions[:-1])
+    _check_sequence_index(arguments.get("seq_idx"), starts, rows, batch)
     first_tokens = starts.nonzero().squeeze(1)
     if batch.kept is None and first_tokens.numel() == shape[0]:
         return batch  # the given positions restart nowhere inside a row
