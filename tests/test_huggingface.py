@@ -281,3 +281,22 @@ def test_a_patched_model_compiles_whole(triton_backend):
     assert torch.allclose(out.logits, expected_logits, atol=1e-6, rtol=0)
     grads = _huggingface_grads(model)
     assert all(torch.allclose(grads[name], grad, atol=1e-6, rtol=0) for name, grad in expected_grads.items())
+
+
+def test_a_base_model_and_a_sequence_classifier_patch_too(triton_backend):
+    """LlamaModel (the base model itself) and LlamaForSequenceClassification (which pools the last
+    real token) on a padded batch: what the unpatched model computes at the real tokens."""
+    ids = _tokens(3, 9)
+    mask = torch.ones_like(ids)
+    mask[1, 6:], mask[2, 3:] = 0, 0  # right padding: the classifier reads each row's last real token
+    ids = ids.masked_fill(mask == 0, 0)
+    base = transformers.LlamaModel(CONFIGS["llama"]())
+    patched = apply_fused_remat(copy.deepcopy(base))
+    classifier = transformers.LlamaForSequenceClassification(CONFIGS["llama"](num_labels=3, pad_token_id=0))
+    patched_classifier = apply_fused_remat(copy.deepcopy(classifier))
+    with torch.no_grad():
+        real = mask.bool()
+        expected, got = (m(ids, attention_mask=mask).last_hidden_state for m in (base, patched))
+        assert torch.allclose(got[real], expected[real], atol=2e-5, rtol=0)
+        expected, got = (m(ids, attention_mask=mask).logits for m in (classifier, patched_classifier))
+        assert torch.allclose(got, expected, atol=2e-5, rtol=0)
