@@ -450,7 +450,7 @@ def _check_block_config(dim, n_heads, n_kv_heads, ffn_dim, norm, activation, eps
     if n_heads % n_kv_heads:
         raise ValueError(f"TransformerBlock: n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
     if head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"TransformerBlock: head_dim {head_dim} exceeds {MAX_HEAD_DIM}")
+        raise ValueError(f"TransformerBlock: the head dim, head_dim={head_dim}, exceeds {MAX_HEAD_DIM}")
     if norm not in NORMS:
         raise ValueError(f"TransformerBlock: norm must be one of {NORMS}, got {norm!r}")
     if activation not in ACTIVATIONS:

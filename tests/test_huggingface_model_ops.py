@@ -449,10 +449,11 @@ def test_trl_sft_trainer_with_packing(tmp_path, triton_backend):
     trainer = trl.SFTTrainer(model=patched, args=args, processing_class=tokenizer,
                              train_dataset=datasets.Dataset.from_list([{"input_ids": e.tolist()} for e in examples]))
     batch = next(iter(trainer.get_train_dataloader()))
-    assert batch["input_ids"].shape[0] == 1 and "cu_seq_lens_q" in batch and "seq_idx" in batch
+    assert batch["input_ids"].shape[0] == 1  # padding-free: one row, the examples one after another
     trainer.train()
     loss = next(record["loss"] for record in trainer.state.log_history if "loss" in record)
-    starts = batch["cu_seq_lens_q"].tolist()
+    restarts = (batch["position_ids"][0] == 0).nonzero().squeeze(1).tolist()
+    starts = restarts + [batch["input_ids"].shape[1]]
     ids, labels = batch["input_ids"], batch["labels"]
     total, count = 0.0, 0
     with torch.no_grad():
