@@ -686,6 +686,20 @@ def _instruction_mix(instructions: list[str]) -> dict:
     return groups
 
 
+_FP32_OPS = ("FFMA", "FMUL", "FADD", "FFMA2", "FMUL2", "FADD2")
+
+
+def _fp32_ops(instructions: list[str]) -> dict:
+    """Counts of fp32 multiply-adds, multiplies and adds (the paired forms of sm_100 where present):
+    compiled without floating-point fusion, an FFMA becomes an FMUL and an FADD."""
+    counts = {name: 0 for name in _FP32_OPS}
+    for text in instructions:
+        op = _opcode(text)
+        if op in counts:
+            counts[op] += 1
+    return {name: n for name, n in counts.items() if n or len(name) == 4}
+
+
 def analyze(compiled: Compiled, arch: Arch) -> dict:
     """The compile-time facts of one kernel, as a flat dict (a row of the table)."""
     binary = compiled.binary
@@ -697,6 +711,7 @@ def analyze(compiled: Compiled, arch: Arch) -> dict:
         "constexprs": {k: (v if isinstance(v, (bool, int, float, str)) or v is None else str(v)) for k, v in c.items()},
         "shared": int(binary.metadata.shared),
         "smem_limit": arch.smem_per_block,
+        "fp_fusion": bool(getattr(binary.metadata, "enable_fp_fusion", True)),
     }
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "k.ptx"
@@ -722,10 +737,11 @@ def analyze(compiled: Compiled, arch: Arch) -> dict:
     row["mma_shapes"] = sorted({m.group(0).split(" ")[0] for t in code if (m := _MMA.search(t))})
     row["copy"] = "+".join(name for name, rx in _COPY.items() if any(rx.search(t) for t in code)) or "none"
     row["sass_instructions"] = len(code)
+    row["fp32_ops"] = _fp32_ops(code)
     hot = _hot_loop(sass)
     if hot:
         body = [t for _, t in sass[hot[0]:hot[1] + 1] if not t.endswith(":")]
-        row["hot_loop"] = {"instructions": len(body), "mix": _instruction_mix(body)}
+        row["hot_loop"] = {"instructions": len(body), "mix": _instruction_mix(body), "fp32_ops": _fp32_ops(body)}
         products = MATRIX_PRODUCTS.get(compiled.kernel)
         if products and {"BLOCK_M", "BLOCK_N", "HEAD_DIM"} <= c.keys():
             needed = products * c["BLOCK_M"] * c["BLOCK_N"] * c["HEAD_DIM"]

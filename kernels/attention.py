@@ -64,7 +64,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .attention_configs import CONFIGS, INTERPRETER_CONFIG, PRUNERS, TUNE_KEY, target_family
-from .launch import ensure_scratch_allocator, next_power_of_2
+from .launch import FP_FUSION, ensure_scratch_allocator, next_power_of_2
 from .limits import triton_interpreting
 from .precision import INTERPRETED, round_to
 
@@ -1070,7 +1070,7 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, window=(-1
         o, do, lse, dlse if dlse is not None else lse, delta, bias, *_strides(o), *_strides(do),
         p.q_heads, p.q_len, nq_rounded, p.head_dim,
         HAS_DLSE=dlse is not None, NATURAL_EXP=p.natural_exp, HEAD_DIM=p.padded_head_dim,
-        BLOCK_M=pre_block,
+        BLOCK_M=pre_block, **FP_FUSION,
     )
 
     scalars = p.scalars(nq_rounded)
@@ -1092,12 +1092,13 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, window=(-1
 
 
 def _pick(plain, tuned, config):
-    """(kernel, launch kwargs): a pinned config, the interpreter's fixed one, or the autotuner."""
+    """(kernel, launch kwargs): a pinned config, the interpreter's fixed one, or the autotuner;
+    always asking for fused multiply-adds (the autotuner hands them to every configuration)."""
     if config is not None:
-        return plain, dict(config)
+        return plain, {**config, **FP_FUSION}
     if triton_interpreting():
-        return plain, dict(INTERPRETER_CONFIG)
-    return tuned, {}
+        return plain, {**INTERPRETER_CONFIG, **FP_FUSION}
+    return tuned, dict(FP_FUSION)
 
 
 __all__ = ["Documents", "attention_fwd", "attention_bwd", "INTERPRETER_CONFIG"]

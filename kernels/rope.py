@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .launch import next_power_of_2
+from .launch import FP_FUSION, next_power_of_2
 from .limits import MAX_HEAD_DIM
 from .precision import INTERPRETED, round_to
 
@@ -187,6 +187,6 @@ def rope_(x: torch.Tensor, inv_freq: torch.Tensor, *, inverse: bool = False,
         *(positions.stride() if has_positions else (0, 0)),
         INVERSE=bool(inverse), HAS_POSITIONS=has_positions,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_HALF=block_half,
-        num_warps=NUM_WARPS,
+        num_warps=NUM_WARPS, **FP_FUSION,
     )
     return x

@@ -14,6 +14,9 @@ cached for the session, shared by xdist workers. Per compiled kernel, separate t
 - ``copy_engine``: the attention kernels stream their tiles by TMA on sm_90a (tensor descriptors)
   and without it on sm_80, which has none (pointer loads, cp.async).
 
+Floating-point fusion: one case per launch site compiled for sm_90a with Triton's fusion default
+off (Triton 3.10's) is the same SASS as with it on, FFMAs included: the launches ask for fusion.
+
 The attention goals (no spills, HGMMA, no C7515, work once, TMA) hold on sm_90a, the target the
 attention kernels are tuned for; on sm_80 the attention kernels are checked to compile, fit and use
 no TMA, and every other kernel also for no spills.
@@ -245,6 +248,47 @@ def test_every_kernel_has_cases():
     named = {k for c, _ in CI_PAIRS for k in _kernels(c)} | {"_norm_fwd", "_gelu"}
     assert set(ATTENTION_KERNELS) <= named
     assert {"_attn_bwd_preprocess", "_norm_fwd", "_norm_bwd", "_gelu", "_swiglu", "_rope"} <= named
+
+
+# Floating-point fusion: Triton 3.10 compiles without it by default (3.9 warns where
+# TRITON_DEFAULT_FP_FUSION is unset), so every launch asks for it (kernels/launch.py, FP_FUSION).
+# One case per launch site: each kernel of the launchers (swiglu shares gelu's launch).
+FUSION_CASES = [
+    Case("attention_fwd", "bfloat16", 64, causal=True, config=(128, 64, 8, 3)),
+    Case("attention_bwd", "bfloat16", 64, causal=True, config=(128, 64, 8, 3), dkdv_config=(32, 128, 8, 3)),
+    Case("layer_norm_fwd", "bfloat16", width=4096),
+    Case("rms_norm_bwd", "bfloat16", width=4096),
+    Case("swiglu_bwd", "bfloat16", width=4096),
+    Case("rope", "bfloat16", 128),
+]
+
+
+@pytest.mark.parametrize("case", FUSION_CASES, ids=[c.id for c in FUSION_CASES])
+def test_fused_multiply_adds_with_fusion_defaulted_off(facts_cache, monkeypatch, case):
+    """Compiled for sm_90a with Triton's fusion default off (TRITON_DEFAULT_FP_FUSION=0, 3.10's
+    default), each kernel is still compiled with fusion and its SASS is the session's compile of the
+    same case (bench/static.py pins the default on): the same instruction count and the same FFMA,
+    FMUL and FADD counts, in the hot loop too, FFMAs among them. Without the launches' request,
+    ptxas gets --fmad=false and every FFMA that was no explicit tl.fma splits into FMUL + FADD."""
+    default_on = {r["kernel"]: r for r in _facts(facts_cache, case, "sm_90a")}
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    default_off = run_in_subprocess(case, "sm_90a")
+    errors = [r["error"] for r in [*default_on.values(), *default_off] if "error" in r]
+    assert not errors, f"{case.id}: {errors}"
+    assert sorted(r["kernel"] for r in default_off) == sorted(default_on) == sorted(_kernels(case))
+    for row in default_off:
+        kernel, on = row["kernel"], default_on[row["kernel"]]
+        assert on["fp_fusion"] and row["fp_fusion"], f"{kernel}: compiled without fusion with the default off"
+        assert row["fp32_ops"]["FFMA"] > 0, f"{kernel}: no FFMA ({row['fp32_ops']})"
+        assert (row["sass_instructions"], row["fp32_ops"]) == (on["sass_instructions"], on["fp32_ops"]), \
+            f"{kernel}: default off {row['sass_instructions']} instructions {row['fp32_ops']}, " \
+            f"default on {on['sass_instructions']} {on['fp32_ops']}"
+        if kernel in MMA_KERNELS:
+            hot, hot_on = row["hot_loop"], on["hot_loop"]
+            assert hot["fp32_ops"]["FFMA"] > 0, f"{kernel}: no FFMA in the hot loop ({hot['fp32_ops']})"
+            assert (hot["instructions"], hot["fp32_ops"]) == (hot_on["instructions"], hot_on["fp32_ops"]), \
+                f"{kernel} hot loop: default off {hot['instructions']} instructions {hot['fp32_ops']}, " \
+                f"default on {hot_on['instructions']} {hot_on['fp32_ops']}"
 
 
 HOPPER_SHAPES = [(dtype, dim, causal, gqa) for dtype in ("bfloat16", "float16") for dim in (64, 128)
