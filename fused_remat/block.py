@@ -5,11 +5,11 @@
 
 One autograd Function runs the whole block on Triton kernels (norms, RoPE, attention, activations)
 and cuBLAS matrix products; its forward and backward are each one custom operator, so that
-torch.compile cannot change what is kept. What each policy keeps for backward, and whether its
-backward replays the forward, is the ``Remat`` member's business (``fused_remat.remat``): the
-forward keeps ``remat.kept()``, the backward replays when ``remat.replays`` and rebuilds the norm
-and activation outputs inside their backward kernels when ``remat.rebuilds_outputs``. Nothing of
-size N x N is ever kept.
+torch.compile cannot change what is kept. What is kept for backward is the ``Remat`` point's
+business (``fused_remat.remat``): the forward keeps ``remat.kept()``; the backward first replays
+what is missing among qkv, attention's results, h, u and the norm statistics (``_replay``, only
+that), and rebuilds the norm and activation outputs it did not keep inside their backward kernels.
+Nothing of size N x N is ever kept.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from . import context_parallel, custom_ops, offload, reference
 from .backend import autocast_dtype, use_triton
 from .flops import attention_op_flops, document_pairs, flop_formula, matmul_flops, visible_pairs
 from .kernels.limits import SUPPORTED_DTYPES
-from .remat import COMPUTE, FP32, KEPT_FOR_BACKWARD, RESIDUAL, Kept, Remat
+from .remat import (COMPUTE, FP32, KEPT_FOR_BACKWARD, RESIDUAL, Kept, Remat, budget_points, check_memory_budget,
+                    within_budget)
 
 _OP = "TransformerBlock"
 
@@ -297,38 +298,62 @@ def _approximation(g: _BlockCall) -> str:
     return "tanh" if g.activation == "gelu_tanh" else "none"
 
 
-def _forward_pass(x: torch.Tensor, w: _Weights, g: _BlockCall, seqs: _Sequences, finish: bool, attention=None):
-    """Runs the block on x (T, dim). Returns (activations, y (T, dim) or None).
+def _attend(attended: torch.Tensor, g: _BlockCall, seqs: _Sequences) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention's forward on the packed, rotated qkv: (o (T, Hq D) token-major, lse)."""
+    group = g.context_parallel_group()
+    if group is None:
+        return custom_ops.attention_packed_fwd(attended, g.batch, g.n_heads, g.n_kv_heads, *g.attention_mask,
+                                               seqs.cu_seqlens, g.max_seqlen)
+    o = attended.new_empty(g.tokens, g.n_heads * g.head_dim)
+    _, lse = context_parallel.ring_attention_fwd(*custom_ops.split_heads(attended, g.batch, g.n_heads, g.n_kv_heads),
+                                                 group, g.causal, g.softmax_scale,
+                                                 out=custom_ops.token_major_heads(o, g.batch, g.n_heads))
+    return o, lse
 
-    The norm and activation outputs are held on to where the policy keeps them (``none``);
-    ``finish=False`` stops after fc1, which is all a backward replay needs, and ``attention``, the
-    kept (o, lse) of the same x, stands in for attention's forward."""
-    keep_outputs = not g.remat.rebuilds_outputs
+
+def _forward_pass(x: torch.Tensor, w: _Weights, g: _BlockCall, seqs: _Sequences) -> tuple[_Activations, torch.Tensor]:
+    """Runs the block on x (T, dim). Returns (activations, y (T, dim)); the norm and activation
+    outputs are held on to only where the point keeps them."""
     y1, mean1, rstd1, _ = _norm_forward(x, w.norm1, g)
     qkv = w.linear("qkv", y1, w.qkv, w.qkv_bias)
-    attended = _attention_input(qkv, w, g, seqs)
-    group = g.context_parallel_group()
-    if attention is not None:
-        o, lse = attention
-    elif group is None:
-        o, lse = custom_ops.attention_packed_fwd(attended, g.batch, g.n_heads, g.n_kv_heads, *g.attention_mask,
-                                                 seqs.cu_seqlens, g.max_seqlen)
-    else:
-        o = qkv.new_empty(g.tokens, g.n_heads * g.head_dim)
-        _, lse = context_parallel.ring_attention_fwd(*custom_ops.split_heads(attended, g.batch, g.n_heads, g.n_kv_heads),
-                                                     group, g.causal, g.softmax_scale,
-                                                     out=custom_ops.token_major_heads(o, g.batch, g.n_heads))
+    o, lse = _attend(_attention_input(qkv, w, g, seqs), g, seqs)
     y2, mean2, rstd2, h = _norm_forward(x, w.norm2, g, residual=w.linear("out_proj", o, w.out, w.out_bias))
     u = w.linear("fc1", y2, w.fc1, w.fc1_bias)
-    saved = _Activations(qkv, o, lse, h, u, mean1, rstd1, mean2, rstd2)
-    if keep_outputs:
-        saved.y1, saved.y2 = y1, y2
-    if not finish:
-        return saved, None
     a = _activation_forward(u, g)
-    if keep_outputs:
-        saved.a = a
-    return saved, h + w.linear("fc2", a, w.fc2, w.fc2_bias)
+    y = h + w.linear("fc2", a, w.fc2, w.fc2_bias)
+    kept_outputs = {name: value for name, value in (("y1", y1), ("y2", y2), ("a", a)) if not g.remat.rebuilds(name)}
+    return _Activations(qkv, o, lse, h, u, mean1, rstd1, mean2, rstd2, **kept_outputs), y
+
+
+def _replay(x: torch.Tensor, kept: dict, w: _Weights, g: _BlockCall, seqs: _Sequences) -> _Activations:
+    """The activations backward needs, from x and what the point ``kept`` (by name): what is
+    missing is computed again as the forward computed it, with the same kernels on the same inputs,
+    hence bitwise the same, and nothing more (qkv and its norm only if qkv or norm 1's statistics
+    are missing, attention only if its results are, and so on). The norm and activation outputs
+    stay as kept (or None: their backward kernels rebuild them)."""
+    acts = dict(kept)
+    if g.remat.rebuilds("qkv") or g.remat.rebuilds("rstd1"):
+        y1, acts["mean1"], acts["rstd1"], _ = _norm_forward(x, w.norm1, g)
+        if g.remat.rebuilds("qkv"):
+            acts["qkv"] = w.linear("qkv", y1, w.qkv, w.qkv_bias)
+            if not g.qk_norm:
+                _attention_input(acts["qkv"], w, g, seqs)  # RoPE in place: the forward kept qkv rotated
+        del y1
+    if g.remat.rebuilds("o"):
+        attended = _attention_input(acts["qkv"], w, g, seqs) if g.qk_norm else acts["qkv"]
+        acts["o"], acts["lse"] = _attend(attended, g, seqs)
+        del attended
+    if any(g.remat.rebuilds(name) for name in ("h", "u", "rstd2")):
+        if g.remat.rebuilds("h"):
+            y2, acts["mean2"], acts["rstd2"], acts["h"] = _norm_forward(
+                x, w.norm2, g, residual=w.linear("out_proj", acts["o"], w.out, w.out_bias))
+        else:
+            # norm 2 normalizes the rounded sum, which is what h holds: its statistics and output
+            # from h alone are bitwise the forward's
+            y2, acts["mean2"], acts["rstd2"], _ = _norm_forward(acts["h"], w.norm2, g)
+        if g.remat.rebuilds("u"):
+            acts["u"] = w.linear("fc1", y2, w.fc1, w.fc1_bias)
+    return _Activations(**acts)
 
 
 def _weight_grad(needed: bool, grad_out: torch.Tensor, inputs: torch.Tensor, param: torch.Tensor | None):
@@ -366,7 +391,7 @@ def _block_fwd(x: torch.Tensor, cu_seqlens: torch.Tensor | None, position_ids: t
                                 lora_scales)
     with torch.autocast(x.device.type, enabled=False):
         weights = _Weights(_with_absent(params, has_param), compute_dtype, g.adapters, lora)
-        acts, y = _forward_pass(x, weights, g, _Sequences(cu_seqlens, position_ids, rope_inv_freq), finish=True)
+        acts, y = _forward_pass(x, weights, g, _Sequences(cu_seqlens, position_ids, rope_inv_freq))
     return [y, *(getattr(acts, k.name) if keeps else x.new_empty(0) for k, keeps in zip(_SLOTS, _slots_kept(g.remat)))]
 
 
@@ -408,12 +433,7 @@ def _block_bwd(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor | Non
     with torch.autocast(dy.device.type, enabled=False):
         w = _Weights(list(named.values()), compute_dtype, g.adapters, lora)
         kept_acts = {k.name: t for k, t, keeps in zip(_SLOTS, kept, _slots_kept(g.remat)) if keeps}
-        if g.remat.replays:
-            # The same kernels on the same x give bitwise the same activations.
-            attention = None if g.remat.replays_attention else (kept_acts["o"], kept_acts["lse"])
-            acts, _ = _forward_pass(x, w, g, seqs, finish=False, attention=attention)
-        else:
-            acts = _Activations(**kept_acts)
+        acts = _replay(x, kept_acts, w, g, seqs)
         needs = {name: needed.get(name, False) for name in _PARAMETERS}
         grads = _backward_pass(dy.contiguous(), x, acts, w, g, seqs, needs, named)
     return [grads["x"], *(grads.get(name, x.new_empty(0)) for name in needed), *grads["lora"]]
@@ -457,12 +477,20 @@ def _adapter_flops(g: _BlockCall, lora, layers, backward: bool = False) -> int:
     return total
 
 
-def _forward_flops(g: _BlockCall, cu_seqlens: torch.Tensor | None, finish: bool, lora=()) -> int:
-    """The forward (``finish=False``: the replay, which stops after fc1 and runs attention only
-    where the policy did not keep its results)."""
-    layers = ("qkv", "out_proj", "fc1", "fc2") if finish else ("qkv", "out_proj", "fc1")
+# The linear layer whose output each replayable tensor is (attention's results are attention's)
+_REPLAYED_BY = {"qkv": "qkv", "h": "out_proj", "u": "fc1"}
+
+
+def _forward_flops(g: _BlockCall, cu_seqlens: torch.Tensor | None, lora=(), replay: bool = False) -> int:
+    """The forward's products; ``replay``: those of backward's replay, which runs a linear layer
+    only for the tensor the point did not keep, and attention only where it kept neither its output
+    nor its log-sum-exp (``_replay``)."""
+    if replay:
+        layers = tuple(layer for name, layer in _REPLAYED_BY.items() if g.remat.rebuilds(name))
+    else:
+        layers = _LINEARS
     linear = sum(matmul_flops(g.tokens, *_linear_shapes(g)[name]) for name in layers) + _adapter_flops(g, lora, layers)
-    if not (finish or g.remat.replays_attention):
+    if replay and not g.remat.rebuilds("o"):
         return linear
     return linear + attention_op_flops(1, g.n_heads, g.head_dim, _attention_pairs(g, cu_seqlens))
 
@@ -472,7 +500,7 @@ def _(x, cu_seqlens, position_ids, rope_inv_freq, params, has_param, lora, sizes
       remat, compute_dtype, context_parallel, lora_layout, lora_scales, **_) -> int:
     g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
                                 lora_scales)
-    return _forward_flops(g, cu_seqlens, finish=True, lora=lora)
+    return _forward_flops(g, cu_seqlens, lora=lora)
 
 
 @flop_formula("block_bwd", get_raw=True)
@@ -486,7 +514,7 @@ def _(dy, x, cu_seqlens, position_ids, rope_inv_freq, kept, params, has_param, n
                  for name, shape in _linear_shapes(g).items())
     linear += _adapter_flops(g, lora, _LINEARS, backward=True)
     attention = attention_op_flops(1, g.n_heads, g.head_dim, _attention_pairs(g, cu_seqlens), backward=True)
-    return linear + attention + (_forward_flops(g, cu_seqlens, finish=False, lora=lora) if g.remat.replays else 0)
+    return linear + attention + _forward_flops(g, cu_seqlens, lora=lora, replay=True)
 
 
 def _needed(has_param, needs) -> dict[str, bool]:
@@ -558,27 +586,27 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, seqs: 
                    named: dict) -> dict:
     """Gradients of the block from dy (T, dim), in the order the forward ran, reversed.
 
-    Where a policy did not keep a norm or activation output (``remat.rebuilds_outputs``), the
-    backward kernel that computes that op's input gradient also writes it, and it lives only until
-    the weight gradient that needs it."""
+    Where the point did not keep a norm or activation output (``acts.y1``, ``y2`` or ``a`` is
+    None), the backward kernel that computes that op's input gradient also writes it, and it lives
+    only until the weight gradient that needs it."""
     grads = {}
-    rebuild = g.remat.rebuilds_outputs
     dz = dy.to(g.compute_dtype)
     adapter_grads = []  # (dA, dB) of each adapter, last layer first
     grads["fc2.bias"] = _bias_grad(needs["fc2.bias"], dz, named["fc2.bias"])
     da = w.input_grad("fc2", dz, w.fc2)
     if g.activation == "swiglu":
-        du, rebuilt = custom_ops.swiglu_packed_bwd(da, acts.u, rebuild)
+        du, rebuilt = custom_ops.swiglu_packed_bwd(da, acts.u, acts.a is None)
     else:
-        du, rebuilt = custom_ops.gelu_bwd(da, acts.u, _approximation(g), rebuild)
+        du, rebuilt = custom_ops.gelu_bwd(da, acts.u, _approximation(g), acts.a is None)
     del da
-    grads["fc2.weight"] = _weight_grad(needs["fc2.weight"], dz, rebuilt if rebuild else acts.a, named["fc2.weight"])
-    adapter_grads += w.adapter_grads("fc2", dz, rebuilt if rebuild else acts.a)
-    del rebuilt, dz
+    a = rebuilt if acts.a is None else acts.a
+    grads["fc2.weight"] = _weight_grad(needs["fc2.weight"], dz, a, named["fc2.weight"])
+    adapter_grads += w.adapter_grads("fc2", dz, a)
+    del rebuilt, a, dz
 
     grads["fc1.bias"] = _bias_grad(needs["fc1.bias"], du, named["fc1.bias"])
-    dh, grads["norm2.weight"], grads["norm2.bias"], rebuilt = _norm_backward(w.input_grad("fc1", du, w.fc1), acts.h,
-                                                                             w.norm2, acts.mean2, acts.rstd2, dy, rebuild, g)
+    dh, grads["norm2.weight"], grads["norm2.bias"], rebuilt = _norm_backward(
+        w.input_grad("fc1", du, w.fc1), acts.h, w.norm2, acts.mean2, acts.rstd2, dy, acts.y2 is None, g)
     grads["fc1.weight"] = _weight_grad(needs["fc1.weight"], du, acts.y2 if rebuilt is None else rebuilt, named["fc1.weight"])
     adapter_grads += w.adapter_grads("fc1", du, acts.y2 if rebuilt is None else rebuilt)
     del du, rebuilt
@@ -608,7 +636,7 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, seqs: 
 
     grads["qkv.bias"] = _bias_grad(needs["qkv.bias"], dqkv, named["qkv.bias"])
     grads["x"], grads["norm1.weight"], grads["norm1.bias"], rebuilt = _norm_backward(
-        w.input_grad("qkv", dqkv, w.qkv), x, w.norm1, acts.mean1, acts.rstd1, dh, rebuild, g)
+        w.input_grad("qkv", dqkv, w.qkv), x, w.norm1, acts.mean1, acts.rstd1, dh, acts.y1 is None, g)
     grads["qkv.weight"] = _weight_grad(needs["qkv.weight"], dqkv, acts.y1 if rebuilt is None else rebuilt, named["qkv.weight"])
     adapter_grads += w.adapter_grads("qkv", dqkv, acts.y1 if rebuilt is None else rebuilt)
     grads = {name: grad for name, grad in grads.items() if name == "x" or needs[name]}
@@ -652,8 +680,16 @@ class TransformerBlock(reference.TransformerBlock):
     attention's output and log-sum-exp and replays the rest of the forward up to fc1 in backward;
     ``"full"`` keeps only x and replays the forward, attention included; ``"offload"`` is ``full``
     with x in pinned host memory, copied there and back on a side stream (``fused_remat.offload``;
-    under torch.compile the block then runs eagerly, a graph break). ``fused_remat.remat`` tells
-    each policy's bytes.
+    under torch.compile the block then runs eagerly, a graph break); ``"keep:o,lse,h"`` and the like
+    keep x and the tensors named, and replay only what is missing. ``fused_remat.remat`` tells each
+    point's bytes.
+
+    ``memory_budget`` (settable; default None): a fraction f in [0, 1], torch.compile's
+    ``activation_memory_budget`` in our terms: each call keeps at most f times what ``"none"`` keeps
+    per token, choosing the point with the least replay for the call's sequence length (attention's
+    replay grows with it, the projections' do not); ``remat`` is then unused. 1 gives ``cheap``;
+    below x's share of ``none`` (every point on the device keeps x), ``offload``. Every point gives
+    bitwise the same gradients.
 
     x: (B, N, dim) in fp16, bf16 or fp32, the parameters' dtype — or any float parameters under
     ``torch.autocast``, which runs the matmuls and attention in the autocast dtype while x, h and y
@@ -667,18 +703,44 @@ class TransformerBlock(reference.TransformerBlock):
     what it keeps without it, for the local tokens; ``full``'s replay re-runs the ring in backward.
     """
 
-    SUPPORTED_REMAT = tuple(Remat)
+    SUPPORTED_REMAT = None  # any point: the named policies and every "keep:..." subset
 
     def __init__(self, dim: int, n_heads: int, *, n_kv_heads: int | None = None, ffn_dim: int | None = None,
                  norm: str = "layernorm", activation: str = "gelu", bias: bool = True, causal: bool = True,
                  eps: float = 1e-5, rope_theta: float | None = None, window: tuple[int, int] = (-1, -1),
                  softcap: float = 0.0, attention_scale: float | None = None, qk_norm: bool = False,
-                 head_dim: int | None = None, remat: Remat | str = Remat.CHEAP, device=None, dtype=None):
+                 head_dim: int | None = None, remat: Remat | str = Remat.CHEAP, memory_budget: float | None = None,
+                 device=None, dtype=None):
         super().__init__(dim, n_heads, n_kv_heads=n_kv_heads, ffn_dim=ffn_dim, norm=norm, activation=activation,
                          bias=bias, causal=causal, eps=eps, rope_theta=rope_theta, window=window, softcap=softcap,
                          attention_scale=attention_scale, qk_norm=qk_norm, head_dim=head_dim, remat=remat,
                          device=device, dtype=dtype)
+        self.memory_budget = memory_budget
         self.context_parallel = None
+
+    @property
+    def memory_budget(self) -> float | None:
+        return self._memory_budget
+
+    @memory_budget.setter
+    def memory_budget(self, fraction: float | None) -> None:
+        self._memory_budget = check_memory_budget(fraction, owner=f"{_OP}: memory_budget")
+        budget_points()  # made here, eagerly: torch.compile cannot trace making them in forward
+
+    def _call_remat(self, x: torch.Tensor, max_seqlen: int, compute_dtype: torch.dtype | None = None) -> Remat:
+        """``remat``, or under ``memory_budget`` the point with the least replay within it for this
+        call's sequence length (``remat.within_budget``; packed documents are priced as if each were
+        as long as the longest, the whole sequence under context parallelism)."""
+        if self.memory_budget is None:
+            return self.remat
+        seq = max_seqlen or x.shape[1]
+        if self.context_parallel is not None:
+            seq *= self.context_parallel.size()
+        widths = block_widths(self.dim, self.n_heads, self.n_kv_heads, self.ffn_dim, self.norm, self.activation,
+                              self.head_dim)
+        compute_dtype = compute_dtype or autocast_dtype(x.device.type) or x.dtype
+        return within_budget(self.memory_budget, widths, x.element_size(), compute_dtype.itemsize,
+                             visible_pairs(seq, seq, self.causal, self.window) / seq)
 
     @classmethod
     def from_reference(cls, block: reference.TransformerBlock, remat: Remat | str = Remat.CHEAP) -> TransformerBlock:
@@ -722,7 +784,7 @@ class TransformerBlock(reference.TransformerBlock):
             batch=x.shape[0], seq=x.shape[1], dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
             head_dim=self.head_dim, ffn_dim=self.ffn_dim, rms=self.norm == "rmsnorm",
             activation=self.activation, causal=self.causal, eps=self.eps, rope_theta=self.rope_theta,
-            remat=self.remat, compute_dtype=compute_dtype,
+            remat=self._call_remat(x, max_seqlen, compute_dtype), compute_dtype=compute_dtype,
             context_parallel="" if self.context_parallel is None else self.context_parallel.group_name,
             window=self.window, softcap=self.softcap, max_seqlen=max_seqlen, scale=self.attention_scale or 0.0,
             qk_norm=self.q_norm is not None,

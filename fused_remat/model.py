@@ -4,7 +4,7 @@
     x = block_i(x)                  for each layer, each with its own remat policy
     loss = cross_entropy(head(norm(x)), targets)   in chunks of tokens, never all logits at once
 
-``block_impl="fused"`` runs our block (remat ``none``/``cheap``/``full``/``offload`` per layer);
+``block_impl="fused"`` runs our block (a remat point per layer, or a ``memory_budget`` fraction);
 ``block_impl="reference"`` runs the plain-PyTorch twin, eagerly (``none``) or under
 ``torch.utils.checkpoint`` (``full``): the baselines the benchmarks and ``--find-max-seq-len``
 compare against. Both share parameter names, so one state dict loads into either.
@@ -27,7 +27,7 @@ from .block import TransformerBlock
 from .kernels.limits import check_documents, check_eps, check_softcap, check_window
 from .loss import linear_cross_entropy
 from .norms import layer_norm, rms_norm
-from .remat import Remat, parse_per_layer
+from .remat import Remat, check_memory_budget, parse_per_layer
 
 BLOCK_CLASSES = {"fused": TransformerBlock, "reference": reference.TransformerBlock}
 BLOCK_IMPLS = tuple(BLOCK_CLASSES)
@@ -108,7 +108,9 @@ class LanguageModel(nn.Module):
     """Token ids (B, N) -> mean next-token loss (with targets) or logits (B, N, vocab) (without).
 
     ``remat``: one policy for all layers or a list, one per layer (``fused_remat.planner`` makes
-    such a list for a memory budget). Weights start as GPT-2's: normal(0, 0.02), with the two
+    such a list for a memory budget in bytes); ``memory_budget``: a fraction f in [0, 1] instead,
+    every layer keeping at most f of what ``none`` keeps and choosing its point per call
+    (``TransformerBlock.memory_budget``). Weights start as GPT-2's: normal(0, 0.02), with the two
     projections that write into the residual stream scaled by 1/sqrt(2 x layers).
 
     ``context_parallel``: a process group over which every sequence is split (fused blocks only).
@@ -119,10 +121,12 @@ class LanguageModel(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, remat: Remat | str | Sequence[Remat | str] = Remat.CHEAP, *, block_impl: str = "fused",
-                 context_parallel=None, device=None, dtype=None):
+                 memory_budget: float | None = None, context_parallel=None, device=None, dtype=None):
         super().__init__()
         if context_parallel is not None and block_impl != "fused":
             raise ValueError(f"context_parallel needs block_impl='fused' (ring attention), got {block_impl!r}")
+        if memory_budget is not None and block_impl != "fused":
+            raise ValueError(f"memory_budget needs block_impl='fused' (the reference block keeps all or x), got {block_impl!r}")
         policies = resolve_policies(remat, config.n_layers, block_impl)
         self.config, self.block_impl = config, block_impl
         factory = dict(device=device, dtype=dtype)
@@ -139,6 +143,8 @@ class LanguageModel(nn.Module):
         self.context_parallel = context_parallel
         for block in self.blocks if context_parallel is not None else ():
             block.context_parallel = context_parallel
+        if memory_budget is not None:
+            self.memory_budget = memory_budget
         if device is None or torch.device(device).type != "meta":
             self.reset_parameters()
 
@@ -150,6 +156,21 @@ class LanguageModel(nn.Module):
         """Change the policies between steps (validated before any block changes)."""
         for block, policy in zip(self.blocks, resolve_policies(remat, self.config.n_layers, self.block_impl)):
             block.remat = policy
+
+    @property
+    def memory_budget(self) -> float | None:
+        """The fraction of ``none``'s bytes every layer keeps at most, each choosing its point per call
+        (``TransformerBlock.memory_budget``); None where the layers run their ``remat``."""
+        budgets = {getattr(block, "memory_budget", None) for block in self.blocks}
+        return budgets.pop() if len(budgets) == 1 else None
+
+    @memory_budget.setter
+    def memory_budget(self, fraction: float | None) -> None:
+        if self.block_impl != "fused":
+            raise ValueError(f"memory_budget needs block_impl='fused', got {self.block_impl!r}")
+        check_memory_budget(fraction, owner="memory_budget")
+        for block in self.blocks:
+            block.memory_budget = fraction
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

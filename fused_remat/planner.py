@@ -1,18 +1,19 @@
-"""The remat planner: which policy each layer runs so that activations fit a budget.
+"""The remat planner: what each layer keeps so that activations fit a budget.
 
-Per layer, the memory contract (``fused_remat.remat``, docs/design.md) gives the bytes each policy
-keeps for backward, and a cost model gives the extra compute each policy adds to the layer's
-training step: ``cheap`` rebuilds only element-wise intermediates inside kernels that run anyway
-(no extra matrix products), ``selective`` replays the projections up to fc1 around the kept
-attention results, ``full`` replays those and attention (a quarter to a third of the layer's step).
-Either the FLOP model below or timings measured on the device (``measure_policy_costs``) supply
-those costs.
+Per layer, the memory contract (``fused_remat.remat``, docs/design.md) gives the bytes each point
+keeps for backward, and a cost model gives the extra compute each adds to the layer's training
+step: ``cheap`` rebuilds only element-wise intermediates inside kernels that run anyway (no extra
+matrix products); every other point replays a projection for each product it did not keep and
+attention where it kept neither its output nor its log-sum-exp (``selective`` the projections up
+to fc1, ``full`` those and attention: a quarter to a third of the layer's step). Either the FLOP
+model below, which prices every keep-or-rebuild point (``remat.budget_points``), or timings
+measured on the device for the named policies (``measure_policy_costs``) supply those costs.
 
-The planner then picks, among all ways to give each layer a policy, the one with the least extra
-compute whose predicted bytes fit the budget: adaptive checkpoint selection. Chen et al.'s
-checkpoint-every-sqrt(n)-layers is the degenerate case with two choices per layer (keep everything
-or keep the input) and a budget fixed at about 2 sqrt(n) layers' worth; here every layer chooses
-between policies priced by measurement, under any budget.
+The planner then picks, among all ways to give each layer a point, the one with the least extra
+compute whose predicted bytes fit the budget: adaptive checkpoint selection, per layer and per
+tensor. Chen et al.'s checkpoint-every-sqrt(n)-layers is the degenerate case with two choices per
+layer (keep everything or keep the input) and a budget fixed at about 2 sqrt(n) layers' worth.
+The layers are identical, so only how many take each point matters (``_cheapest_mix``).
 
 ``offload`` keeps what ``full`` keeps in host memory instead: its device bytes are zero and its
 cost is ``full``'s plus whatever part of the copies does not hide behind compute. The block input
@@ -21,14 +22,14 @@ each copy (T x dim residual-dtype bytes over the host link) hides when it is sho
 compute. With equal cost the planner prefers the plan with fewer device bytes, so ``offload``
 replaces ``full`` wherever its copies hide. The host bytes are reported apart.
 
-It places the costliest layers (``offload``, ``full``, ``selective``) first (lowest indices):
-backward reaches them last, when the later layers' saved activations are already freed, so their
-replay does not add to the peak.
+It places the costliest layers (``offload``, ``full``, ...) first (lowest indices): backward
+reaches them last, when the later layers' saved activations are already freed, so their replay
+does not add to the peak.
 """
 
 from __future__ import annotations
 
-import itertools
+import math
 import time
 from dataclasses import dataclass
 
@@ -37,7 +38,7 @@ import torch
 from .block import TransformerBlock, block_widths
 from .flops import ATTENTION_BACKWARD_FACTOR, attention_flops, visible_pairs
 from .model import ModelConfig
-from .remat import Remat, kept_bytes_per_token
+from .remat import Remat, budget_points, kept_bytes_per_token, replay_flops_per_token, replay_norm_passes
 
 PLANNED_POLICIES = (Remat.CHEAP, Remat.SELECTIVE, Remat.FULL, Remat.OFFLOAD)
 _FP32 = 4
@@ -45,6 +46,7 @@ _FP32 = 4
 # Stated assumptions, used where nothing was measured (no GPU): not measurements.
 ASSUMED_HOST_BANDWIDTH = 25e9  # bytes/s each way over PCIe Gen4 x16 with pinned memory
 ASSUMED_DEVICE_FLOPS = 400e12  # bf16 FLOP/s an H100 sustains over a training step
+ASSUMED_DEVICE_BANDWIDTH = 3.0e12  # bytes/s an H100's HBM3 sustains in a streaming kernel
 
 
 @dataclass(frozen=True)
@@ -118,12 +120,13 @@ def _forward_parts(config: ModelConfig, batch: int, seq_len: int,
 
 def replay_flops(config: ModelConfig, batch: int, seq_len: int, policy: Remat,
                  attention_pairs: float | None = None) -> float:
-    """What ``policy``'s backward replays of one layer's forward: nothing, the projections up to
-    fc1, or those and attention."""
-    if not policy.replays:
-        return 0.0
-    projections, attention, _ = _forward_parts(config, batch, seq_len, attention_pairs)
-    return projections + (attention if policy.replays_attention else 0.0)
+    """What ``policy``'s backward replays of one layer's forward (``remat.replay_flops_per_token``:
+    a projection per rebuilt product, attention where its results are not kept), with attention
+    counted as ``_forward_parts`` counts it."""
+    _, attention, _ = _forward_parts(config, batch, seq_len, attention_pairs)
+    widths, tokens = _widths(config), batch * seq_len
+    pairs_per_token = attention / (4 * widths["attention"] * tokens)
+    return replay_flops_per_token(Remat.parse(policy, owner="policy"), widths, pairs_per_token) * tokens
 
 
 def offload_cost(full_cost: float, step_seconds: float, forward_seconds: float, copy_seconds: float) -> float:
@@ -143,15 +146,24 @@ def copy_seconds(config: ModelConfig, batch: int, seq_len: int, precision: Preci
 def flop_policy_costs(config: ModelConfig, batch: int, seq_len: int, precision: Precision | None = None,
                       host_bandwidth: float = ASSUMED_HOST_BANDWIDTH,
                       device_flops: float = ASSUMED_DEVICE_FLOPS,
-                      attention_pairs: float | None = None) -> dict[Remat, float]:
-    """Extra compute of each policy as a fraction of the layer's training step (FLOP model); for
+                      attention_pairs: float | None = None,
+                      device_bandwidth: float = ASSUMED_DEVICE_BANDWIDTH) -> dict[Remat, float]:
+    """Extra compute of each named policy and of every point a budget weighs
+    (``remat.budget_points``) as a fraction of the layer's training step (FLOP model; a norm
+    forward the replay runs again is priced by the bytes it streams at ``device_bandwidth``); for
     ``offload``, seconds from the FLOPs at ``device_flops`` against copies at ``host_bandwidth``
     (both assumptions unless measured; bf16 autocast over fp32 weights unless ``precision``).
     ``attention_pairs`` as in ``_forward_parts``: packed documents make attention, and so its
     replay, cheaper against the projections."""
     precision = Precision(torch.float32, torch.bfloat16) if precision is None else precision
     _, forward, step = layer_step_flops(config, batch, seq_len, attention_pairs)
-    costs = {policy: replay_flops(config, batch, seq_len, policy, attention_pairs) / step for policy in Remat}
+    # A norm forward the replay adds moves the tokens' x in and y out: no FLOPs, but time, priced at
+    # what the device computes while it streams those bytes
+    norm_pass = (batch * seq_len * config.dim * (precision.residual_bytes + precision.compute_bytes)
+                 * device_flops / device_bandwidth)
+    costs = {point: (replay_flops(config, batch, seq_len, point, attention_pairs)
+                     + replay_norm_passes(point) * norm_pass) / step
+             for point in (*Remat, *budget_points())}
     copy = copy_seconds(config, batch, seq_len, precision, host_bandwidth)
     costs[Remat.OFFLOAD] = offload_cost(costs[Remat.FULL], step / device_flops, forward / device_flops, copy)
     return costs
@@ -238,7 +250,7 @@ class RematPlan:
 
     def table(self) -> str:
         budget = "no budget" if self.budget is None else f"budget {_mib(self.budget)}"
-        width = max(len(policy) for policy in Remat)
+        width = max((len(policy) for policy in self.policies), default=6)
         lines = [
             f"remat plan for {self.tokens:,} tokens per step, {budget}; extra compute from the {self.cost_source}",
             f"{'layer':>6}  {'policy':<{width}} {'predicted':>12} {'host memory':>12} {'extra compute':>14}",
@@ -258,36 +270,61 @@ def _mib(nbytes: int) -> str:
 
 def plan_remat(config: ModelConfig, batch: int, seq_len: int, precision: Precision, budget: int | None,
                costs: dict[Remat, float] | None = None, cost_source: str = "FLOP model",
-               candidates: tuple[Remat, ...] = PLANNED_POLICIES, owner: str = "budget",
+               candidates: tuple[Remat, ...] | None = None, owner: str = "budget",
                attention_pairs: float | None = None) -> RematPlan:
-    """The per-layer policies with the least extra compute whose predicted activation bytes (layers
+    """The per-layer points with the least extra compute whose predicted activation bytes (layers
     plus the embedding, final norm and loss) stay within ``budget``; ``budget=None`` plans the
-    cheapest policies outright. Raises ValueError naming ``owner`` (the budget's argument or flag)
-    when even the smallest plan does not fit. ``attention_pairs``: see ``flop_policy_costs``."""
+    cheapest points outright. ``candidates`` (default: every point ``costs`` prices, which the FLOP
+    model does for each tensor's keep-or-rebuild, measured costs for the named policies) are what
+    a layer may take. Raises ValueError naming ``owner`` (the budget's argument or flag) when even
+    the smallest plan does not fit. ``attention_pairs``: see ``flop_policy_costs``."""
     tokens = batch * seq_len
     if costs is None:
         costs = flop_policy_costs(config, batch, seq_len, precision, attention_pairs=attention_pairs)
+    candidates = tuple(costs) if candidates is None else tuple(Remat.parse(p, owner="candidates") for p in candidates)
     per_layer = {p: layer_bytes_per_token(config, p, precision) * tokens for p in candidates}
     fixed = head_bytes(config, tokens, precision)
-    layers = config.n_layers
-    best = None
-    # Identical layers: only how many layers take each policy matters, not which.
-    for counts in _compositions(layers, len(candidates)):
-        nbytes = fixed + sum(n * per_layer[p] for n, p in zip(counts, candidates))
-        extra = sum(n * costs[p] for n, p in zip(counts, candidates))
-        if budget is not None and nbytes > budget:
-            continue
-        key = (extra, nbytes)
-        if best is None or key < best[0]:
-            best = (key, counts)
-    if best is None:
-        smallest = fixed + layers * min(per_layer.values())
+    counts = _cheapest_mix(config.n_layers, {p: (per_layer[p], costs[p]) for p in candidates},
+                           None if budget is None else budget - fixed)
+    if counts is None:
+        smallest = fixed + config.n_layers * min(per_layer.values())
         raise ValueError(f"{owner}: {_mib(budget)} is below the smallest plan's {_mib(smallest)} "
-                         f"({tokens:,} tokens, {layers} layers); shorten the sequences or the batch")
-    # Most expensive policy first (``offload`` and ``full`` on the earliest layers), as the module docstring explains.
-    order = sorted(zip(candidates, best[1]), key=lambda item: -costs[item[0]])
+                         f"({tokens:,} tokens, {config.n_layers} layers); shorten the sequences or the batch")
+    # Most expensive point first (``offload`` and ``full`` on the earliest layers), as the module docstring explains.
+    order = sorted(counts.items(), key=lambda item: (-costs[item[0]], -per_layer[item[0]]))
     policies = [p for p, n in order for _ in range(n)]
     return explain_policies(config, batch, seq_len, precision, policies, costs, cost_source, budget, attention_pairs)
+
+
+def _cheapest_mix(layers: int, options: dict[Remat, tuple[int, float]], budget: int | None) -> dict[Remat, int] | None:
+    """How many of ``layers`` identical layers take each option (bytes, cost) for the least total
+    cost (then the fewest bytes) within ``budget`` bytes, or None if nothing fits. Dynamic
+    programming over layers that keeps, per layer count, only the mixes no other mix beats on both
+    bytes and cost: exact, and small where a brute force over options ** layers is not."""
+    mixes = [(0, 0.0, {})]  # (bytes, cost, counts), cheapest first within each byte total
+    for _ in range(layers):
+        grown = {}
+        for nbytes, cost, counts in mixes:
+            for point, (more_bytes, more_cost) in options.items():
+                total = nbytes + more_bytes
+                if budget is not None and total > budget:
+                    continue
+                key = (total, _rounded(cost + more_cost))
+                if key not in grown:
+                    grown[key] = (total, cost + more_cost, {**counts, point: counts.get(point, 0) + 1})
+        mixes, cheapest = [], math.inf
+        for key in sorted(grown):  # by bytes, then cost: keep a mix only if it is cheaper than every smaller one
+            if key[1] < cheapest:
+                mixes.append(grown[key])
+                cheapest = key[1]
+    if not mixes:
+        return None
+    return min(mixes, key=lambda mix: (_rounded(mix[1]), mix[0]))[2]
+
+
+def _rounded(cost: float) -> float:
+    """Costs summed in another order differ in the last bits; plans that equal should tie."""
+    return round(cost, 12)
 
 
 def explain_policies(config: ModelConfig, batch: int, seq_len: int, precision: Precision, policies: list[Remat],
@@ -306,11 +343,3 @@ def explain_policies(config: ModelConfig, batch: int, seq_len: int, precision: P
         fixed_bytes=head_bytes(config, tokens, precision), layer_extra=[costs[p] for p in policies], step_flops=step,
         layer_step_flops=layer_flops, budget=budget, cost_source=cost_source, tokens=tokens,
     )
-
-
-def _compositions(total: int, parts: int):
-    """Every tuple of ``parts`` non-negative ints summing to ``total``."""
-    for cuts in itertools.combinations_with_replacement(range(total + 1), parts - 1):
-        bounds = (0, *cuts, total)
-        yield tuple(bounds[i + 1] - bounds[i] for i in range(parts))
-

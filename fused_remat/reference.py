@@ -330,6 +330,10 @@ class TransformerBlock(nn.Module):
     def remat(self, policy: Remat | str) -> None:
         self._remat = Remat.parse(policy, self.SUPPORTED_REMAT, owner=f"{type(self).__name__}: remat")
 
+    def _call_remat(self, x: torch.Tensor, max_seqlen: int) -> Remat:
+        """The point this call of the block runs (the fused block may choose one per call)."""
+        return self.remat
+
     def _make_norm(self, bias: bool, factory: dict) -> nn.Module:
         if self.norm == "rmsnorm":
             return nn.RMSNorm(self.dim, eps=self.eps, **factory)
@@ -346,7 +350,7 @@ class TransformerBlock(nn.Module):
         ``adapters``: LowRankAdapter (LoRA) terms added to the linear layers' outputs."""
         max_seqlen = self._check_sequences(x, cu_seqlens, max_seqlen, position_ids, rope_inv_freq)
         adapters = check_adapters("TransformerBlock", adapters, {name: getattr(self, name) for name in LINEARS})
-        if self.remat.replays and torch.is_grad_enabled():
+        if self._call_remat(x, max_seqlen).replays and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(self._eager, x, cu_seqlens, max_seqlen, position_ids,
                                                      rope_inv_freq, adapters, use_reentrant=False)
         return self._eager(x, cu_seqlens, max_seqlen, position_ids, rope_inv_freq, adapters)

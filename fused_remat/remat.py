@@ -1,10 +1,10 @@
 """The remat setting: what a block keeps for backward, and how backward gets the rest back.
 
-One type, ``Remat``, one member per policy. A string becomes a ``Remat`` once, where it enters
-(``Remat.parse``: the block's constructor and ``remat`` setter, the model, the training command
-line, the Hugging Face entry point); everything below takes the member and asks it:
+One type, ``Remat``: a point of the keep-or-rebuild space. Every tensor of the memory contract
+(``KEPT_FOR_BACKWARD``) is either kept by the forward or rebuilt in backward from what is kept; a
+``Remat`` says which. Five points have names:
 
-    policy     keeps for backward                                  replays                   kept input in
+    policy     keeps for backward                                  rebuilds by replay        kept input in
     none       x, y1, qkv, o, lse, h, y2, u, a, norm statistics    nothing                   device memory
     cheap      x, qkv, o, lse, h, u, norm statistics (default)     nothing                   device memory
     selective  x, o, lse                                           projections               device memory
@@ -12,22 +12,34 @@ line, the Hugging Face entry point); everything below takes the member and asks 
     offload    x                                                   projections, attention    pinned host memory
 
 (y1, y2: the norm outputs; u: fc1's output, the activation's input; a: the activation output.)
-``cheap`` rebuilds y1, y2 and a inside the backward kernels that need them; ``full`` replays the
-forward from x up to fc1 at the start of backward; ``offload`` is ``full`` whose x waits in host
-memory (``fused_remat.offload``). ``selective`` keeps attention's output and log-sum-exp, as
-torchtitan's selective activation checkpointing keeps SDPA's, and replays only the norms,
-projections and RoPE around it: at long sequences attention is most of the forward, and its
-results cost dim + heads values per token. The custom operators take the policy by name (an
-operator's schema takes strings, not Python types) and turn it back into the member at once.
+Any other subset is spelled ``"keep:"`` and the names it keeps besides x (``"keep:o,lse,h"``),
+``Remat.keeping`` builds one, and a subset that is a named policy's is that policy. A string
+becomes a ``Remat`` once, where it enters (``Remat.parse``: the block's constructor and ``remat``
+setter, the model, the training command line, the Hugging Face entry point); everything below takes
+the point and asks it.
 
-``KEPT_FOR_BACKWARD`` is the memory contract of docs/design.md, the one place it is written: the
-block's forward saves exactly the tensors its policy keeps, in this order, and the planner prices
-each policy from the same table.
+What is not kept comes back two ways. The norm and activation outputs (y1, y2, a) are rebuilt
+inside the backward kernels that need them, at no extra pass. The rest is replayed at the start of
+backward from what is kept, running only what is missing (``replays``): norm 1 and the qkv
+projection and RoPE for qkv, attention for its output and log-sum-exp, the output projection and
+the second norm's residual add for h, norm 2 and fc1 for u, a norm's forward for its statistics.
+The same kernels on the same inputs give bitwise the same tensors, so every point computes the same
+gradients. q, k and v (and SwiGLU's gate and up) are one choice each, not three (two): a product
+with part of a weight's rows is not bitwise that part of the whole product (the matmul library
+picks its kernel by shape).
+
+``memory_budget`` picks a point per call: the one with the least replay FLOPs whose bytes are at
+most a fraction of what ``none`` keeps (``within_budget``), priced for the call's sequence length
+(attention's replay grows with it, the projections' do not). ``KEPT_FOR_BACKWARD`` is the memory
+contract of docs/design.md, the one place it is written: the block's forward saves exactly the
+tensors its point keeps, in this order, and the planner prices each point from the same table.
 """
 
 from __future__ import annotations
 
-import enum
+import itertools
+import math
+import numbers
 from dataclasses import dataclass
 
 RESIDUAL, COMPUTE, FP32 = "residual", "compute", "fp32"
@@ -59,64 +71,151 @@ KEPT_FOR_BACKWARD = (
     Kept("y2", "dim", COMPUTE),
     Kept("a", "ffn", COMPUTE),
 )
-_OUTPUTS = ("y1", "y2", "a")  # what cheap rebuilds inside the backward kernels
-_INPUT_ONLY = ("x",)
+_OUTPUTS = ("y1", "y2", "a")  # rebuilt inside the backward kernels that need them
 _ATTENTION = ("o", "lse")  # attention's results: what a replay needs to skip attention
+# Tensors that are kept or rebuilt together: attention writes its output and log-sum-exp at once,
+# a norm its two statistics (mean is empty for RMSNorm).
+_TOGETHER = (_ATTENTION, ("mean1", "rstd1"), ("mean2", "rstd2"))
+# What a replay rebuilds; keeping all of it means backward replays nothing.
+_REPLAYABLE = tuple(k.name for k in KEPT_FOR_BACKWARD if k.name != "x" and k.name not in _OUTPUTS)
+KEEP_PREFIX = "keep:"
+# Every unnamed point made so far, by name: one object per point, so that code traced by
+# torch.compile finds the points a budget weighs already made (dynamo cannot trace making one).
+_MADE: dict = {}
+_BUDGET_POINTS: list = []
 
 
-class Remat(str, enum.Enum):
-    """A remat policy. A ``str`` (``Remat.CHEAP == "cheap"``), so it prints, compares and serializes
-    as its name; ``keeps`` (names of ``KEPT_FOR_BACKWARD``), ``replays`` (the forward up to fc1 runs
-    again from x at the start of backward, for what is not kept) and ``host_resident`` say what it
-    does."""
+class _Points(type):
+    """Iterating ``Remat`` gives its named points (the policies), in the order of the table above."""
+
+    def __iter__(cls):
+        return iter(cls._NAMED.values())
+
+    def __len__(cls) -> int:
+        return len(cls._NAMED)
+
+
+class Remat(str, metaclass=_Points):
+    """A point of the keep-or-rebuild space: which tensors of ``KEPT_FOR_BACKWARD`` the forward
+    keeps (``keeps``, always x) and whether x waits in host memory (``host_resident``). A ``str``
+    (``Remat.CHEAP == "cheap"``, ``Remat.keeping({"o", "lse", "h"}) == "keep:o,lse,h"``), so it
+    prints, compares and serializes as its name; ``Remat(name)`` turns the name back."""
 
     keeps: frozenset[str]
-    replays: bool
     host_resident: bool
+    _NAMED: dict[str, Remat] = {}
 
-    NONE = ("none", tuple(k.name for k in KEPT_FOR_BACKWARD), False, False)
-    CHEAP = ("cheap", tuple(k.name for k in KEPT_FOR_BACKWARD if k.name not in _OUTPUTS), False, False)
-    SELECTIVE = ("selective", (*_INPUT_ONLY, *_ATTENTION), True, False)
-    FULL = ("full", _INPUT_ONLY, True, False)
-    OFFLOAD = ("offload", _INPUT_ONLY, True, True)
+    NONE: Remat
+    CHEAP: Remat
+    SELECTIVE: Remat
+    FULL: Remat
+    OFFLOAD: Remat
 
-    def __new__(cls, name: str, keeps: tuple[str, ...], replays: bool, host_resident: bool):
-        member = str.__new__(cls, name)
-        member._value_ = name
-        member.keeps, member.replays, member.host_resident = frozenset(keeps), replays, host_resident
-        return member
+    def __new__(cls, value) -> Remat:
+        if isinstance(value, Remat):
+            return value
+        if not isinstance(value, str):
+            raise TypeError(f"a remat point is a name, got {type(value).__name__}")
+        if value in cls._NAMED:
+            return cls._NAMED[value]
+        if value.startswith(KEEP_PREFIX):
+            names = value[len(KEEP_PREFIX):]
+            return cls.keeping(names.split(",") if names else ())
+        raise ValueError(f"{value!r} is neither a remat policy ({', '.join(cls._NAMED)}) nor a "
+                         f"{KEEP_PREFIX!r} list of kept tensors")
+
+    @classmethod
+    def _point(cls, name: str, keeps, host_resident: bool = False) -> Remat:
+        point = str.__new__(cls, name)
+        point.keeps, point.host_resident = frozenset(("x", *keeps)), host_resident
+        return point
+
+    @classmethod
+    def keeping(cls, names) -> Remat:
+        """The point that keeps x and ``names`` (tensors of ``KEPT_FOR_BACKWARD``) in device memory:
+        a named policy where one keeps exactly these."""
+        known = [k.name for k in KEPT_FOR_BACKWARD]
+        names = set(names) - {"x"}
+        unknown = sorted(names - set(known))
+        if unknown:
+            raise ValueError(f"unknown kept tensor(s) {', '.join(unknown)}; choose among {', '.join(known[1:])}")
+        for group in _TOGETHER:
+            if 0 < len(names & set(group)) < len(group):
+                raise ValueError(f"{' and '.join(group)} are kept or rebuilt together, got only "
+                                 f"{', '.join(sorted(names & set(group)))}")
+        for named in cls._NAMED.values():
+            if not named.host_resident and named.keeps == names | {"x"}:
+                return named
+        name = KEEP_PREFIX + ",".join(name for name in known if name in names)
+        if name not in _MADE:
+            _MADE[name] = cls._point(name, names)
+        return _MADE[name]
+
+    def __reduce__(self):
+        return Remat, (str(self),)
 
     __str__ = str.__str__
     __format__ = str.__format__
 
     def __repr__(self) -> str:
-        return repr(self.value)
+        return repr(str(self))
+
+    @property
+    def value(self) -> str:
+        return str(self)
+
+    @property
+    def replays(self) -> bool:
+        """Whether backward first replays part of the forward from what is kept (anything but the
+        norm and activation outputs is missing)."""
+        return not self.keeps.issuperset(_REPLAYABLE)
 
     @property
     def replays_attention(self) -> bool:
         """Whether the replay runs attention's forward again (it keeps neither o nor lse)."""
-        return self.replays and not self.keeps.issuperset(_ATTENTION)
+        return not self.keeps.issuperset(_ATTENTION)
 
     @property
     def rebuilds_outputs(self) -> bool:
-        """Whether the norm and activation outputs are left for the backward kernels to rebuild
-        (kept otherwise): the one kernel-facing flag, ``rebuild_output`` in the launchers and
-        operators and ``REBUILD_OUTPUT`` in the kernels."""
+        """Whether any norm or activation output is left for its backward kernel to rebuild (the
+        kernel-facing flag, ``rebuild_output`` in the launchers and ``REBUILD_OUTPUT`` in the
+        kernels, is per output: ``rebuilds``)."""
         return not self.keeps.issuperset(_OUTPUTS)
 
+    def rebuilds(self, name: str) -> bool:
+        """Whether the tensor ``name`` of ``KEPT_FOR_BACKWARD`` is rebuilt in backward (not kept)."""
+        return name not in self.keeps
+
     def kept(self) -> tuple[Kept, ...]:
-        """What this policy keeps for backward, in ``KEPT_FOR_BACKWARD``'s order."""
+        """What this point keeps for backward, in ``KEPT_FOR_BACKWARD``'s order."""
         return tuple(k for k in KEPT_FOR_BACKWARD if k.name in self.keeps)
 
     @classmethod
     def parse(cls, value, supported: tuple[Remat, ...] | None = None, *, owner: str = "remat") -> Remat:
-        """``value`` (a policy's name or a member) as a member of ``supported`` (default: all);
-        otherwise a ValueError that names ``owner`` (the argument or flag) and the choices."""
-        choices = tuple(cls) if supported is None else supported
-        if isinstance(value, str) and value in choices:
-            return cls(value)
-        names = ", ".join(choice.value for choice in choices)
-        raise ValueError(f"{owner} must be one of {names}, got {value!r}")
+        """``value`` (a policy's name, a ``"keep:..."`` list or a point) as a point, one of
+        ``supported`` where given (default: any); otherwise a ValueError that names ``owner`` (the
+        argument or flag) and the choices."""
+        names = ", ".join(choice.value for choice in (tuple(cls) if supported is None else supported))
+        try:
+            point = cls(value)
+        except (TypeError, ValueError) as error:
+            if isinstance(value, str) and value.startswith(KEEP_PREFIX):
+                raise ValueError(f"{owner} {value!r}: {error}") from None
+            point = None
+        if point is None or (supported is not None and point not in supported):
+            subsets = "" if supported is not None else f", or {KEEP_PREFIX!r} and the tensors to keep besides x"
+            raise ValueError(f"{owner} must be one of {names}{subsets}, got {value!r}")
+        return point
+
+
+Remat._NAMED = {point: point for point in (
+    Remat._point("none", (k.name for k in KEPT_FOR_BACKWARD)),
+    Remat._point("cheap", _REPLAYABLE),
+    Remat._point("selective", _ATTENTION),
+    Remat._point("full", ()),
+    Remat._point("offload", (), host_resident=True),
+)}
+Remat.NONE, Remat.CHEAP, Remat.SELECTIVE, Remat.FULL, Remat.OFFLOAD = Remat._NAMED.values()
 
 
 def parse_per_layer(value, n_layers: int, supported: tuple[Remat, ...] | None = None, *,
@@ -144,3 +243,71 @@ def kept_bytes_per_token(policy: Remat, widths: dict[str, int], residual_bytes: 
         return 0
     size = {RESIDUAL: residual_bytes, COMPUTE: compute_bytes, FP32: 4}
     return sum(widths[k.width_key] * size[k.dtype] for k in policy.kept())
+
+
+def replay_flops_per_token(point: Remat, widths: dict[str, int], attention_pairs_per_token: float) -> float:
+    """Matrix-product FLOPs per token that ``point``'s replay runs, from ``widths``
+    (``block_widths``): the qkv projection for qkv, attention's forward for its output and
+    log-sum-exp (4 D per visible (query, key) pair and head; ``attention_pairs_per_token``: the
+    visible keys per query, which grow with the sequence), the output projection for h, fc1 for u.
+    Norms, RoPE and activations are element-wise and not counted (``replay_norm_passes``); nor are
+    low-rank adapters."""
+    point = Remat.parse(point, owner="point")
+    dim = widths["dim"]
+    parts = {"qkv": 2 * dim * widths["qkv"], "o": 4 * widths["attention"] * attention_pairs_per_token,
+             "h": 2 * widths["attention"] * dim, "u": 2 * dim * widths["pre_activation"]}
+    return float(sum(flops for name, flops in parts.items() if point.rebuilds(name)))
+
+
+def replay_norm_passes(point: Remat) -> int:
+    """Norm forwards the replay runs: norm 1 for qkv or norm 1's statistics, norm 2 for h, u or
+    norm 2's statistics (each reads the tokens once more, which matters where no product does)."""
+    first = point.rebuilds("qkv") or point.rebuilds("rstd1")
+    second = any(point.rebuilds(name) for name in ("h", "u", "rstd2"))
+    return int(first) + int(second)
+
+
+# What a budget weighs, one choice each: the norm and activation outputs are never worth their bytes
+# (their backward kernels rebuild them without an extra pass), so no budget keeps them.
+_BUDGET_CHOICES = (("qkv",), _ATTENTION, ("h",), ("u",), ("mean1", "rstd1"), ("mean2", "rstd2"))
+
+
+def budget_points() -> tuple[Remat, ...]:
+    """Every device point a memory budget chooses among (the named ones with device-resident x,
+    but ``none``, among them). Made on the first call and kept: a block given a budget calls this
+    when the budget is set, so that a compiled forward only reads them."""
+    if not _BUDGET_POINTS:
+        _BUDGET_POINTS.extend(
+            Remat.keeping(name for group, keep in zip(_BUDGET_CHOICES, chosen) if keep for name in group)
+            for chosen in itertools.product((False, True), repeat=len(_BUDGET_CHOICES)))
+    return tuple(_BUDGET_POINTS)
+
+
+def within_budget(fraction: float, widths: dict[str, int], residual_bytes: int, compute_bytes: int,
+                  attention_pairs_per_token: float) -> Remat:
+    """The point that keeps at most ``fraction`` of what ``none`` keeps per token with the least
+    replay FLOPs (then the fewest norm passes, then the fewest bytes), torch.compile's
+    ``activation_memory_budget`` in our terms: 1 gives ``cheap`` (no replay), and a fraction below
+    x's share, which every device point keeps, gives ``offload`` (x in host memory)."""
+    limit = fraction * kept_bytes_per_token(Remat.NONE, widths, residual_bytes, compute_bytes)
+    best = None
+    for point in budget_points():
+        nbytes = kept_bytes_per_token(point, widths, residual_bytes, compute_bytes)
+        if nbytes > limit:
+            continue
+        key = (replay_flops_per_token(point, widths, attention_pairs_per_token), replay_norm_passes(point), nbytes)
+        if best is None or key < best[0]:
+            best = (key, point)
+    return Remat.OFFLOAD if best is None else best[1]
+
+
+def check_memory_budget(value, owner: str = "memory_budget") -> float | None:
+    """``value`` as a fraction in [0, 1] (None: no budget); otherwise an error naming ``owner``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{owner} must be a number in [0, 1] (a fraction of what remat='none' keeps), "
+                        f"got {type(value).__name__}")
+    if not math.isfinite(value) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{owner} must be in [0, 1] (a fraction of what remat='none' keeps), got {value}")
+    return float(value)

@@ -14,14 +14,15 @@ from fused_remat import custom_ops
 from fused_remat.block import block_widths
 from fused_remat.memory import saved_memory
 from fused_remat.model import LanguageModel, ModelConfig
-from fused_remat.remat import Remat, kept_bytes_per_token
+from fused_remat.flops import visible_pairs
+from fused_remat.remat import Remat, kept_bytes_per_token, within_budget
 
 DIM, HEADS, KV_HEADS, FFN = 32, 4, 2, 48
 
 
-def _block(device, remat="cheap"):
+def _block(device, remat="cheap", **kwargs):
     return fused_remat.TransformerBlock(DIM, HEADS, n_kv_heads=KV_HEADS, ffn_dim=FFN, norm="rmsnorm",
-                                        activation="swiglu", rope_theta=10000.0, remat=remat, device=device)
+                                        activation="swiglu", rope_theta=10000.0, remat=remat, device=device, **kwargs)
 
 
 def _leaves(device, *shapes):
@@ -78,15 +79,20 @@ def test_ops_compile_without_graph_breaks_and_match_eager(name, device, triton_b
     _assert_same(_run(fn, inputs), _run(torch.compile(fn, fullgraph=True), inputs))
 
 
-# An offloaded block runs eagerly under compile, by design (tests/test_offload.py).
-@pytest.mark.parametrize("remat", [p for p in Remat if not p.host_resident])
+# An offloaded block runs eagerly under compile, by design (tests/test_offload.py). A memory budget
+# chooses its point while the forward is traced.
+@pytest.mark.parametrize("remat", [*(p for p in Remat if not p.host_resident), "keep:o,lse,h", 0.3])
 def test_block_compiles_whole_and_keeps_its_policy(remat, device, triton_backend):
-    block = _block(device, remat)
+    block = _block(device, **({"memory_budget": remat} if isinstance(remat, float) else {"remat": remat}))
     compiled = torch.compile(block, fullgraph=True)
     x = torch.randn(2, 9, DIM, device=device, requires_grad=True)
     assert torch._dynamo.explain(block)(x).graph_break_count == 0
     _assert_same(_run(block, [x]), _run(compiled, [x]))
     widths = block_widths(DIM, HEADS, KV_HEADS, FFN, "rmsnorm", "swiglu")
+    if isinstance(remat, float):  # the point for this test's lengths (8 and 20: the same one)
+        remat = within_budget(remat, widths, 4, 4, visible_pairs(8, 8, True) / 8)
+        assert remat == within_budget(block.memory_budget, widths, 4, 4, visible_pairs(20, 20, True) / 20)
+        assert remat not in tuple(Remat), "a point the named policies do not cover"
     expected = kept_bytes_per_token(remat, widths, residual_bytes=4, compute_bytes=4)
     for fn in (block, compiled):
         per_length = []

@@ -16,6 +16,7 @@ from fused_remat.integrations.huggingface import (  # noqa: E402
     apply_fused_remat,
     revert_fused_remat,
 )
+from fused_remat.memory import saved_memory  # noqa: E402
 from numerics import assert_error_rule  # noqa: E402
 
 VOCAB, SEQ = 64, 12
@@ -120,6 +121,32 @@ def test_gradient_checkpointing_switch_maps_onto_remat():
         assert model.is_gradient_checkpointing
         model.gradient_checkpointing_disable()
     assert [layer.remat for layer in model.model.layers] == ["none", "none"]
+
+
+def test_a_memory_budget_reaches_every_layer_and_changes_no_gradient(triton_backend):
+    """``memory_budget`` as torch.compile spells it: each fused layer keeps at most that fraction of
+    what remat='none' keeps, and the gradients are bitwise those of remat='cheap'; gradient
+    checkpointing sets it aside and gives it back."""
+    reference = _model("llama")
+    ids = _tokens()
+    budgeted = apply_fused_remat(copy.deepcopy(reference), memory_budget=0.2)
+    cheap = apply_fused_remat(copy.deepcopy(reference))
+    assert [layer.memory_budget for layer in budgeted.model.layers] == [0.2, 0.2]
+    with saved_memory() as kept_budgeted:
+        budgeted_logits, budgeted_grads = _loss_and_grads(budgeted, ids)
+    with saved_memory() as kept_cheap:
+        cheap_logits, cheap_grads = _loss_and_grads(cheap, ids)
+    assert kept_budgeted.bytes < kept_cheap.bytes
+    assert torch.equal(budgeted_logits, cheap_logits)
+    assert all(torch.equal(budgeted_grads[name], cheap_grads[name]) for name in cheap_grads)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        budgeted.gradient_checkpointing_enable()
+        assert [(layer.remat, layer.memory_budget) for layer in budgeted.model.layers] == [("full", None)] * 2
+        budgeted.gradient_checkpointing_disable()
+    assert [layer.memory_budget for layer in budgeted.model.layers] == [0.2, 0.2]
+    with pytest.raises(ValueError, match=r"apply_fused_remat: memory_budget must be in \[0, 1\]"):
+        apply_fused_remat(_model("llama"), memory_budget=2.0)
 
 
 def test_an_all_ones_mask_and_explicit_positions_are_fine(triton_backend):

@@ -57,8 +57,15 @@ def test_blocks_and_models_hold_members_whatever_they_were_given():
     assert block.remat is Remat.FULL
     block.remat = "offload"
     assert block.remat is Remat.OFFLOAD
-    with pytest.raises(ValueError, match="^TransformerBlock: remat must be one of none, cheap, selective, full, offload, got 'x'$"):
+    with pytest.raises(ValueError, match="^TransformerBlock: remat must be one of none, cheap, selective, full, offload, "
+                       "or 'keep:' and the tensors to keep besides x, got 'x'$"):
         block.remat = "x"
+    with pytest.raises(ValueError, match="^TransformerBlock: remat 'keep:o': o and lse are kept or rebuilt together"):
+        block.remat = "keep:o"
+    with pytest.raises(ValueError, match="^TransformerBlock: remat 'keep:q,v': unknown kept tensor.s. q, v; choose among"):
+        block.remat = "keep:q,v"
+    with pytest.raises(ValueError, match="^TransformerBlock: remat must be one of none, full, got 'keep:h'$"):
+        reference.TransformerBlock(16, 2).remat = "keep:h"
     assert block.remat is Remat.OFFLOAD, "a refused setting leaves the block as it was"
     assert reference.TransformerBlock(16, 2).remat is Remat.NONE
     model = LanguageModel(ModelConfig(dim=16, n_layers=3, n_heads=2), "full,cheap,none")

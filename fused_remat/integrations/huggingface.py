@@ -79,7 +79,8 @@ but the hidden states, and only without RoPE (GPT-2): RoPE's frequencies come fr
 
 Checkpointing. ``model.gradient_checkpointing_enable()`` (or ``activation_checkpointing_enable``)
 sets every fused layer to ``remat="full"`` (keeps only the layer input; ``every_n_layers`` is not
-honoured: every layer goes full), and disabling sets them back to the ``remat`` given here. The
+honoured: every layer goes full, and a ``memory_budget`` is set aside), and disabling sets them back
+to the ``remat`` and ``memory_budget`` given here. The
 Hugging Face checkpoint wrapper never runs around a fused layer.
 
 Whole-model operations: ``copy.deepcopy`` gives an independent patched model, ``torch.save(model)``
@@ -104,7 +105,7 @@ from transformers.pytorch_utils import Conv1D
 import fused_remat
 from fused_remat import TransformerBlock, reference
 from fused_remat.reference import LowRankAdapter
-from fused_remat.remat import Remat
+from fused_remat.remat import Remat, check_memory_budget
 
 __all__ = ["FusedDecoderLayer", "UnsupportedByFusedBlock", "apply_fused_remat", "revert_fused_remat"]
 
@@ -636,13 +637,13 @@ class FusedDecoderLayer(TransformerBlock):
     """
 
     def __init__(self, original: nn.Module, layer_idx: int, config, architecture: _Architecture, remat: Remat,
-                 base: nn.Module):
+                 base: nn.Module, memory_budget: float | None = None):
         kwargs, dropout = architecture.block(config, layer_idx, base)
         state, layout = _pack(original, architecture.parts)
         param = state["qkv.weight"]
         bias = any(n.endswith(".bias") for n in state)
-        super().__init__(kwargs.pop("dim"), kwargs.pop("n_heads"), bias=bias, remat=remat, device="meta",
-                         dtype=param.dtype, **kwargs)
+        super().__init__(kwargs.pop("dim"), kwargs.pop("n_heads"), bias=bias, remat=remat, memory_budget=memory_budget,
+                         device="meta", dtype=param.dtype, **kwargs)
         for name in _LINEAR_PARTS:
             linear = getattr(self, name)
             setattr(self, name, _Packed(linear.in_features, linear.out_features, bias))
@@ -661,7 +662,7 @@ class FusedDecoderLayer(TransformerBlock):
         self._dropout = dropout
         self._signature = inspect.signature(type(original).forward)
         self._returns_tuple = _returns_tuple(self._signature, type(original))
-        self._policy, self._checkpointing = remat, False
+        self._policy, self._budget, self._checkpointing = remat, memory_budget, False
         self.train(original.training)
         for name, value in vars(original).items():  # plain attributes the model reads (Qwen2's attention_type)
             if not name.startswith("_") and isinstance(value, (str, int, float)) and not hasattr(self, name):
@@ -707,6 +708,7 @@ class FusedDecoderLayer(TransformerBlock):
     def gradient_checkpointing(self, enable: bool) -> None:
         self._checkpointing = bool(enable)
         self.remat = Remat.FULL if enable else self._policy
+        self.memory_budget = None if enable else self._budget
 
     def forward(self, hidden_states, *args, **kwargs):
         call = kwargs.pop(_LAYER_CALL, None)
@@ -1018,16 +1020,19 @@ class _Patch:
     model_forward: object  # the model's instance-level forward before patching, or None (the base model patched itself)
 
 
-def apply_fused_remat(model: nn.Module, remat: Remat | str = Remat.CHEAP) -> nn.Module:
+def apply_fused_remat(model: nn.Module, remat: Remat | str = Remat.CHEAP, *, memory_budget: float | None = None) -> nn.Module:
     """Swaps every decoder layer of a Hugging Face causal LM, in place, for a ``FusedDecoderLayer``
-    (a ``fused_remat.TransformerBlock`` with ``remat``) holding the same weights, packed, and the base
+    (a ``fused_remat.TransformerBlock`` with ``remat``, or with ``memory_budget``: a fraction of what
+    ``remat="none"`` keeps, each layer choosing its point per call) holding the same weights, packed, and the base
     model's forward for fused_remat's. Returns ``model``. Raises ``UnsupportedByFusedBlock`` for
     configurations the block cannot compute exactly (see the module docstring), leaving the model as
     it was: every layer is checked before any changes. The causal LM's forward refuses labels read
     from a padding position (_check_labels). Build the optimizer afterwards."""
     remat = Remat.parse(remat, owner="apply_fused_remat: remat")
+    memory_budget = check_memory_budget(memory_budget, owner="apply_fused_remat: memory_budget")
     if type(model).__module__.startswith("peft") and hasattr(model, "get_base_model"):
-        apply_fused_remat(model.get_base_model(), remat)  # a PeftModel: its LoRA layers move into the fused ones
+        # a PeftModel: its LoRA layers move into the fused ones
+        apply_fused_remat(model.get_base_model(), remat, memory_budget=memory_budget)
         return model
     if getattr(model, "_fused_remat_patch", None) is not None:
         raise ValueError("apply_fused_remat: the model is already patched")
@@ -1047,7 +1052,7 @@ def apply_fused_remat(model: nn.Module, remat: Remat | str = Remat.CHEAP) -> nn.
     swapped = 0
     try:
         for index in range(len(layers)):
-            fused = FusedDecoderLayer(layers[index], index, config, architecture, remat, base)
+            fused = FusedDecoderLayer(layers[index], index, config, architecture, remat, base, memory_budget)
             layers[index] = fused  # drops the Hugging Face layer: its unpacked weights go with it
             fused.gradient_checkpointing = checkpointing
             swapped += 1
