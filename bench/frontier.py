@@ -1,6 +1,6 @@
 """`python -m bench frontier`: torch.compile's memory/recompute frontier beside ours, for one layer.
 
-    python -m bench frontier                         # N = 256 and 4096, budgets 1.0 0.75 0.5 0.3 0.1
+    python -m bench frontier                         # N = 256, 1024 and 4096, budgets 1.0 0.75 0.5 0.3 0.1
     python -m bench frontier --fine                  # budgets 1.0, 0.95, ..., 0.05
     python -m bench frontier --seq-lens 64 --out DIR # a quick run (the test's)
 
@@ -27,11 +27,13 @@ identical bytes at every budget) and, unlike inductor's kernels, lets the FLOPs 
 its own FLOPs under ``FlopCounterMode`` as it runs. ``--partitioner aot_eager`` skips the
 decompositions (what ``backend="aot_eager"`` does).
 
-Our curve: ``fused_remat.TransformerBlock``'s named policies ``none, cheap, selective, full``. The
-bytes come from the meter on a short sequence (``OUR_METER_TOKENS``; what the block keeps is per
-token, whatever N), through the Triton interpreter on CPU; the FLOPs from ``FlopCounterMode`` over
-the block's custom operators (whose formulas count what the kernels run) on fake tensors of the
-full N, where no kernel runs. Another curve joins by adding a function to ``CURVES``: the table,
+Our curves: ``fused_remat.TransformerBlock``'s named policies ``none, cheap, selective, full``, and
+the block under ``memory_budget`` matched to each of compile's points (the fraction is compile's
+kept bytes over our ``none``'s, so it may keep what compile keeps and no more; the point it picks
+for N is in the name). The bytes come from the meter on a short sequence (``OUR_METER_TOKENS``;
+what a point keeps is per token, whatever N), through the Triton interpreter on CPU; the FLOPs
+from ``FlopCounterMode`` over the block's custom operators (whose formulas count what the kernels
+run) on fake tensors of the full N, where no kernel runs. Another curve joins by adding a function to ``CURVES``: the table,
 the JSON and the plot take a list of ``Point`` from any source.
 
 FLOP conventions: a matrix product is 2 FLOPs per multiply-add; element-wise ops (norms, RoPE, the
@@ -72,13 +74,14 @@ from fused_remat.memory import saved_memory
 DEFAULT_OUT = harness.REPO / "bench" / "results" / "frontier"
 LAYER = dict(dim=256, n_heads=4, n_kv_heads=2, ffn_dim=688, norm="rmsnorm", activation="swiglu", bias=False,
              rope_theta=10000.0, causal=True)
-SEQ_LENS = (256, 4096)
+SEQ_LENS = (256, 1024, 4096)
 BUDGETS = (1.0, 0.75, 0.5, 0.3, 0.1)
 FINE_BUDGETS = tuple(round(1.0 - 0.05 * i, 2) for i in range(20))
 OUR_POLICIES = ("none", "cheap", "selective", "full")
 OUR_METER_TOKENS = 16  # enough to hold every kept tensor; few enough for the Triton interpreter
 COMPILE = "torch.compile"
 OURS = "fused_remat"
+OURS_BUDGET = "fused_remat memory_budget"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,36 +217,66 @@ def _point(source: str, name: str, seq_len: int, kept_bytes_per_token: float, fo
 # --------------------------------------------------------------------------------------------
 
 
+def _our_kernels_run(device: torch.device) -> bool:
+    from fused_remat.backend import use_triton
+
+    if use_triton("block", device):
+        return True
+    print(f"{OURS}: its kernels do not run on {device} here (FUSED_REMAT_BACKEND=reference, or "
+          "TRITON_INTERPRET unset when triton was imported), so its curve is left out", file=sys.stderr)
+    return False
+
+
+def _measure_ours(seq_len: int, device: torch.device, remat: str, memory_budget: float | None = None):
+    """(kept bytes per token, forward FLOPs, backward FLOPs) of our block at N = ``seq_len``: bytes
+    from the meter on a short sequence, of the point the block runs at ``seq_len`` (a budget picks
+    its point by the sequence length); FLOPs from the operators' formulas on fake tensors of the
+    full length, where no kernel runs."""
+    import fused_remat
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        block = fused_remat.TransformerBlock(**LAYER, remat=remat, memory_budget=memory_budget, device=device)
+        x = torch.empty(1, seq_len, LAYER["dim"], device=device, requires_grad=True)
+        point = block._call_remat(x, 0)
+        with _flop_counter() as forward:
+            y = block(x)
+        with _flop_counter() as backward:
+            y.backward(torch.empty_like(y))
+    block = fused_remat.TransformerBlock(**LAYER, remat=point, device=device)
+    x = torch.randn(1, OUR_METER_TOKENS, LAYER["dim"], device=device, requires_grad=True)
+    with saved_memory(exclude=block.parameters()) as meter:
+        block(x)
+    return meter.bytes / OUR_METER_TOKENS, forward.get_total_flops(), backward.get_total_flops(), point
+
+
 def our_policy_points(seq_len: int, device: torch.device) -> list[Point]:
     """Our block's named policies; none where its kernels do not run here (on CPU they need
     TRITON_INTERPRET=1 before triton is imported; without them the block is the reference's)."""
-    import fused_remat
-    from fused_remat.backend import use_triton
-
-    if not use_triton("block", device):
-        print(f"{OURS}: its kernels do not run on {device} here (FUSED_REMAT_BACKEND=reference, or "
-              "TRITON_INTERPRET unset when triton was imported), so its curve is left out", file=sys.stderr)
+    if not _our_kernels_run(device):
         return []
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    measured = {}
-    for policy in OUR_POLICIES:
-        block = fused_remat.TransformerBlock(**LAYER, remat=policy, device=device)
-        x = torch.randn(1, OUR_METER_TOKENS, LAYER["dim"], device=device, requires_grad=True)
-        with saved_memory(exclude=block.parameters()) as meter:
-            block(x)
-        # Fake tensors of the full length: the operators' FLOP formulas read shapes, no kernel runs.
-        with FakeTensorMode():
-            block = fused_remat.TransformerBlock(**LAYER, remat=policy, device=device)
-            x = torch.empty(1, seq_len, LAYER["dim"], device=device, requires_grad=True)
-            with _flop_counter() as forward:
-                y = block(x)
-            with _flop_counter() as backward:
-                y.backward(torch.empty_like(y))
-        measured[policy] = (meter.bytes / OUR_METER_TOKENS, forward.get_total_flops(), backward.get_total_flops())
+    measured = {policy: _measure_ours(seq_len, device, policy)[:3] for policy in OUR_POLICIES}
     no_replay_backward = measured["none"][2]
     return [_point(OURS, policy, seq_len, kept, forward, backward, no_replay_backward)
             for policy, (kept, forward, backward) in measured.items()]
+
+
+def our_budget_points(seq_len: int, device: torch.device, compile_curve: list[Point]) -> list[Point]:
+    """Our block under ``memory_budget`` at each of torch.compile's points but its baseline: the
+    fraction is compile's kept bytes over what our ``none`` keeps, so that the block may keep as
+    much as compile does and no more; each point is named by that budget and the point it runs."""
+    if not _our_kernels_run(device):
+        return []
+    none_kept, _, no_replay_backward, _ = _measure_ours(seq_len, device, "none")
+    points = []
+    for theirs in compile_curve:
+        if theirs.recompute == 0 and theirs.kept_bytes_per_token >= none_kept:
+            continue
+        fraction = min(1.0, theirs.kept_bytes_per_token / none_kept)
+        kept, forward, backward, point = _measure_ours(seq_len, device, "cheap", fraction)
+        points.append(_point(OURS_BUDGET, f"{theirs.name}: memory_budget {fraction:.3f} ({point})", seq_len, kept,
+                             forward, backward, no_replay_backward))
+    return points
 
 
 # Curves beside torch.compile's: name -> function(seq_len, device) returning its points.
@@ -276,6 +309,20 @@ def markdown_table(points: list[Point], environment: dict, partitioner: str) -> 
     for p in points:
         lines.append(f"| {p.seq_len} | {p.source} | {p.name} | {p.kept_bytes_per_token:,.0f} | {p.recompute:.2f} | "
                      f"{p.forward_flops_per_token / 1e6:.2f} | {p.backward_flops_per_token / 1e6:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def budget_comparison(points: list[Point]) -> str:
+    """Our ``memory_budget`` beside each torch.compile point it was matched to: kept bytes and
+    recompute of both, and ours over theirs."""
+    theirs = {(p.seq_len, p.name): p for p in points if p.source == COMPILE}
+    lines = ["| N | torch.compile | kept B/token (compile / ours) | recompute (compile / ours) | ours / compile |",
+             "|---:|---|---:|---:|---:|"]
+    for ours in (p for p in points if p.source == OURS_BUDGET):
+        match = theirs[ours.seq_len, ours.name.split(":")[0]]
+        ratio = f"{ours.recompute / match.recompute:.3f}" if match.recompute else "-"
+        lines.append(f"| {ours.seq_len} | {ours.name} | {match.kept_bytes_per_token:,.0f} / {ours.kept_bytes_per_token:,.0f} "
+                     f"| {match.recompute:.3f} / {ours.recompute:.3f} | {ratio} |")
     return "\n".join(lines) + "\n"
 
 
@@ -315,7 +362,7 @@ def write_results(folder: Path, points: list[Point], environment: dict, partitio
                "points": [dataclasses.asdict(p) for p in points]}
     written = [folder / "frontier.json", folder / "frontier.md"]
     written[0].write_text(json.dumps(payload, indent=1) + "\n")
-    written[1].write_text(markdown_table(points, environment, partitioner))
+    written[1].write_text(markdown_table(points, environment, partitioner) + "\n" + budget_comparison(points))
     png = plot(points, folder / "frontier.png")
     if png is None:
         print("matplotlib is not installed (the 'plot' extra): no frontier.png", file=sys.stderr)
@@ -354,14 +401,17 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     points = []
     for seq_len in args.seq_lens:
-        points += compile_points(seq_len, device, args.budgets, args.partitioner)
+        theirs = compile_points(seq_len, device, args.budgets, args.partitioner)
+        points += theirs
         for curve in CURVES.values():
             points += curve(seq_len, device)
+        points += our_budget_points(seq_len, device, theirs)
     # the machine's description, with the device this run used (--device cpu on a GPU machine)
     environment = {**harness.environment(),
                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type}
     written = write_results(args.out, points, environment, args.partitioner)
     print(markdown_table(points, environment, args.partitioner))
+    print(budget_comparison(points))
     print(f"wrote {', '.join(str(path) for path in written)} ({time.perf_counter() - started:.0f} s)")
     return 0
 

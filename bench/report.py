@@ -175,15 +175,16 @@ def plot(folder: Path, name: str, title: str, results: list[Result], x_key: str,
 
 
 MARK_START, MARK_END = "<!-- results:start -->", "<!-- results:end -->"
-# bench/results/static/ holds `python -m bench static`'s compile-time facts (static.json, static.md):
-# never speed, so never in the results section.
-STATIC_FOLDER = "static"
+# bench/results/static/ holds `python -m bench static`'s compile-time facts (static.json, static.md),
+# bench/results/frontier/ `python -m bench frontier`'s bytes and FLOPs (frontier.json, .md, .png):
+# never speed, so never in the results section, which is rebuilt from GPU timings alone.
+NOT_TIMINGS = ("static", "frontier")
 
 
 def readme_section(results_dir: Path = RESULTS) -> str:
     """The README's results section, rebuilt from the committed JSON files."""
     parts = []
-    for folder in sorted(p for p in results_dir.glob("*") if p.is_dir() and p.name != STATIC_FOLDER):
+    for folder in sorted(p for p in results_dir.glob("*") if p.is_dir() and p.name not in NOT_TIMINGS):
         for path in sorted(folder.glob("*.json")):
             payload, results = load_json(path)
             parts.append(markdown_table(payload["suite"], payload["environment"], payload["ceilings"], results))

@@ -289,7 +289,8 @@ def within_budget(fraction: float, widths: dict[str, int], residual_bytes: int, 
     replay FLOPs (then the fewest norm passes, then the fewest bytes), torch.compile's
     ``activation_memory_budget`` in our terms: 1 gives ``cheap`` (no replay), and a fraction below
     x's share, which every device point keeps, gives ``offload`` (x in host memory)."""
-    limit = fraction * kept_bytes_per_token(Remat.NONE, widths, residual_bytes, compute_bytes)
+    # a fraction computed as bytes over none's bytes must admit those bytes, whatever its last bit
+    limit = fraction * kept_bytes_per_token(Remat.NONE, widths, residual_bytes, compute_bytes) * (1 + 1e-12)
     best = None
     for point in budget_points():
         nbytes = kept_bytes_per_token(point, widths, residual_bytes, compute_bytes)

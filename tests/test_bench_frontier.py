@@ -74,3 +74,15 @@ def test_both_curves_count_the_forward_with_causal_attention(frontier):
     attention = 4 * heads * head_dim * visible_pairs(SEQ_LEN, SEQ_LEN, causal=True)
     for point in points.values():
         assert point["forward_flops_per_token"] * SEQ_LEN == matmuls + attention
+
+
+def test_our_memory_budget_keeps_and_replays_no_more_than_compile_at_its_bytes(frontier):
+    """Our block with memory_budget set to compile's kept bytes over our none's keeps no more than
+    compile there and replays no more (at this short length attention is cheap to replay, so the
+    two may tie; bench/results/frontier/ has the long lengths)."""
+    _, _, points = frontier
+    theirs = points[("torch.compile", "budget 0.1")]
+    (ours,) = [p for (source, name), p in points.items() if source == "fused_remat memory_budget"]
+    assert ours["name"].startswith("budget 0.1: memory_budget ")
+    assert ours["kept_bytes_per_token"] <= theirs["kept_bytes_per_token"]
+    assert ours["recompute"] <= theirs["recompute"] + 1e-9
