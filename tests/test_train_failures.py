@@ -2,8 +2,10 @@
 an error after a finished step checkpoints it, a NaN stops the run without overwriting the last good
 checkpoint (or is skipped on request), checkpoints rotate and a bad newest one falls back to its
 predecessor, stale partial files are cleaned up, write failures say why, a resume checks the
-checkpoint against metrics.jsonl (fsynced before every checkpoint), and misused flags are refused.
-The kernels are not the point here: everything runs on the reference backend."""
+checkpoint against metrics.jsonl (fsynced before every checkpoint), misused flags are refused, a
+rank that fails under torchrun brings the job down with its own error, and a resume at another
+context-parallel degree is refused. The kernels are not the point here: everything runs on the
+reference backend but context parallelism, whose ring runs only the kernels."""
 
 import errno
 import json
@@ -602,3 +604,50 @@ def test_a_failing_metrics_rewrite_on_resume_loses_no_history(failing, tmp_path,
     temporary.write_text("not a record\n")
     assert _run(out, "--steps", "4", "--resume") == 0
     assert [r["step"] for r in _strict_metrics(out)] == [0, 1, 2, 3] and not temporary.exists()
+
+
+def test_a_failing_rank_brings_the_job_down_with_its_own_error(tmp_path):
+    """Rank 1's data disk goes away at step 2 while rank 0 waits in that step's gradient all-reduce:
+    rank 1 leaves at once with its own error (torchrun's root cause shows it, not an empty error
+    file or a signal), and rank 0, whose all-reduce lost its peer, names rank 1's error as the cause
+    instead of hanging or blaming its broken connection."""
+    from test_train_preemption import torchrun_trainer
+
+    failed = torchrun_trainer(tmp_path / "run", *SHORT, "--steps", "5", fault="raise:1:2")
+    output = failed.stdout + failed.stderr
+    assert failed.returncode != 0
+    root_cause = output.split("Root Cause (first observed failure):")[1]
+    assert "rank      : 1 (local_rank: 1)" in root_cause and "exitcode  : 1 " in root_cause, output
+    assert "RuntimeError: the data disk went away" in root_cause, output
+    assert ("error: rank 0 stopped because rank 1 failed: RuntimeError: the data disk went away (here: RuntimeError: "
+            in output), output
+
+
+def test_a_resume_with_another_context_parallel_degree_is_refused_naming_both(tmp_path, monkeypatch):
+    """The checkpoint of a --context-parallel 2 run (stopped by SIGUSR1 on rank 0 while it sets up:
+    both ranks of the ring stop after step 1) records the degree; resuming it on the same two ranks
+    with --context-parallel 1 (two data-parallel replicas) would change the data order, so it is
+    refused with the differences listed, each with both values and the flag that sets it."""
+    from test_train_preemption import torchrun_trainer
+
+    monkeypatch.setenv("FUSED_REMAT_BACKEND", "triton")  # the ring runs the kernels only (Triton's interpreter here)
+    out = tmp_path / "run"
+    args = ["--preset", "tiny", "--seq-len", "16", "--batch-size", "1", "--eval-batches", "1", "--steps", "2",
+            "--document-boundary", "none"]
+    stopped = torchrun_trainer(out, *args, "--context-parallel", "2", fault="SIGUSR1:0:0")
+    assert "stopped by SIGUSR1 at step 1" in stopped.stdout, stopped.stdout + stopped.stderr
+    checkpoint = load_checkpoint(out / "checkpoint.pt", {})
+    assert (checkpoint["run"]["context_parallel"], checkpoint["run"]["data_parallel"]) == (2, 1)
+    before = _snapshot_without_lock(out)
+
+    refused = torchrun_trainer(out, *args, "--context-parallel", "1", "--resume")
+    error = refused.stderr
+    assert refused.returncode != 0
+    assert f"error: --resume: {out / 'checkpoint.pt'} was written by a different run; resume with its settings" in error
+    assert "\n  data_parallel: checkpoint has 1, this run has 2 (the ranks / --context-parallel)\n" in error, error
+    assert "\n  context_parallel: checkpoint has 2, this run has 1 (--context-parallel)" in error, error
+    assert _snapshot_without_lock(out) == before
+
+
+def _snapshot_without_lock(folder: Path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != ".lock"}

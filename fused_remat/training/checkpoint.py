@@ -330,14 +330,17 @@ def _read(path: Path) -> dict:
     return state
 
 
-def load_checkpoint(path: Path, expected_run: dict) -> dict:
+def load_checkpoint(path: Path, expected_run: dict, sources: dict[str, str] | None = None) -> dict:
     """The checkpoint at ``path``, after checking it was written by a run whose settings
-    (``state["run"]``) equal ``expected_run`` wherever the trajectory depends on them."""
+    (``state["run"]``) equal ``expected_run`` wherever the trajectory depends on them; each
+    difference names what sets it (``sources``: setting -> flag) and both values."""
     if not path.is_file():
         raise CheckpointError(f"--resume: no checkpoint at {path}")
     state = _read(path)
     saved_run = state.get("run", {})
+    sources = sources or {}
     differences = [f"{key}: checkpoint has {saved_run.get(key)!r}, this run has {value!r}"
+                   + (f" ({sources[key]})" if key in sources else "")
                    for key, value in expected_run.items() if saved_run.get(key) != value]
     if differences:
         raise CheckpointError(f"--resume: {path} was written by a different run; resume with its settings or "
@@ -345,7 +348,8 @@ def load_checkpoint(path: Path, expected_run: dict) -> dict:
     return state
 
 
-def load_newest_checkpoint(path: Path, expected_run: dict) -> tuple[dict, Path, list[str]]:
+def load_newest_checkpoint(path: Path, expected_run: dict,
+                           sources: dict[str, str] | None = None) -> tuple[dict, Path, list[str]]:
     """The newest readable checkpoint among ``path`` and its predecessors (``load_checkpoint``'s
     checks apply), where it was, and one warning per newer checkpoint that could not be read. A
     checkpoint of a different run is an error at once; when none is readable, the error is the
@@ -356,7 +360,7 @@ def load_newest_checkpoint(path: Path, expected_run: dict) -> tuple[dict, Path, 
     warnings, first_error = [], None
     for candidate in files:
         try:
-            return load_checkpoint(candidate, expected_run), candidate, warnings
+            return load_checkpoint(candidate, expected_run, sources), candidate, warnings
         except CheckpointError as error:
             if "different run" in str(error):
                 raise

@@ -18,8 +18,11 @@ This module is the command line only: flags -> ``TrainConfig`` (``training/confi
 training loop (``training/loop.py``) or the capacity search (``training/capacity.py``). Exit
 status 0 when done, 1 when the run failed (a NaN or infinite loss, a checkpoint that could not be
 written, or any other error, shown with its traceback after the last finished step is
-checkpointed), 2 for a bad flag, setting or data file (the message names the flag), 130 when
-stopped by Ctrl-C or SIGTERM after checkpointing. ``python -m fused_remat.train`` (the module
+checkpointed), 2 for a bad flag, setting or data file (the message names the flag), and after a
+checkpoint, 128 + the number of the signal that stopped the run: 130 for Ctrl-C, 143 for SIGTERM,
+138 for SIGUSR1 (``loop.stop_status``). Under torchrun a rank that fails reports its own error and
+the others name it as their cause (``_failed``); ranks that finish wait for each other before
+leaving (``distributed.shutdown``). ``python -m fused_remat.train`` (the module
 ``fused_remat/train.py``) and ``python -m fused_remat.training`` both run ``main``.
 """
 
@@ -28,15 +31,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
 from ..backend import BACKEND_ENV, BACKENDS, requested_backend
 from ..model import PRESETS
 from .capacity import find_max_seq_len
 from .checkpoint import CheckpointError, CheckpointWriteError
 from .config import DEVICE_DEFAULTS, DTYPES, TrainConfig
-from .distributed import STRATEGIES, init_distributed, shutdown
+from .distributed import STRATEGIES, Distributed, init_distributed, leave, leave_after_failure, shutdown
 from .loop import TrainingFailed, train
 
 
@@ -115,6 +120,15 @@ def choose_backend(backend: str | None) -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# The errors reported as one message with an exit status (no traceback): 1 for a run that failed,
+# 2 for a bad flag, setting or data file.
+REPORTED_ERRORS = (((CheckpointWriteError, TrainingFailed), 1), ((ValueError, FileNotFoundError, CheckpointError), 2))
+# How long a rank whose peer failed waits before it exits itself: torchrun names the earliest failure
+# (to the second, ties to the lowest rank) as the job's root cause and stops the remaining ranks as
+# soon as it sees one exit, so the failed rank is seen first and this one is stopped meanwhile.
+PEER_FAILURE_GRACE_S = 5
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line ``argv``; returns the exit status (module docstring)."""
     config = parse_args(argv)
@@ -126,17 +140,33 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     try:
-        if config.find_max_seq_len:
-            return find_max_seq_len(config, run)
-        return train(config, run)
-    except (CheckpointWriteError, TrainingFailed) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    except (ValueError, FileNotFoundError, CheckpointError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        status = find_max_seq_len(config, run) if config.find_max_seq_len else train(config, run)
+        shutdown(run)  # waits for every rank (or names the missing ones), then leaves
+        return status
+    except Exception as error:
+        return _failed(error, run)
     finally:
-        shutdown(run)
+        leave(run)  # without waiting, if anything above went wrong
+
+
+def _failed(error: Exception, run: Distributed) -> int:
+    """The exit status of this rank after ``error``: a reported error's, printed as a message; any
+    other error is re-raised (its traceback shown), unless another rank failed first, which this
+    rank then names as the cause. In a multi-rank run this rank also leaves its error for the other
+    ranks and for torchrun's report (whose "Root Cause" shows it instead of an empty error file)."""
+    status = next((code for types, code in REPORTED_ERRORS if isinstance(error, types)), None)
+    first_failure = leave_after_failure(run, f"{type(error).__name__}: {error}") if run.world_size > 1 else None
+    if status is None and first_failure is not None:
+        here = str(error).splitlines()[0] if str(error) else ""
+        print(f"error: rank {run.rank} stopped because {first_failure} (here: {type(error).__name__}: {here})",
+              file=sys.stderr, flush=True)
+        time.sleep(PEER_FAILURE_GRACE_S)
+        return 1
+    get_error_handler().record_exception(error)  # into torchrun's error file, where torchrun set one
+    if status is None:
+        raise error
+    print(f"error: {error}", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,15 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 STRATEGIES = ("ddp", "fsdp")
+# How long the ranks wait for each other when a run ends: all of them are past their last
+# collective by then, and only rank 0's last writes (the plot) can hold one back.
+SHUTDOWN_TIMEOUT = timedelta(minutes=5)
+# The rendezvous store's key for the first failure of the job ("rank R failed: ..."); torchrun
+# creates a new store for every restart, so a note never outlives its attempt.
+FIRST_FAILURE_KEY = "fused_remat/first_failure"
+# How long a rank waits for the store when it looks for another rank's failure: the store lives in
+# torchrun's agent, or without torchrun in rank 0, which may be the rank that failed.
+FAILURE_LOOKUP_TIMEOUT = timedelta(seconds=10)
 
 
 @dataclass(frozen=True)
@@ -36,6 +46,7 @@ class Distributed:
     strategy: str | None = None  # None when single-process
     context_parallel: int = 1  # ranks per sequence
     context_parallel_group: dist.ProcessGroup | None = None  # this rank's "cp" row of the mesh, None without
+    store: dist.Store | None = None  # the rendezvous store, where a failing rank leaves its error for the others
 
     @property
     def data_rank(self) -> int:
@@ -76,13 +87,14 @@ class Distributed:
         dist.all_reduce(tensor)
         return tensor.item() / self.world_size
 
-    def any(self, flag: bool) -> bool:
-        """True on every rank when ``flag`` is true on any (so all ranks stop at the same step)."""
+    def max(self, value: int) -> int:
+        """The largest ``value`` over the ranks, on every rank (so all ranks act alike: stop at the
+        same step, with the same exit status)."""
         if self.world_size == 1:
-            return flag
-        tensor = torch.tensor([int(flag)], device=self._collective_device())
+            return value
+        tensor = torch.tensor([value], device=self._collective_device())
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return bool(tensor.item())
+        return int(tensor.item())
 
     def barrier(self) -> None:
         if self.world_size > 1:
@@ -112,8 +124,10 @@ def init_distributed(strategy: str | None, context_parallel: int = 1) -> Distrib
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
+    store = None
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        store, rank, size = next(dist.rendezvous("env://"))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=store, rank=rank, world_size=size)
     group = None
     if context_parallel > 1:
         from torch.distributed.device_mesh import init_device_mesh
@@ -122,10 +136,50 @@ def init_distributed(strategy: str | None, context_parallel: int = 1) -> Distrib
                                 (world_size // context_parallel, context_parallel), mesh_dim_names=("dp", "cp"))
         group = mesh.get_group("cp")
     return Distributed(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size(), strategy=strategy,
-                       context_parallel=context_parallel, context_parallel_group=group)
+                       context_parallel=context_parallel, context_parallel_group=group, store=store)
 
 
-def shutdown(run: Distributed) -> None:
+def shutdown(run: Distributed, timeout: timedelta = SHUTDOWN_TIMEOUT) -> None:
+    """The end of a run that finished on this rank: waits at most ``timeout`` for every rank, then
+    leaves the process group (module docstring). A RuntimeError when a rank hangs or has gone (rank
+    0's names the ranks that did not arrive); the group is left either way. On NCCL the barrier is
+    bounded by the group's own timeout (10 minutes unless set), after which its watchdog ends the
+    process."""
+    if run.world_size == 1 or not dist.is_initialized():
+        return
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
+        else:
+            dist.barrier(device_ids=[run.local_rank])
+    except RuntimeError as error:
+        raise RuntimeError(f"rank {run.rank}: not every rank reached the end of the run within {timeout} "
+                           f"({error})") from error
+    finally:
+        dist.destroy_process_group()
+
+
+def leave_after_failure(run: Distributed, error: str) -> str | None:
+    """After this rank failed with ``error``: the failure another rank left in the store before
+    (then this rank's error is its consequence: a collective whose peer left), else None, and
+    ``error`` is left there as the job's first failure. Then leaves the process group without
+    waiting for the other ranks (module docstring)."""
+    first = None
+    if run.store is not None:
+        note = f"rank {run.rank} failed: {error}"
+        try:
+            run.store.set_timeout(FAILURE_LOOKUP_TIMEOUT)
+            # the first rank to fail sets the key; a later one reads the first one's note back
+            stored = run.store.compare_set(FIRST_FAILURE_KEY, "", note).decode()
+        except RuntimeError:  # the store went with the rank that hosted it: nothing to learn from it
+            stored = note
+        first = None if stored == note else stored
+    leave(run)
+    return first
+
+
+def leave(run: Distributed) -> None:
+    """Leaves the process group at once, if it is still joined."""
     if run.world_size > 1 and dist.is_initialized():
         dist.destroy_process_group()
 

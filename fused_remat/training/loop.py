@@ -1,7 +1,8 @@
 """The training loop of ``python -m fused_remat.train`` (``training/cli.py`` parses the flags):
 ``train(config, run)`` builds the data, the model with its per-layer remat policies, the optimizer,
 resumes from the run's checkpoint, then steps (``training/step.py``), evaluates, writes
-``metrics.jsonl`` and checkpoints until ``config.steps`` or Ctrl-C.
+``metrics.jsonl`` and checkpoints until ``config.steps`` or a stop signal (Ctrl-C, SIGTERM,
+SIGUSR1), which every rank obeys at the same step boundary.
 
 A resumed run must share with the run that wrote the checkpoint every setting that decides the
 trajectory (``run_settings``); remat is not among them: every policy computes bitwise the same
@@ -93,16 +94,48 @@ def run_settings(config: TrainConfig, model_config: ModelConfig, data: token_dat
                 data_parallel=run.data_parallel_size, context_parallel=run.context_parallel, strategy=run.strategy)
 
 
+# What sets each entry of run_settings, named beside a difference when a resume is refused.
+SETTING_SOURCES = dict(model="--preset, --vocab-size", block="--block", steps="--steps", seq_len="--seq-len",
+                       batch_size="--batch-size", grad_accum="--grad-accum", lr="--lr", min_lr="--min-lr",
+                       warmup="--warmup", weight_decay="--weight-decay", grad_clip="--grad-clip", dtype="--dtype",
+                       seed="--seed", data="--data", documents="--document-boundary",
+                       world_size="the ranks torchrun starts", data_parallel="the ranks / --context-parallel",
+                       context_parallel="--context-parallel", strategy="--distributed")
+
+
+# The signals a scheduler sends before it ends a job (SIGUSR1: SLURM's --signal warning; SIGTERM:
+# preemption, a time limit, Kubernetes' eviction): a run they stop exits 128 + the signal's number,
+# the status of a process that signal terminated, which schedulers and their scripts read as
+# "stopped from outside" and requeue (SIGTERM 143, SIGUSR1 138). Any other stop (Ctrl-C) exits 130.
+SCHEDULER_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+INTERRUPTED = 130
+
+
+def stop_status(signum: int) -> int:
+    """The exit status of a run stopped, checkpointed, at the request of signal ``signum``."""
+    return 128 + signum if signum in SCHEDULER_SIGNALS else INTERRUPTED
+
+
 class StopRequest:
-    """Ctrl-C (SIGINT) or SIGTERM asks the loop to stop after the current step and checkpoint; a
-    second signal of either kind interrupts at once (a scheduler that sends SIGTERM twice means it)."""
+    """Ctrl-C (SIGINT), SIGTERM or SIGUSR1 asks the loop to checkpoint at the next step boundary and
+    stop; the handler only records the signal, the loop acts on it. A second SIGINT or SIGTERM
+    interrupts at once (a scheduler that sends SIGTERM twice means it); SIGUSR1 never does, as
+    SLURM's warning can reach a worker twice, directly and forwarded by torchrun."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
     def __init__(self):
-        self.requested = False
+        self.signal = 0  # the number of the first signal that asked, 0 while none has
+        self._interrupting = False  # a SIGINT or SIGTERM has arrived
         self._previous = {}
 
+    @property
+    def requested(self) -> int:
+        """The number of the signal that asked for the stop; 0 (false) while none has."""
+        return self.signal
+
     def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in self.SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -111,9 +144,11 @@ class StopRequest:
             signal.signal(sig, handler)
 
     def _handle(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
+        if signum != signal.SIGUSR1:
+            if self._interrupting:
+                raise KeyboardInterrupt
+            self._interrupting = True
+        self.signal = self.signal or signum
 
 
 def peak_memory(device: torch.device) -> int:
@@ -176,15 +211,17 @@ class TrainingFailed(RuntimeError):
 
 
 def train(config: TrainConfig, run: Distributed) -> int:
-    """Trains (or resumes) the run ``config`` describes; 0 when finished, 130 when stopped.
-    TrainingFailed for a non-finite loss; any other exception after a finished step is re-raised
-    once that step is checkpointed (single process). The run folder is locked for the run's life
-    (rank 0 holds the lock): a second trainer in it is refused."""
-    with RunLock(config.out) if run.is_main else contextlib.nullcontext():
-        return _train(config, run)
+    """Trains (or resumes) the run ``config`` describes; 0 when finished, ``stop_status`` of the
+    signal when stopped by one (checkpointed first). TrainingFailed for a non-finite loss; any
+    other exception after a finished step is re-raised once that step is checkpointed (single
+    process). The run folder is locked for the run's life (rank 0 holds the lock): a second
+    trainer in it is refused. The stop signals are caught from the start, so that one arriving
+    while a long resume loads stops the run at its first step boundary instead of killing it."""
+    with RunLock(config.out) if run.is_main else contextlib.nullcontext(), StopRequest() as stop:
+        return _train(config, run, stop)
 
 
-def _train(config: TrainConfig, run: Distributed) -> int:
+def _train(config: TrainConfig, run: Distributed, stop: StopRequest) -> int:
     device = run.device()
     log = functools.partial(print, flush=True) if run.is_main else (lambda *a, **k: None)
     warn = functools.partial(print, "warning:", file=sys.stderr, flush=True) if run.is_main else (lambda *a, **k: None)
@@ -197,7 +234,7 @@ def _train(config: TrainConfig, run: Distributed) -> int:
     tokens_per_step = config.batch_size * config.seq_len * config.grad_accum * run.data_parallel_size
     state, history, disagreements = None, [], []
     if config.resume:
-        state, resumed_from, unreadable = load_newest_checkpoint(ckpt, settings)
+        state, resumed_from, unreadable = load_newest_checkpoint(ckpt, settings, SETTING_SOURCES)
         # every rank reads the history, as it reads the checkpoint, so that every rank refuses a mismatch
         history = read_metrics(metrics_path, warn)
         disagreements = check_metrics(state, resumed_from, history, metrics_path, tokens_per_step)
@@ -277,51 +314,55 @@ def _train(config: TrainConfig, run: Distributed) -> int:
     progress = Progress(config.steps, start_step, enabled=run.is_main)
     step, skipped, unwritten = start_step, 0, None
     try:
-        with StopRequest() as stop:
-            while step < config.steps:
-                started = time.perf_counter()
-                lr = config.learning_rate(step)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                data.check_files_unchanged()
-                micro_batches = [local_batch(token_data.train_batch(data, step, micro, run.data_rank, config.batch_size,
-                                                                    config.seq_len, config.seed), run).to(device)
-                                 for micro in range(config.grad_accum)]
-                loss, grad_norm = train_step(model, optimizer, micro_batches,
-                                             compute_dtype=config.compute_dtype, grad_clip=config.grad_clip,
-                                             finite_only=True, gradient_scale=run.gradient_scale)
-                step += 1
-                record = unwritten = dict(step=step - 1, loss=run.mean(float(loss)), lr=lr,
-                                          grad_norm=float(_full(grad_norm)), peak_memory=peak_memory(device))
-                elapsed = time.perf_counter() - started
-                record["tokens_per_s"] = tokens_per_step / elapsed
-                record["step_time"] = elapsed
-                diverged = not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"]))
-                if diverged:
-                    skipped += 1
-                    record["skipped"] = True  # train_step made no update
-                if not diverged and (step % config.eval_interval == 0 or step == config.steps):
-                    record["val_loss"] = validation_loss(model, val_batches, device, config.compute_dtype)
-                stopping = run.any(stop.requested)
-                failed = diverged and skipped > config.skip_nonfinite  # the run stops here, without a checkpoint
-                checkpointing = not failed and (stopping or step == config.steps or (
-                    config.checkpoint_interval > 0 and step % config.checkpoint_interval == 0))
-                if checkpointing:
-                    record["checkpoint"] = checkpoint_mark(step, tokens_per_step, torch.get_rng_state())
-                if run.is_main:
-                    # synced at a checkpoint step, before the checkpoint: on disk, metrics never lag a checkpoint
-                    write_metrics(metrics_path, [record], append=True, sync=checkpointing)
-                unwritten = None
-                progress.update(record)
-                if diverged:
-                    _handle_nonfinite(config, record, skipped, failed, saved, ckpt, progress,
-                                      None if state is None else start_step)
-                if checkpointing:
-                    save(step)
-                if stopping:
-                    progress.close()
-                    log(f"stopped at step {step}; checkpoint saved in {ckpt}; continue with --resume")
-                    return 130
+        while step < config.steps:
+            started = time.perf_counter()
+            lr = config.learning_rate(step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            data.check_files_unchanged()
+            micro_batches = [local_batch(token_data.train_batch(data, step, micro, run.data_rank, config.batch_size,
+                                                                config.seq_len, config.seed), run).to(device)
+                             for micro in range(config.grad_accum)]
+            loss, grad_norm = train_step(model, optimizer, micro_batches,
+                                         compute_dtype=config.compute_dtype, grad_clip=config.grad_clip,
+                                         finite_only=True, gradient_scale=run.gradient_scale)
+            step += 1
+            record = unwritten = dict(step=step - 1, loss=run.mean(float(loss)), lr=lr,
+                                      grad_norm=float(_full(grad_norm)), peak_memory=peak_memory(device))
+            elapsed = time.perf_counter() - started
+            record["tokens_per_s"] = tokens_per_step / elapsed
+            record["step_time"] = elapsed
+            diverged = not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"]))
+            if diverged:
+                skipped += 1
+                record["skipped"] = True  # train_step made no update
+            if not diverged and (step % config.eval_interval == 0 or step == config.steps):
+                record["val_loss"] = validation_loss(model, val_batches, device, config.compute_dtype)
+            # every rank stops at this step boundary if a signal reached any of them, with one status
+            stop_signal = run.max(int(stop.requested))
+            stopping = stop_signal != 0
+            failed = diverged and skipped > config.skip_nonfinite  # the run stops here, without a checkpoint
+            checkpointing = not failed and (stopping or step == config.steps or (
+                config.checkpoint_interval > 0 and step % config.checkpoint_interval == 0))
+            if checkpointing:
+                record["checkpoint"] = checkpoint_mark(step, tokens_per_step, torch.get_rng_state())
+            if run.is_main:
+                # synced at a checkpoint step, before the checkpoint: on disk, metrics never lag a checkpoint
+                write_metrics(metrics_path, [record], append=True, sync=checkpointing)
+            unwritten = None
+            progress.update(record)
+            if diverged:
+                _handle_nonfinite(config, record, skipped, failed, saved, ckpt, progress,
+                                  None if state is None else start_step)
+            if checkpointing:
+                save(step)
+            if stopping:
+                progress.close()
+                status = stop_status(stop_signal)
+                asked = f" by {signal.Signals(stop_signal).name}" if stop_signal in SCHEDULER_SIGNALS else ""
+                log(f"stopped{asked} at step {step}; checkpoint saved in {ckpt}; continue with --resume "
+                    f"(exit status {status})")
+                return status
     except Exception as error:
         progress.close()
         if step > saved and run.world_size == 1 and not isinstance(error, (CheckpointWriteError, TrainingFailed)):
