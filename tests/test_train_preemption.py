@@ -68,7 +68,15 @@ def torchrun_trainer(out: Path, *arguments: str, fault: str | None = None) -> su
         program = [str(script)]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *program,
                *arguments, "--out", str(out)]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    launcher = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = launcher.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        # SIGTERM, which torchrun passes on to its ranks (their own sessions: killing torchrun would orphan them)
+        launcher.terminate()
+        stdout, stderr = launcher.communicate(timeout=60)
+        pytest.fail(f"torchrun still running after {TIMEOUT_S} s (a hang):\n{stdout}{stderr}")
+    return subprocess.CompletedProcess(command, launcher.returncode, stdout, stderr)
 
 
 @pytest.fixture(autouse=True)
