@@ -40,7 +40,6 @@ from .flops import ATTENTION_BACKWARD_FACTOR, attention_flops, visible_pairs
 from .model import ModelConfig
 from .remat import Remat, budget_points, kept_bytes_per_token, replay_flops_per_token, replay_norm_passes
 
-PLANNED_POLICIES = (Remat.CHEAP, Remat.SELECTIVE, Remat.FULL, Remat.OFFLOAD)
 _FP32 = 4
 
 # Stated assumptions, used where nothing was measured (no GPU): not measurements.

@@ -220,10 +220,18 @@ Remat.NONE, Remat.CHEAP, Remat.SELECTIVE, Remat.FULL, Remat.OFFLOAD = Remat._NAM
 
 def parse_per_layer(value, n_layers: int, supported: tuple[Remat, ...] | None = None, *,
                     owner: str = "remat") -> list[Remat]:
-    """One policy for every layer: a name or member, or a sequence with one per layer, or a comma
-    list ("full,cheap,cheap") as the command line gives it."""
+    """One point for every layer: a name or point, or a sequence with one per layer, or a comma
+    list ("full,cheap,cheap", "keep:o,lse,h,cheap": a kept tensor's name continues the "keep:"
+    before it) as the command line gives it."""
     if isinstance(value, str) and "," in value:
-        value = value.split(",")
+        tensors = {k.name for k in KEPT_FOR_BACKWARD}
+        layers = []
+        for piece in value.split(","):
+            if layers and layers[-1].startswith(KEEP_PREFIX) and piece in tensors:
+                layers[-1] += "," + piece
+            else:
+                layers.append(piece)
+        value = layers if len(layers) > 1 else layers[0]
     policies = [value] * n_layers if isinstance(value, str) else list(value)
     if len(policies) != n_layers:
         raise ValueError(f"{owner}: got {len(policies)} policies for {n_layers} layers")

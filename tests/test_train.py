@@ -4,6 +4,7 @@ and it runs under torchrun with DDP and FSDP2 (gloo, two processes). Tests that 
 backend; the failure paths are in test_train_failures.py."""
 
 import json
+import re
 import math
 import os
 import signal
@@ -275,7 +276,24 @@ def test_remat_auto_prints_its_plan_and_trains(tmp_path, capsys):
                        "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "remat plan" in printed and "budget" in printed
-    assert "remat full x1, cheap x1" in printed
+    assert re.search(r"remat (full|keep:\S+) x1, (cheap|keep:\S+) x1", printed), "one layer replays more than the other"
+
+
+def test_a_memory_budget_fraction_lets_each_layer_choose_and_trains_the_same_bits(tmp_path, capsys):
+    """--memory-budget 0.2 is torch.compile's spelling: a fraction of what remat none keeps, each
+    layer picking what to keep; the run computes the bits of --remat cheap's."""
+    config = TrainConfig.build("cpu", memory_budget="0.2")
+    assert (config.memory_fraction, config.memory_budget) == (0.2, None)
+    assert TrainConfig.build("cpu", memory_budget="1").memory_fraction == 1.0
+    assert TrainConfig.build("cpu", memory_budget="2").memory_budget == 2, "a bare number above 1 is bytes"
+    for arguments in (dict(remat="auto"), dict(block="reference", remat="none")):
+        with pytest.raises(ValueError, match=r"--memory-budget 0.2 \(a fraction of what remat none keeps\)"):
+            TrainConfig.build("cpu", memory_budget="0.2", **arguments)
+    common = [*SHORT, "--steps", "2", "--eval-interval", "2", "--warmup", "1"]
+    assert cli.main([*common, "--memory-budget", "0.2", "--out", str(tmp_path / "budget")]) == 0
+    assert "remat keep:" in capsys.readouterr().out, "the plan names the point the budget picks"
+    assert cli.main([*common, "--out", str(tmp_path / "cheap")]) == 0
+    assert _trajectory(tmp_path / "budget") == _trajectory(tmp_path / "cheap")
 
 
 def test_trains_on_a_nanogpt_bin_file(tmp_path):
@@ -330,8 +348,10 @@ def test_remat_is_parsed_once_into_policies_per_layer():
     assert all(type(policy) is Remat for policy in TrainConfig.build("cpu", remat="offload").remat)
     assert TrainConfig.build("cpu", remat="auto").remat is None
     assert TrainConfig.build("cpu", remat="full", block="reference").remat == (Remat.FULL,) * layers
-    with pytest.raises(ValueError, match=r"^--remat must be one of none, cheap, selective, full, offload, got 'lazy'$"):
+    with pytest.raises(ValueError, match=r"^--remat must be one of none, cheap, selective, full, offload, or 'keep:' "
+                       r"and the tensors to keep besides x, got 'lazy'$"):
         TrainConfig.build("cpu", remat="lazy")
+    assert TrainConfig.build("cpu", remat="keep:o,lse,h,cheap").remat == (Remat.keeping(["o", "lse", "h"]), Remat.CHEAP)
     with pytest.raises(ValueError, match=r"^--remat must be one of none, full, got 'auto'$"):
         TrainConfig.build("cpu", remat="auto", block="reference")
 

@@ -60,11 +60,13 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--batch-size", type=int, help=f"sequences per micro-batch per process {by_device('batch_size')}")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     parser.add_argument("--remat", default="cheap",
-                        help="none | cheap (default) | selective | full | offload | auto (plan for --memory-budget) | a comma "
-                        "list, one policy per layer")
-    parser.add_argument("--memory-budget", help="activation budget for --remat auto (and the CPU criterion of "
-                        "--find-max-seq-len), with a binary unit: 40GiB, 800MiB, 1.5G; a bare number is bytes (default on "
-                        "a GPU: what is free after weights, gradients and optimizer state)")
+                        help="none | cheap (default) | selective | full | offload | keep:<tensors> (e.g. keep:o,lse,h) | auto "
+                        "(plan for --memory-budget in bytes) | a comma list, one per layer")
+    parser.add_argument("--memory-budget", help="a fraction in [0, 1] (0.3), torch.compile's activation_memory_budget: "
+                        "each layer keeps at most that share of what --remat none keeps, choosing per tensor what to "
+                        "keep or rebuild for the least recompute; or bytes with a binary unit (40GiB, 800MiB, 1.5G; a bare "
+                        "number above 1 is bytes): the activation budget for --remat auto and the CPU criterion of "
+                        "--find-max-seq-len (default on a GPU: what is free after weights, gradients and optimizer state)")
     parser.add_argument("--block", choices=("fused", "reference"), default="fused",
                         help="fused_remat's block (default), or the plain-PyTorch twin (then --remat none is eager and "
                         "full is torch.utils.checkpoint)")

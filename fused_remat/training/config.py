@@ -49,6 +49,16 @@ def parse_size(text: str, owner: str = "size") -> int:
     return int(size)
 
 
+def _fraction(text: str) -> float | None:
+    """``text`` as a fraction when it is a bare number in [0, 1] (``0.3``, ``1``): torch.compile's
+    spelling of a memory budget; None for anything else, which is a size."""
+    try:
+        number = float(text)
+    except ValueError:
+        return None
+    return number if 0.0 <= number <= 1.0 else None
+
+
 def describe_size(flag: str, size: int) -> str:
     """How ``flag``'s value was read, for its error messages: "--memory-budget was read as 12 bytes
     (sizes take the units K, M, G, T: 800MiB, 40GiB; a bare number is bytes)"."""
@@ -75,6 +85,9 @@ class TrainConfig:
     # for "auto", planned for --memory-budget when the run starts (it needs the device).
     remat: tuple[Remat, ...] | None = None
     memory_budget: int | None = None
+    # --memory-budget as a fraction (a bare number in [0, 1]): each layer keeps at most that share of
+    # what remat "none" keeps and picks its point per call (TransformerBlock.memory_budget)
+    memory_fraction: float | None = None
     block: str = "fused"
     data: str | None = None
     vocab_size: int | None = None
@@ -140,8 +153,16 @@ class TrainConfig:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {values['dtype']!r}")
         values["out"] = Path(values.get("out") or f"runs/{values['preset']}")
         if isinstance(values.get("memory_budget"), str):
-            values["memory_budget"] = parse_size(values["memory_budget"], owner="--memory-budget")
+            fraction = _fraction(values["memory_budget"])
+            if fraction is None:
+                values["memory_budget"] = parse_size(values["memory_budget"], owner="--memory-budget")
+            else:
+                values["memory_budget"], values["memory_fraction"] = None, fraction
         remat = values.get("remat", "cheap")
+        if values.get("memory_fraction") is not None and (remat == "auto" or values.get("block", "fused") != "fused"):
+            raise ValueError(f"--memory-budget {values['memory_fraction']:g} (a fraction of what remat none keeps) lets "
+                             "each fused layer choose what it keeps: it takes neither --remat auto (which plans for a "
+                             "budget in bytes, e.g. 40GiB) nor --block reference")
         if isinstance(remat, str) and remat == "auto" and values.get("block", "fused") == "fused":
             values["remat"] = None
         else:

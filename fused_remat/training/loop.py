@@ -24,9 +24,11 @@ from pathlib import Path
 import torch
 
 from ..backend import requested_backend, use_triton
+from ..block import block_widths
+from ..flops import visible_pairs
 from ..model import LanguageModel, ModelConfig
-from ..planner import PLANNED_POLICIES, RematPlan, explain_policies, measure_policy_costs, plan_remat
-from ..remat import Remat
+from ..planner import RematPlan, explain_policies, measure_policy_costs, plan_remat
+from ..remat import Remat, within_budget
 from . import data as token_data
 from .checkpoint import (CheckpointError, CheckpointWriteError, RunLock, check_metrics, checkpoint_files,
                          checkpoint_mark, checkpoint_path, checkpoint_step, load_newest_checkpoint, predecessor,
@@ -45,6 +47,15 @@ def resolve_remat(config: TrainConfig, model_config: ModelConfig, device: torch.
     batch's, per row), for the FLOP model's price of replaying attention."""
     precision = config.precision
     local_seq_len = config.seq_len // run.context_parallel  # the tokens of a sequence one rank holds
+    if config.memory_fraction is not None:
+        # what each layer's budget picks at this length (the blocks pick again per call: the same)
+        pairs = visible_pairs(config.seq_len, config.seq_len, True, model_config.window) / config.seq_len
+        widths = block_widths(model_config.dim, model_config.n_heads, model_config.n_kv_heads, model_config.ffn_dim,
+                              model_config.norm, model_config.activation)
+        point = within_budget(config.memory_fraction, widths, precision.residual_bytes, precision.compute_bytes, pairs)
+        policies = [point] * model_config.n_layers
+        return policies, explain_policies(model_config, config.batch_size, local_seq_len, precision, policies,
+                                          attention_pairs=attention_pairs)
     if config.remat is not None:
         policies = list(config.remat)
         if config.block != "fused":
@@ -62,8 +73,7 @@ def resolve_remat(config: TrainConfig, model_config: ModelConfig, device: torch.
         costs, source = None, "FLOP model"
     try:
         plan = plan_remat(model_config, config.batch_size, local_seq_len, precision, budget, costs=costs,
-                          cost_source=source, candidates=PLANNED_POLICIES, owner="--memory-budget",
-                          attention_pairs=attention_pairs)
+                          cost_source=source, owner="--memory-budget", attention_pairs=attention_pairs)
     except ValueError as error:
         if config.memory_budget is None:
             raise
@@ -263,8 +273,8 @@ def _train(config: TrainConfig, run: Distributed, stop: StopRequest) -> int:
     masked_pairs = None if first_batch.cu_seqlens is None else first_batch.causal_attention_pairs() / config.batch_size
     policies, plan = resolve_remat(config, model_config, device, run, masked_pairs)
     torch.manual_seed(config.seed)
-    model = LanguageModel(model_config, policies, block_impl=config.block, context_parallel=run.context_parallel_group,
-                          device=device)
+    model = LanguageModel(model_config, policies, block_impl=config.block, memory_budget=config.memory_fraction,
+                          context_parallel=run.context_parallel_group, device=device)
     model = wrap_model(model, run)
     optimizer = make_optimizer(model, lr=config.lr, weight_decay=config.weight_decay)
     start_step = 0
