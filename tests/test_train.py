@@ -396,14 +396,14 @@ def test_ddp_and_fsdp2_train_the_same_model(tmp_path, triton_backend):
     for ddp, fsdp in zip(results["ddp"], results["fsdp"]):
         assert ddp["loss"] == pytest.approx(fsdp["loss"], rel=1e-5)
     assert results["ddp"][-1]["val_loss"] == pytest.approx(results["fsdp"][-1]["val_loss"], rel=1e-5)
-    ddp_state = load_checkpoint(tmp_path / "ddp" / "checkpoint.pt", {})["model"]
-    fsdp_state = load_checkpoint(tmp_path / "fsdp" / "checkpoint.pt", {})["model"]
+    ddp_state = checkpoints.read_checkpoint(tmp_path / "ddp" / "checkpoint.dcp")["model"]  # sharded under torchrun
+    fsdp_state = checkpoints.read_checkpoint(tmp_path / "fsdp" / "checkpoint.dcp")["model"]
     assert ddp_state.keys() == fsdp_state.keys()
     for name in ddp_state:
         torch.testing.assert_close(fsdp_state[name], ddp_state[name], rtol=1e-4, atol=1e-6, msg=name)
 
-    # Resuming the finished FSDP2 run loads the full state dicts into the sharded model and
-    # optimizer on both ranks, then has nothing left to do.
+    # Resuming the finished FSDP2 run loads each rank's shards of the model and optimizer (DCP),
+    # then has nothing left to do.
     resumed = _torchrun("fsdp", tmp_path / "fsdp", "--resume")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "done: 3 steps" in resumed.stdout

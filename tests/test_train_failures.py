@@ -626,7 +626,8 @@ def test_a_failing_rank_brings_the_job_down_with_its_own_error(tmp_path):
 def test_a_resume_with_another_context_parallel_degree_is_refused_naming_both(tmp_path, monkeypatch):
     """The checkpoint of a --context-parallel 2 run (stopped by SIGUSR1 on rank 0 while it sets up:
     both ranks of the ring stop after step 1) records the degree; resuming it on the same two ranks
-    with --context-parallel 1 (two data-parallel replicas) would change the data order, so it is
+    with --context-parallel 1 (two data-parallel replicas) would change the global batch (1
+    micro-batch per step, then 2), so it is
     refused with the differences listed, each with both values and the flag that sets it."""
     from test_train_preemption import torchrun_trainer
 
@@ -636,18 +637,20 @@ def test_a_resume_with_another_context_parallel_degree_is_refused_naming_both(tm
             "--document-boundary", "none"]
     stopped = torchrun_trainer(out, *args, "--context-parallel", "2", fault="SIGUSR1:0:0")
     assert "stopped by SIGUSR1 at step 1" in stopped.stdout, stopped.stdout + stopped.stderr
-    checkpoint = load_checkpoint(out / "checkpoint.pt", {})
-    assert (checkpoint["run"]["context_parallel"], checkpoint["run"]["data_parallel"]) == (2, 1)
+    checkpoint = load_checkpoint(out / "checkpoint.dcp", {})  # sharded: the default under torchrun
+    assert (checkpoint["run"]["context_parallel"], checkpoint["run"]["micro_batches"]) == (2, 1)
     before = _snapshot_without_lock(out)
 
     refused = torchrun_trainer(out, *args, "--context-parallel", "1", "--resume")
     error = refused.stderr
     assert refused.returncode != 0
-    assert f"error: --resume: {out / 'checkpoint.pt'} was written by a different run; resume with its settings" in error
-    assert "\n  data_parallel: checkpoint has 1, this run has 2 (the ranks / --context-parallel)\n" in error, error
+    assert f"error: --resume: {out / 'checkpoint.dcp'} was written by a different run; resume with its settings" in error
+    assert "\n  micro_batches: checkpoint has 1, this run has 2 (micro-batches per step: data-parallel ranks (the " \
+           "ranks / --context-parallel) x --grad-accum)\n" in error, error
     assert "\n  context_parallel: checkpoint has 2, this run has 1 (--context-parallel)" in error, error
     assert _snapshot_without_lock(out) == before
 
 
 def _snapshot_without_lock(folder: Path) -> dict:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != ".lock"}
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != ".lock"}

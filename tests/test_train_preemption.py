@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from fused_remat.training import cli, loop
-from fused_remat.training.checkpoint import load_checkpoint
+from fused_remat.training.checkpoint import load_checkpoint, read_checkpoint
 from fused_remat.training.loop import StopRequest, stop_status
 from test_train import _trajectory
 from test_train_failures import SHORT
@@ -139,8 +139,8 @@ def test_sigusr1_never_interrupts_a_step_and_a_second_sigterm_does():
 
 
 def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step_and_the_resume_is_bit_exact(tmp_path):
-    """Rank 1 alone gets SIGUSR1 during step 1: both ranks agree to stop after it, rank 0 writes the
-    checkpoint of step 2 and both exit 138; resuming on two ranks gives the uninterrupted two-rank
+    """Rank 1 alone gets SIGUSR1 during step 1: both ranks agree to stop after it, both write their
+    shards of the checkpoint of step 2 (checkpoint.dcp) and exit 138; resuming on two ranks gives the uninterrupted two-rank
     run bit for bit."""
     args = [*SHORT, "--steps", "4", "--eval-interval", "2", "--warmup", "1"]
     whole, split = tmp_path / "whole", tmp_path / "split"
@@ -151,12 +151,12 @@ def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step_and_the_resume_i
     output = stopped.stdout + stopped.stderr
     assert "stopped by SIGUSR1 at step 2" in stopped.stdout, output  # printed by rank 0, which got no signal
     assert "exitcode  : 138" in output and "exitcode  : 1 " not in output, output
-    assert load_checkpoint(split / "checkpoint.pt", {})["step"] == 2
+    assert load_checkpoint(split / "checkpoint.dcp", {})["step"] == 2
 
     resumed = torchrun_trainer(split, *args, "--resume")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert _trajectory(split) == _trajectory(whole)
-    ours, theirs = (load_checkpoint(out / "checkpoint.pt", {})["model"] for out in (split, whole))
+    ours, theirs = (read_checkpoint(out / "checkpoint.dcp")["model"] for out in (split, whole))
     assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
 
 

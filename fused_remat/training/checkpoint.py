@@ -24,12 +24,25 @@ the tokens trained on and a digest of the RNG state), appended and fsynced befor
 written; on resume ``check_metrics`` compares it with the checkpoint, so a ``metrics.jsonl`` of
 another run is refused instead of being spliced into this one's history.
 
+Sharded checkpoints (``checkpoint.dcp``, the default of a multi-process run): a folder that
+torch.distributed.checkpoint (DCP) writes, every rank its own shards in parallel (``__<rank>_0.distcp``
+and DCP's ``.metadata``), beside ``run.pt``, the run state that is not model or optimizer (step, RNG,
+the run's settings, the backend), a plain ``torch.save`` file readable with ``weights_only=True``. The
+ranks write into ``.checkpoint.dcp.staging``; once DCP has finished on every rank, rank 0 writes
+``run.pt`` last, then renames the staging folder to ``checkpoint.dcp``: that rename is the commit, so
+a folder named ``checkpoint[.k].dcp`` is always complete. Predecessors are ``checkpoint.1.dcp`` and so
+on; the two forms share one sequence of ages (``checkpoint_files``), so a run that changes form (a
+single-process run resumed under torchrun) rotates and falls back across both. A staging folder left
+by a killed job is removed on the next start. ``python -m fused_remat.training.checkpoint convert SRC
+DST`` converts between the two forms (``convert``).
+
 One trainer per run folder (``RunLock``): two trainers writing one folder would rotate each other's
 checkpoints away and interleave their metrics.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -38,12 +51,18 @@ import pickle
 import re
 import shutil
 import socket
+import sys
+import warnings
 import zipfile
 from pathlib import Path
 
 import torch
 
 CHECKPOINT_NAME = "checkpoint.pt"
+SHARDED_NAME = "checkpoint.dcp"
+RUN_STATE_NAME = "run.pt"  # inside a sharded checkpoint: everything but the model and optimizer
+STAGING_NAME = ".checkpoint.dcp.staging"
+FORMATS = ("sharded", "single")
 LOCK_NAME = ".lock"
 _FORMAT = "fused_remat.train checkpoint"
 _VERSION = 1
@@ -98,8 +117,25 @@ class RunLock:
         self._file.close()
 
 
-def checkpoint_path(out_dir: str | os.PathLike) -> Path:
-    return Path(out_dir) / CHECKPOINT_NAME
+def checkpoint_path(out_dir: str | os.PathLike, form: str = "single") -> Path:
+    """Where a run in ``out_dir`` writes its newest checkpoint in ``form`` (FORMATS)."""
+    return Path(out_dir) / (SHARDED_NAME if form == "sharded" else CHECKPOINT_NAME)
+
+
+def is_sharded(path: Path) -> bool:
+    return path.suffix == ".dcp"
+
+
+def _age(path: Path) -> int:
+    """How many saves ago ``path`` (checkpoint.pt, checkpoint.3.dcp, ...) was written."""
+    parts = path.name.split(".")
+    return int(parts[1]) if len(parts) == 3 else 0
+
+
+def _named(path: Path, age: int, sharded: bool) -> Path:
+    """The checkpoint beside ``path`` of ``age`` in either form."""
+    stem = path.name.split(".")[0]
+    return predecessor(path.with_name(f"{stem}.dcp" if sharded else f"{stem}.pt"), age)
 
 
 def predecessor(path: Path, age: int) -> Path:
@@ -108,13 +144,45 @@ def predecessor(path: Path, age: int) -> Path:
 
 
 def checkpoint_files(path: Path) -> list[Path]:
-    """``path`` and its predecessors that exist, newest first."""
+    """The checkpoints beside ``path`` that exist, in either form (checkpoint[.k].pt files,
+    checkpoint[.k].dcp folders), newest first; at one age, the newer step first."""
     found, age = [], 0
-    while age == 0 or predecessor(path, age).exists() or predecessor(path, age + 1).exists():
-        if predecessor(path, age).is_file():
-            found.append(predecessor(path, age))
+
+    def exists(age: int) -> bool:
+        return any(_named(path, age, sharded).exists() for sharded in (False, True))
+
+    while age == 0 or exists(age) or exists(age + 1):
+        here = [p for p in (_named(path, age, False), _named(path, age, True))
+                if (p.is_dir() if is_sharded(p) else p.is_file())]
+        if len(here) == 2:  # only after a crash between two renames of a rotation
+            here.sort(key=lambda p: -(checkpoint_step(p) or -1))
+        found.extend(here)
         age += 1
     return found
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _shift(path: Path) -> None:
+    """Renames every checkpoint beside ``path`` one age older (checkpoint.pt -> checkpoint.1.pt,
+    checkpoint.dcp -> checkpoint.1.dcp), oldest first, leaving age 0 free for the new one."""
+    for entry in reversed(checkpoint_files(path)):
+        target = _named(path, _age(entry) + 1, is_sharded(entry))
+        if target.exists():
+            _remove(target)
+        os.replace(entry, target)
+
+
+def _prune(path: Path, keep: int) -> None:
+    """Removes the checkpoints beside ``path`` of age ``keep`` and older."""
+    for entry in checkpoint_files(path):
+        if _age(entry) >= keep:
+            _remove(entry)
 
 
 def _partial_path(path: Path) -> Path:
@@ -132,17 +200,25 @@ def state_bytes(state) -> int:
     return 0
 
 
-def save_checkpoint(path: Path, state: dict, keep: int = 1) -> None:
+def save_checkpoint(path: Path, state: dict, keep: int = 1, rotate: bool = True) -> None:
     """Writes ``state`` (plus the format tag) to ``path`` atomically, keeping the ``keep - 1``
-    checkpoints before it as predecessors. CheckpointWriteError when the write fails."""
+    checkpoints before it as predecessors (``rotate``; without, ``path`` is simply replaced).
+    CheckpointWriteError when the write fails."""
     temporary = _partial_path(path)
     try:
         with open(temporary, "wb") as stream:
             torch.save({"format": _FORMAT, "version": _VERSION, **state}, stream)
             stream.flush()
             os.fsync(stream.fileno())
-        _rotate(path, keep)
-        os.replace(temporary, path)
+        if not rotate:
+            os.replace(temporary, path)
+        elif any(is_sharded(entry) for entry in checkpoint_files(path)):
+            _shift(path)  # a run that changed form: one sequence of ages for both
+            os.replace(temporary, path)
+            _prune(path, max(keep, 1))
+        else:
+            _rotate(path, keep)
+            os.replace(temporary, path)
     except (OSError, RuntimeError) as error:  # torch.save reports a full disk as a RuntimeError
         raise CheckpointWriteError(_write_failure(path, state, error)) from error
     finally:
@@ -184,7 +260,7 @@ def _write_failure(path: Path, state: dict, error: BaseException) -> str:
         reason = f"{type(error).__name__}: {_first_line(error)}"
     space = f"; {free:,} bytes free there" if free is not None else ""
     # a failed write leaves ``path`` as it was: there is a previous checkpoint exactly when it exists
-    fallback = ("the previous checkpoint is untouched" if path.is_file() else
+    fallback = ("the previous checkpoint is untouched" if path.exists() else
                 f"there is no previous checkpoint (this was the run's first): its {state['step']} finished steps "
                 "are not saved")
     return f"could not write the checkpoint {path}: {reason} (it needs about {needed:,} bytes{space}); {fallback}"
@@ -245,6 +321,8 @@ def checkpoint_step(path: Path) -> int | None:
     """The step of the checkpoint at ``path`` without reading its tensors (memory-mapped), or None
     where it cannot be read."""
     try:
+        if is_sharded(path):
+            return torch.load(path / RUN_STATE_NAME, map_location="cpu", weights_only=True)["step"]
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"]
     except Exception:  # torch.load raises many types for damaged files; the caller only names the step
         return None
@@ -257,6 +335,11 @@ def remove_stale_partials(out_dir: Path) -> list[tuple[Path, int]]:
     if not out_dir.is_dir():
         return removed
     for candidate in sorted(out_dir.iterdir()):
+        if candidate.name == STAGING_NAME and candidate.is_dir():  # one trainer per folder (RunLock): not ours
+            size = sum(f.stat().st_size for f in candidate.rglob("*") if f.is_file())
+            shutil.rmtree(candidate)
+            removed.append((candidate, size))
+            continue
         match = _PARTIAL.fullmatch(candidate.name)
         if match is None or not match["name"].endswith(".pt") or not candidate.is_file():
             continue
@@ -309,7 +392,23 @@ def _damaged_entry(path: Path) -> str | None:
         return None  # not an archive at all: torch.load says what is wrong
 
 
+def _read_sharded(path: Path) -> dict:
+    """The run state of the sharded checkpoint ``path`` (its tensors stay on disk, for DCP to load
+    resharded: ``state["sharded"]`` is the folder)."""
+    missing = [name for name in (".metadata", RUN_STATE_NAME) if not (path / name).is_file()]
+    if missing:
+        raise CheckpointError(f"--resume: {path} is not a readable checkpoint (it lacks {' and '.join(missing)}; a "
+                              "sharded checkpoint folder is complete when renamed into place: this one was changed since)")
+    state = _read(path / RUN_STATE_NAME)
+    if not state.get("sharded"):
+        raise CheckpointError(f"--resume: {path / RUN_STATE_NAME} is not the run state of a sharded checkpoint")
+    state["sharded"] = path
+    return state
+
+
 def _read(path: Path) -> dict:
+    if is_sharded(path):
+        return _read_sharded(path)
     damaged = _damaged_entry(path)
     if damaged is not None:
         raise CheckpointError(f"--resume: {path} is not a readable checkpoint (its entry {damaged} fails its CRC-32 "
@@ -327,6 +426,10 @@ def _read(path: Path) -> dict:
         raise CheckpointError(f"--resume: {path} is not a fused_remat.train checkpoint")
     if state.get("version") != _VERSION:
         raise CheckpointError(f"--resume: {path} has checkpoint version {state.get('version')}, expected {_VERSION}")
+    run = state.get("run")
+    if isinstance(run, dict) and "micro_batches" not in run and "data_parallel" in run:
+        # written before the data order was per micro-batch slot: the same rule (loop.run_settings)
+        run["micro_batches"] = run["data_parallel"] * run.get("grad_accum", 1)
     return state
 
 
@@ -334,7 +437,7 @@ def load_checkpoint(path: Path, expected_run: dict, sources: dict[str, str] | No
     """The checkpoint at ``path``, after checking it was written by a run whose settings
     (``state["run"]``) equal ``expected_run`` wherever the trajectory depends on them; each
     difference names what sets it (``sources``: setting -> flag) and both values."""
-    if not path.is_file():
+    if not path.exists():
         raise CheckpointError(f"--resume: no checkpoint at {path}")
     state = _read(path)
     saved_run = state.get("run", {})
@@ -378,8 +481,131 @@ def promote(chosen: Path, path: Path) -> list[Path]:
         if newer == chosen:
             break
         target = newer.with_name(newer.name + ".unreadable")
+        if target.exists():
+            _remove(target)
         os.replace(newer, target)
         aside.append(target)
-    if chosen != path:
-        os.replace(chosen, path)
+    newest = _named(path, 0, is_sharded(chosen))
+    if chosen != newest:
+        os.replace(chosen, newest)
     return aside
+
+
+def newest_name(chosen: Path) -> Path:
+    """Where ``promote`` puts the checkpoint ``chosen``."""
+    return _named(chosen, 0, is_sharded(chosen))
+
+
+def save_sharded_checkpoint(path: Path, tensors: dict, state: dict, keep: int, rank: int, barrier,
+                            rotate: bool = True) -> None:
+    """The sharded checkpoint (module docstring), written by every rank: ``tensors`` is this rank's
+    ``{"model": ..., "optimizer": ...}`` (sharded state dicts, DCP deduplicates replicated ones),
+    ``state`` the run state that rank 0 writes as run.pt, the last file before the commit rename.
+    ``barrier`` waits for every rank (a no-op in one process). CheckpointWriteError on every rank
+    whose part failed; the previous checkpoints are as they were."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    staging = path.with_name(f".{path.name}.staging")
+    if rank == 0 and staging.exists():
+        _remove(staging)
+    barrier()
+    try:
+        with quiet_dcp():
+            dcp.save(tensors, checkpoint_id=staging, no_dist=not dist.is_initialized())
+    except Exception as error:  # DCP gathers every rank's failure into one CheckpointException
+        raise CheckpointWriteError(_write_failure(path, {**state, **tensors}, error)) from error
+    if rank == 0:
+        try:
+            with open(staging / RUN_STATE_NAME, "wb") as stream:
+                torch.save({"format": _FORMAT, "version": _VERSION, "sharded": True, **state}, stream)
+                stream.flush()
+                os.fsync(stream.fileno())
+            _fsync_directory(staging)  # DCP fsyncs its files (FileSystemWriter's sync_files), not their names
+            if rotate:
+                _commit_folder(staging, path, keep)
+            else:
+                os.replace(staging, path)
+        except OSError as error:
+            _remove(staging)
+            raise CheckpointWriteError(_write_failure(path, {**state, **tensors}, error)) from error
+        _fsync_directory(path.parent)
+    barrier()
+
+
+@contextlib.contextmanager
+def quiet_dcp():
+    """Silences DCP's warning that it runs in one process: intended here (one process, or a converter)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _commit_folder(staging: Path, path: Path, keep: int) -> None:
+    """Renames the complete ``staging`` folder to ``path`` after shifting the checkpoints before it
+    one age older; then drops those of age ``keep`` and older. A crash between the renames leaves
+    the previous checkpoint under its next age, where fallback finds it."""
+    _shift(path)
+    os.replace(staging, path)
+    _prune(path, max(keep, 1))
+
+
+def read_checkpoint(path: Path) -> dict:
+    """The whole checkpoint at ``path`` in the single-file layout, whichever its form: a sharded
+    one's tensors are read in full into this process (DCP without a process group)."""
+    state = _read(path)
+    if not is_sharded(path):
+        return state
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".convert.") as scratch:
+        whole = Path(scratch) / "tensors.pt"
+        with quiet_dcp():
+            dcp_to_torch_save(path, whole)
+        tensors = torch.load(whole, map_location="cpu", weights_only=True)
+    del state["sharded"]
+    return {**state, "model": tensors["model"], "optimizer": tensors["optimizer"]}
+
+
+def convert(source: Path, target: Path) -> str:
+    """Converts the checkpoint ``source`` to the other form at ``target``: a sharded folder
+    (``.dcp``) to one checkpoint.pt file, which the trainer loads in any world, or a file to a
+    folder. Both are written atomically; ``target`` must not exist. Returns what was done."""
+    if target.exists():
+        raise CheckpointError(f"convert: {target} exists; choose a new path")
+    if is_sharded(source) == is_sharded(target):
+        raise CheckpointError(f"convert: {source} and {target} are of one form; a sharded checkpoint is a folder "
+                              "named *.dcp, a single-file one any other name (e.g. checkpoint.pt)")
+    state = read_checkpoint(source)
+    state = {key: value for key, value in state.items() if key not in ("format", "version", "sharded")}
+    if is_sharded(target):
+        tensors = {"model": state.pop("model"), "optimizer": state.pop("optimizer")}
+        save_sharded_checkpoint(target, tensors, state, keep=1, rank=0, barrier=lambda: None, rotate=False)
+    else:
+        save_checkpoint(target, state, rotate=False)
+    return f"{source} (step {state['step']}) -> {target}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m fused_remat.training.checkpoint",
+                                     description="Training checkpoints: convert between the sharded folder "
+                                                 "(checkpoint.dcp) and the single file (checkpoint.pt).")
+    commands = parser.add_subparsers(dest="command", required=True)
+    converting = commands.add_parser("convert", help="SRC to the other form at DST (a *.dcp folder or a file)")
+    converting.add_argument("source", type=Path, metavar="SRC")
+    converting.add_argument("target", type=Path, metavar="DST")
+    arguments = parser.parse_args(argv)
+    try:
+        print(convert(arguments.source, arguments.target))
+    except CheckpointError as error:
+        print(f"error: {str(error).removeprefix('--resume: ')}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

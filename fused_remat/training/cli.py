@@ -39,7 +39,7 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 from ..backend import BACKEND_ENV, BACKENDS, requested_backend
 from ..model import PRESETS
 from .capacity import find_max_seq_len
-from .checkpoint import CheckpointError, CheckpointWriteError
+from .checkpoint import FORMATS, CheckpointError, CheckpointWriteError
 from .config import DEVICE_DEFAULTS, DTYPES, TrainConfig
 from .distributed import STRATEGIES, Distributed, init_distributed, leave, leave_after_failure, shutdown
 from .loop import TrainingFailed, train
@@ -92,6 +92,11 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--checkpoint-interval", type=int, default=100, help="steps between checkpoints; 0: only at the end (default 100)")
     parser.add_argument("--keep-checkpoints", type=int, default=2,
                         help="checkpoints kept: the newest (checkpoint.pt) and those before it (checkpoint.1.pt, ...) (default 2)")
+    parser.add_argument("--checkpoint-format", choices=FORMATS,
+                        help="sharded: a folder checkpoint.dcp, every rank writing its shards in parallel "
+                        "(torch.distributed.checkpoint); single: one file checkpoint.pt that rank 0 gathers and writes; "
+                        "default: sharded under torchrun with more than one rank, else single. Either resumes on any "
+                        "number of ranks")
     parser.add_argument("--skip-nonfinite", type=int, default=0,
                         help="steps with a NaN or infinite loss or gradient norm to skip (no update) before the run "
                         "stops; 0: stop at the first (default 0)")

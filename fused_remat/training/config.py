@@ -102,6 +102,8 @@ class TrainConfig:
     context_parallel: int = 1  # ranks each sequence is split over (torchrun)
     find_max_seq_len: bool = False
     keep_checkpoints: int = 2  # the newest checkpoint and this many - 1 before it
+    # --checkpoint-format sharded|single; None: sharded on more than one rank, else single (loop.checkpoint_form)
+    checkpoint_format: str | None = None
     skip_nonfinite: int = 0  # steps with a NaN/inf loss or gradient norm skipped before the run stops
     backend: str | None = None  # --backend auto|triton|reference; None: FUSED_REMAT_BACKEND decides
     # --document-boundary: the token id that begins each document of --data, NO_DOCUMENTS, or None
@@ -122,6 +124,8 @@ class TrainConfig:
         for name in ("checkpoint_interval", "skip_nonfinite"):
             if values.get(name, 0) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {values[name]}")
+        if values.get("checkpoint_format", "single") not in ("sharded", "single"):
+            raise ValueError(f"--checkpoint-format must be sharded or single, got {values['checkpoint_format']!r}")
         if values.get("backend", "auto") not in BACKENDS:  # None is dropped with the other defaults
             raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {values['backend']!r}")
         parallel = values.get("context_parallel", 1)

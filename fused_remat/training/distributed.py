@@ -235,3 +235,25 @@ def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer, mode
     """Loads what ``training_state`` produced into every rank's (possibly sharded) model and optimizer."""
     set_state_dict(unwrap(model), optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
                    options=StateDictOptions(full_state_dict=True))
+
+
+def sharded_training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """This rank's part of the model and optimizer state for a sharded checkpoint (DCP): FSDP2's
+    DTensor shards, DDP's (or one process's) whole tensors, which DCP writes once, not per rank."""
+    model_state, optimizer_state = get_state_dict(unwrap(model), optimizer, options=StateDictOptions())
+    return dict(model=model_state, optimizer=optimizer_state)
+
+
+def load_sharded_training_state(model: nn.Module, optimizer: torch.optim.Optimizer, folder) -> None:
+    """Loads the sharded checkpoint ``folder`` into this rank's model and optimizer, resharded by
+    DCP for this world (any number of ranks, DDP, FSDP2 or one process, whatever wrote it): each
+    rank reads only the pieces of its own shards."""
+    import torch.distributed.checkpoint as dcp
+
+    state = sharded_training_state(model, optimizer)  # the layout to fill (the optimizer's state initialized)
+    from .checkpoint import quiet_dcp
+
+    with quiet_dcp():
+        dcp.load(state, checkpoint_id=folder, no_dist=not dist.is_initialized())
+    set_state_dict(unwrap(model), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=StateDictOptions())

@@ -31,10 +31,11 @@ from ..planner import RematPlan, explain_policies, measure_policy_costs, plan_re
 from ..remat import Remat, within_budget
 from . import data as token_data
 from .checkpoint import (CheckpointError, CheckpointWriteError, RunLock, check_metrics, checkpoint_files,
-                         checkpoint_mark, checkpoint_path, checkpoint_step, load_newest_checkpoint, predecessor,
-                         promote, remove_stale_partials, save_checkpoint)
+                         checkpoint_mark, checkpoint_path, checkpoint_step, load_newest_checkpoint, newest_name,
+                         predecessor, promote, remove_stale_partials, save_checkpoint, save_sharded_checkpoint)
 from .config import TrainConfig, describe_size
-from .distributed import Distributed, load_training_state, training_state, unwrap, wrap_model
+from .distributed import (Distributed, load_sharded_training_state, load_training_state, sharded_training_state,
+                          training_state, unwrap, wrap_model)
 from .reporting import Progress, plot_metrics, read_metrics, write_metrics
 from .step import batch_loss, make_optimizer, train_step
 
@@ -95,22 +96,41 @@ def default_activation_budget(model_config: ModelConfig, device: torch.device, s
 def run_settings(config: TrainConfig, model_config: ModelConfig, data: token_data.TokenData, run: Distributed) -> dict:
     """What a checkpoint records of its run, and a resumed run must match: everything the
     trajectory depends on, the data by its content (``TokenData.fingerprint``, not its path) and the
-    data- and context-parallel degrees among them. The backend is recorded apart (``backend`` in the
-    checkpoint): a change is allowed, with a warning."""
+    context-parallel degree among them. The backend is recorded apart (``backend`` in the
+    checkpoint): a change is allowed, with a warning.
+
+    The number of ranks, their strategy (DDP, FSDP2) and ``--grad-accum`` are not: a run resumes on
+    any world whose micro-batches per step (data-parallel ranks x ``--grad-accum``, ``micro_batches``)
+    are the checkpoint's, so that each step trains on the same global batch (``micro_batch_slot``):
+    2 ranks x 1 resume as 1 rank x 2, or 4 x 1 as 2 x 2."""
     return dict(model=dataclasses.asdict(model_config), block=config.block, steps=config.steps, seq_len=config.seq_len,
-                batch_size=config.batch_size, grad_accum=config.grad_accum, lr=config.lr, min_lr=config.min_lr,
-                warmup=config.warmup, weight_decay=config.weight_decay, grad_clip=config.grad_clip, dtype=config.dtype,
-                seed=config.seed, data=data.fingerprint(), documents=data.documents, world_size=run.world_size,
-                data_parallel=run.data_parallel_size, context_parallel=run.context_parallel, strategy=run.strategy)
+                batch_size=config.batch_size, micro_batches=run.data_parallel_size * config.grad_accum, lr=config.lr,
+                min_lr=config.min_lr, warmup=config.warmup, weight_decay=config.weight_decay, grad_clip=config.grad_clip,
+                dtype=config.dtype, seed=config.seed, data=data.fingerprint(), documents=data.documents,
+                context_parallel=run.context_parallel)
+
+
+def micro_batch_slot(run: Distributed, grad_accum: int, micro_step: int) -> int:
+    """Which of a step's data-parallel ranks x ``grad_accum`` micro-batches this rank's
+    ``micro_step`` is: rank r draws slots r x grad_accum .. (r + 1) x grad_accum - 1. A step's global
+    batch is the micro-batches of slots 0 .. micro_batches - 1 (``token_data.train_batch`` keyed by
+    the slot), whatever the world that splits them: 2 ranks x 1 draw slots 0 and 1, as 1 rank x 2."""
+    return run.data_rank * grad_accum + micro_step
+
+
+def checkpoint_form(config: TrainConfig, run: Distributed) -> str:
+    """--checkpoint-format, by default sharded on more than one rank and single in one process."""
+    return config.checkpoint_format or ("sharded" if run.world_size > 1 else "single")
 
 
 # What sets each entry of run_settings, named beside a difference when a resume is refused.
 SETTING_SOURCES = dict(model="--preset, --vocab-size", block="--block", steps="--steps", seq_len="--seq-len",
-                       batch_size="--batch-size", grad_accum="--grad-accum", lr="--lr", min_lr="--min-lr",
+                       batch_size="--batch-size",
+                       micro_batches="micro-batches per step: data-parallel ranks (the ranks / --context-parallel) x "
+                                     "--grad-accum", lr="--lr", min_lr="--min-lr",
                        warmup="--warmup", weight_decay="--weight-decay", grad_clip="--grad-clip", dtype="--dtype",
                        seed="--seed", data="--data", documents="--document-boundary",
-                       world_size="the ranks torchrun starts", data_parallel="the ranks / --context-parallel",
-                       context_parallel="--context-parallel", strategy="--distributed")
+                       context_parallel="--context-parallel")
 
 
 # The signals a scheduler sends before it ends a job (SIGUSR1: SLURM's --signal warning; SIGTERM:
@@ -239,7 +259,7 @@ def _train(config: TrainConfig, run: Distributed, stop: StopRequest) -> int:
     data = token_data.load_data(config.data, config.vocab_size, config.seq_len, config.document_boundary)
     model_config = config.model_config(data.vocab_size)
     settings = run_settings(config, model_config, data, run)
-    ckpt = checkpoint_path(config.out)
+    ckpt = checkpoint_path(config.out, checkpoint_form(config, run))
     metrics_path = config.out / "metrics.jsonl"
     tokens_per_step = config.batch_size * config.seq_len * config.grad_accum * run.data_parallel_size
     state, history, disagreements = None, [], []
@@ -248,7 +268,7 @@ def _train(config: TrainConfig, run: Distributed, stop: StopRequest) -> int:
         # every rank reads the history, as it reads the checkpoint, so that every rank refuses a mismatch
         history = read_metrics(metrics_path, warn)
         disagreements = check_metrics(state, resumed_from, history, metrics_path, tokens_per_step)
-    elif ckpt.exists():
+    elif checkpoint_files(ckpt):
         raise CheckpointError(f"--out {config.out} already holds a checkpoint; pass --resume to continue it or choose another --out")
     run.barrier()  # every rank has read its checkpoint before rank 0 renames any
     if run.is_main:
@@ -263,12 +283,15 @@ def _train(config: TrainConfig, run: Distributed, stop: StopRequest) -> int:
         for disagreement in disagreements:
             warn(disagreement)
     run.barrier()
+    if state is not None and "sharded" in state:
+        state["sharded"] = newest_name(resumed_from)  # where promote put it
     if state is not None and state["step"] >= config.steps:
         log(f"nothing to do: the run in {config.out} is already finished (done: {config.steps} steps, checkpoint {ckpt}); "
             f"its metrics are in {config.out / 'metrics.jsonl'}. To train further, start a new run with another --out")
         return 0
 
-    first_batch = token_data.train_batch(data, 0 if state is None else state["step"], 0, run.data_rank,
+    first_batch = token_data.train_batch(data, 0 if state is None else state["step"], 0,
+                                         micro_batch_slot(run, config.grad_accum, 0),
                                          config.batch_size, config.seq_len, config.seed)
     masked_pairs = None if first_batch.cu_seqlens is None else first_batch.causal_attention_pairs() / config.batch_size
     policies, plan = resolve_remat(config, model_config, device, run, masked_pairs)
@@ -282,7 +305,10 @@ def _train(config: TrainConfig, run: Distributed, stop: StopRequest) -> int:
         if state.get("backend", backend) != backend:
             print(f"warning: the checkpoint was written on {state['backend']}, this run is on {backend}: it continues, "
                   "but no longer bit for bit what the first backend would have computed", file=sys.stderr, flush=True)
-        load_training_state(model, optimizer, state["model"], state["optimizer"])
+        if "sharded" in state:
+            load_sharded_training_state(model, optimizer, state["sharded"])
+        else:
+            load_training_state(model, optimizer, state["model"], state["optimizer"])
         torch.set_rng_state(state["rng"]["cpu"])
         start_step = state["step"]
     val_batches = [local_batch(batch, run) for batch in
@@ -313,11 +339,15 @@ def _train(config: TrainConfig, run: Distributed, stop: StopRequest) -> int:
 
     def save(step: int) -> None:
         nonlocal saved
-        model_state, optimizer_state = training_state(model, optimizer)
-        if run.is_main:
-            save_checkpoint(ckpt, dict(step=step, model=model_state, optimizer=optimizer_state, run=settings,
-                                       backend=backend, rng=dict(cpu=torch.get_rng_state())),
-                            keep=config.keep_checkpoints)
+        run_state = dict(step=step, run=settings, backend=backend, rng=dict(cpu=torch.get_rng_state()))
+        if ckpt.suffix == ".dcp":  # every rank writes its shards
+            save_sharded_checkpoint(ckpt, sharded_training_state(model, optimizer), run_state,
+                                    keep=config.keep_checkpoints, rank=run.rank, barrier=run.barrier)
+        else:
+            model_state, optimizer_state = training_state(model, optimizer)
+            if run.is_main:
+                save_checkpoint(ckpt, dict(run_state, model=model_state, optimizer=optimizer_state),
+                                keep=config.keep_checkpoints)
         run.barrier()
         saved = step
 
@@ -330,9 +360,9 @@ def _train(config: TrainConfig, run: Distributed, stop: StopRequest) -> int:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             data.check_files_unchanged()
-            micro_batches = [local_batch(token_data.train_batch(data, step, micro, run.data_rank, config.batch_size,
-                                                                config.seq_len, config.seed), run).to(device)
-                             for micro in range(config.grad_accum)]
+            slots = [micro_batch_slot(run, config.grad_accum, micro) for micro in range(config.grad_accum)]
+            micro_batches = [local_batch(token_data.train_batch(data, step, 0, slot, config.batch_size, config.seq_len,
+                                                                config.seed), run).to(device) for slot in slots]
             loss, grad_norm = train_step(model, optimizer, micro_batches,
                                          compute_dtype=config.compute_dtype, grad_clip=config.grad_clip,
                                          finite_only=True, gradient_scale=run.gradient_scale)

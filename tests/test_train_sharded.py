@@ -1,0 +1,182 @@
+"""Sharded checkpoints (torch.distributed.checkpoint) and restarts on another world: two gloo ranks
+under torchrun (FSDP2, DDP) write ``checkpoint.dcp`` in parallel; a run resumes from it on one
+process, and a one-process run's ``checkpoint.pt`` resumes on two ranks, each drawing every batch
+once (a step's global batch is its micro-batch slots, whoever draws them: 2 ranks x --grad-accum 1
+resume as 1 rank x --grad-accum 2). A save that dies midway leaves the previous checkpoint the
+newest complete one, and ``python -m fused_remat.training.checkpoint convert`` goes both ways.
+
+Exactness: on the same world a resumed run is bit for bit the uninterrupted one (same kernels, same
+reductions). Across worlds it is within a float tolerance, not bitwise: the gradient of a step is
+the same sum over the same sequences, but added in another order (gloo's all-reduce of two ranks'
+means, or one process accumulating two micro-batches, each scaled by 1/2 at another point), and
+FSDP2 applies AdamW to shards where one process applies it to whole tensors; fp32 rounding differs
+in the last bits, which the following steps carry on (rel 1e-4 over a few steps).
+
+The reference backend throughout (the kernels are not the point), on the tiny preset.
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fused_remat.training import checkpoint as checkpoints
+from fused_remat.training import cli
+from fused_remat.training.checkpoint import checkpoint_files, load_checkpoint, read_checkpoint
+from test_train import _metrics, _trajectory
+from test_train_failures import SHORT
+from test_train_preemption import _signal_at_step, torchrun_trainer
+
+ARGS = [*SHORT, "--steps", "4", "--eval-interval", "2", "--warmup", "1", "--checkpoint-interval", "2"]
+# A tolerance for the same steps on another world (module docstring).
+REL = 1e-4
+
+# The trainer on a rank that dies by SIGKILL inside its second sharded save (after the first, at step
+# 2, completed), the way a node fails: its peer has written its shards into the staging folder.
+DYING_TRAINER = '''
+import os
+import signal
+import sys
+
+import torch.distributed.checkpoint as dcp
+
+from fused_remat.training import cli
+
+original, saves = dcp.save, []
+
+
+def save(*args, **kwargs):
+    saves.append(1)
+    if len(saves) == 2 and os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return original(*args, **kwargs)
+
+
+dcp.save = save
+sys.exit(cli.main())
+'''
+
+
+@pytest.fixture(autouse=True)
+def _reference_backend(monkeypatch):
+    monkeypatch.setenv("FUSED_REMAT_BACKEND", "reference")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+def _losses(out: Path) -> list[float]:
+    return [record["loss"] for record in _metrics(out)]
+
+
+def _assert_close_states(ours: dict, theirs: dict, rel: float) -> None:
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=rel, atol=1e-6, msg=name)
+
+
+def test_fsdp_sharded_checkpoint_resumes_bitwise_on_two_ranks_and_closely_on_one(tmp_path, capsys):
+    whole, split, one = tmp_path / "whole", tmp_path / "split", tmp_path / "one"
+    args = [*ARGS, "--distributed", "fsdp"]
+    finished = torchrun_trainer(whole, *args)
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert [p.name for p in checkpoint_files(whole / "checkpoint.dcp")] == ["checkpoint.dcp", "checkpoint.1.dcp"]
+    assert sorted(p.name for p in (whole / "checkpoint.dcp").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "run.pt"]  # each rank wrote its shards
+
+    stopped = torchrun_trainer(split, *args, fault="SIGUSR1:1:1")
+    assert "exitcode  : 138" in stopped.stderr, stopped.stdout + stopped.stderr  # torchrun itself exits 1
+    assert f"checkpoint saved in {split / 'checkpoint.dcp'}" in stopped.stdout
+    shutil.copytree(split, one)
+
+    resumed = torchrun_trainer(split, *args, "--resume")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert _trajectory(split) == _trajectory(whole)  # the same world: bit for bit
+    _assert_close_states(read_checkpoint(split / "checkpoint.dcp")["model"],
+                         read_checkpoint(whole / "checkpoint.dcp")["model"], 0)
+
+    # 2 FSDP2 ranks x 1 micro-batch resume as 1 process x 2: the same global batches, resharded state
+    assert cli.main([*ARGS, "--grad-accum", "2", "--resume", "--out", str(one)]) == 0
+    assert _losses(one)[:2] == _losses(whole)[:2]  # the history before the checkpoint, kept
+    assert _losses(one) == pytest.approx(_losses(whole), rel=REL)
+    single = load_checkpoint(one / "checkpoint.pt", {})  # one process writes the single file again
+    assert single["step"] == 4 and [p.name for p in checkpoint_files(one / "checkpoint.pt")] == [
+        "checkpoint.pt", "checkpoint.1.dcp"]  # one sequence of ages across both forms
+    _assert_close_states(single["model"], read_checkpoint(whole / "checkpoint.dcp")["model"], REL)
+
+
+def test_a_single_file_checkpoint_resumes_on_two_ddp_ranks_and_converts_both_ways(tmp_path, capsys, monkeypatch):
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert cli.main([*ARGS, "--grad-accum", "2", "--out", str(whole)]) == 0
+    _signal_at_step(monkeypatch, signal.SIGUSR1, 1)
+    assert cli.main([*ARGS, "--grad-accum", "2", "--out", str(split)]) == 128 + signal.SIGUSR1
+    assert load_checkpoint(split / "checkpoint.pt", {})["step"] == 2
+
+    resumed = torchrun_trainer(split, *ARGS, "--distributed", "ddp", "--resume")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert _losses(split) == pytest.approx(_losses(whole), rel=REL)
+    assert [p.name for p in checkpoint_files(split / "checkpoint.dcp")] == ["checkpoint.dcp", "checkpoint.1.pt"]
+    sharded = read_checkpoint(split / "checkpoint.dcp")
+    _assert_close_states(sharded["model"], load_checkpoint(whole / "checkpoint.pt", {})["model"], REL)
+
+    # convert: folder -> file -> folder, each equal to what the trainer wrote
+    converted, back = tmp_path / "converted.pt", tmp_path / "back.dcp"
+    assert checkpoints.main(["convert", str(split / "checkpoint.dcp"), str(converted)]) == 0
+    assert checkpoints.main(["convert", str(converted), str(back)]) == 0
+    as_file = load_checkpoint(converted, {})  # what the trainer itself loads (weights_only)
+    for state in (as_file, read_checkpoint(back)):
+        assert state["step"] == sharded["step"] and state["run"] == sharded["run"]
+        assert torch.equal(state["rng"]["cpu"], sharded["rng"]["cpu"])
+        _assert_close_states(state["model"], sharded["model"], 0)
+        _assert_close_states(state["optimizer"]["state"], sharded["optimizer"]["state"], 0)
+        assert state["optimizer"]["param_groups"] == sharded["optimizer"]["param_groups"]
+    assert checkpoints.main(["convert", str(converted), str(back)]) == 1
+    assert "exists; choose a new path" in capsys.readouterr().err
+
+
+def test_a_rank_killed_mid_save_leaves_the_previous_sharded_checkpoint_newest(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    script = tmp_path / "dying_trainer.py"
+    script.write_text(DYING_TRAINER)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+               *ARGS, "--distributed", "ddp", "--checkpoint-interval", "2", "--out", str(out)]
+    died = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert died.returncode != 0, died.stdout + died.stderr
+    assert [p.name for p in checkpoint_files(out / "checkpoint.dcp")] == ["checkpoint.dcp"]
+    assert read_checkpoint(out / "checkpoint.dcp")["step"] == 2  # the save at step 4 never committed
+    assert (out / ".checkpoint.dcp.staging").is_dir()
+
+    # the staging folder is removed on the next start; a refused world names what differs
+    assert cli.main([*ARGS, "--resume", "--out", str(out)]) == 2
+    assert "micro_batches: checkpoint has 2, this run has 1" in capsys.readouterr().err
+    assert cli.main([*ARGS, "--grad-accum", "2", "--resume", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert ".checkpoint.dcp.staging: a partial checkpoint" in printed
+    assert not (out / ".checkpoint.dcp.staging").exists()
+    assert [r["step"] for r in _metrics(out)] == [0, 1, 2, 3]
+
+
+def test_a_failing_sharded_write_keeps_the_previous_checkpoint_and_says_why(tmp_path, capsys, monkeypatch):
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+
+    out, original, calls = tmp_path / "run", dcp.save, []
+
+    def save(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(dcp, "save", save)
+    assert cli.main([*ARGS, "--checkpoint-format", "sharded", "--checkpoint-interval", "2", "--out", str(out)]) == 1
+    error = capsys.readouterr().err
+    assert f"could not write the checkpoint {out / 'checkpoint.dcp'}: the disk is full" in error, error
+    assert "the previous checkpoint is untouched" in error
+    assert [checkpoints.checkpoint_step(p) for p in checkpoint_files(out / "checkpoint.dcp")] == [2]
