@@ -32,7 +32,7 @@ from bench import harness, report
 SUITES = {"norms": "bench.bench_norms", "attention": "bench.bench_attention", "memory": "bench.bench_memory",
           "block": "bench.bench_block", "train": "bench.bench_train"}
 # Commands that are not timing suites and need no GPU: name -> module with main(argv).
-COMMANDS = {"static": "bench.static", "frontier": "bench.frontier"}
+COMMANDS = {"static": "bench.static", "frontier": "bench.frontier", "gpu_stage": "bench.gpu_check"}
 
 
 def load_suite(name: str) -> harness.Suite:

@@ -1,48 +1,138 @@
 #!/usr/bin/env bash
-# One-call GPU check: on a machine with an NVIDIA GPU, torch and triton already installed and no
-# network, install this project over them, run the whole test suite on the GPU (the `gpu`-marked
-# long-sequence tests included), the quick benchmark suite, and the trainer (the README's main job
-# and --find-max-seq-len), and print a short summary last.
+# First contact with a GPU, in stages that each fit one 10-minute device call on one H100: on a
+# machine with an NVIDIA GPU, torch and triton already installed and no network.
 #
-#   bash bench/gpu_check.sh OUTDIR [STAGE...]     STAGE: tests, bench, train (default: all three)
+#   bash bench/gpu_check.sh [--dry-run] [--out DIR] [STAGE...]
 #
-# Stages can run in separate calls (a device call may be limited to 10 minutes); OUTDIR receives
-# install.log, tests.log, bench.log, results/ (JSON, Markdown, PNG), train.log, train_main/
-# (metrics.jsonl, training.png) and find_max/max_seq_len.json.
+#   install   install this project over the machine's torch and triton; versions, a kernel launch
+#   tests     the gpu-marked tests (long sequences, bf16), then the kernels' own tests on the GPU
+#   bench     attention (against SDPA's flash, cuDNN and efficient backends), the block (against
+#             eager, checkpoint and torch.compile), norms and memory, quick mode
+#   train     the README's main job, 100 steps (its metrics and plot kept, not its checkpoint)
+#   capacity  --find-max-seq-len: the longest sequence per policy beside the reference block
+#
+# Default: every stage, in that order; name some to run only those (one device call each). Each
+# stage writes its log and gpu_check_<stage>.json (device, driver, torch, Triton, exit status, its
+# summary) under DIR (default bench/results/<gpu>/, beside the benchmark suites' JSON); commit
+# them, then `python -m bench readme` puts them in the README's Results. Each stage stops itself
+# after STAGE_SECONDS (default 540) so that a call's 10 minutes leave time to fetch the results.
+#
+# --dry-run runs every stage in miniature on a CPU, through Triton's interpreter or the reference
+# backend, into DIR (required): what CI runs so that this script cannot rot. Its figures mean nothing.
 set -uo pipefail
-out=${1:?usage: bash bench/gpu_check.sh OUTDIR [tests|bench|train ...]}
-shift
-stages=${*:-tests bench train}
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python}
+stage_seconds=${STAGE_SECONDS:-540}
+dry=0
+out=""
+stages=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) dry=1 ;;
+    --out) out=${2:?--out needs a folder}; shift ;;
+    install|tests|bench|train|capacity) stages+=("$1") ;;
+    *) echo "usage: bash bench/gpu_check.sh [--dry-run] [--out DIR] [install|tests|bench|train|capacity ...]" >&2; exit 2 ;;
+  esac
+  shift
+done
+[ ${#stages[@]} -gt 0 ] || stages=(install tests bench train capacity)
+if [ "$dry" -eq 1 ]; then
+  [ -n "$out" ] || { echo "--dry-run needs --out DIR: its figures never go to bench/results/" >&2; exit 2; }
+  export TRITON_INTERPRET=1
+fi
+if [ -z "$out" ]; then
+  out=$("$python" -c "import torch; from bench.report import device_folder; print(device_folder(torch.cuda.get_device_name()))") \
+    || { echo "no GPU visible to torch: run with --dry-run --out DIR on a CPU" >&2; exit 2; }
+fi
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
-"$python" -m pip install --no-deps --no-build-isolation -e . > "$out/install.log" 2>&1 \
-  || { echo "install failed:"; tail -20 "$out/install.log"; exit 1; }
+# Runs one stage (a function below, in a child shell so that timeout can stop it) under the time
+# limit, then records it: its log and gpu_check_<stage>.json.
+run_stage() {
+  local stage=$1
+  local log="$out/gpu_check_$stage.log"
+  local started=$SECONDS
+  timeout "$stage_seconds" bash -c "$stage" > "$log" 2>&1
+  local rc=$?
+  local record=(--exit "$rc" --seconds $((SECONDS - started)) --log "$log" --out "$out")
+  [ "$dry" -eq 0 ] || record+=(--dry-run)
+  "$python" -m bench gpu_stage "$stage" "${record[@]}"
+  return "$rc"
+}
 
+install() {
+  if [ "$dry" -eq 0 ]; then
+    "$python" -m pip install --no-deps --no-build-isolation -e . || return 1
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  fi
+  # one real launch of each kind of kernel, checked against the reference
+  "$python" -c "
+import torch, fused_remat
+device = 'cuda' if torch.cuda.is_available() else 'cpu'
+dtype = torch.bfloat16 if device == 'cuda' else torch.float32
+block = fused_remat.TransformerBlock(128, 4, rope_theta=1e4, device=device, dtype=dtype)
+x = torch.randn(2, 64, 128, device=device, dtype=dtype, requires_grad=True)
+block(x).float().square().mean().backward()
+reference = fused_remat.reference.TransformerBlock(128, 4, rope_theta=1e4, device=device, dtype=dtype)
+reference.load_state_dict(block.state_dict())
+error = (block(x) - reference(x)).abs().max().item()
+print(f'one block step on {device}: max difference from the reference {error:.3g}')
+assert error < 0.1 and x.grad.isfinite().all()
+"
+}
+
+tests() {
+  # without CUDA the gpu-marked tests skip, and CI runs the kernel files anyway: a dry run collects
+  local collect=()
+  [ "$dry" -eq 0 ] || collect=(--collect-only -q)
+  "$python" -m pytest -q -p no:cacheprovider --benchmark-disable "${collect[@]}" -m gpu tests bench
+  local rc=$?
+  "$python" -m pytest -q -p no:cacheprovider --benchmark-disable "${collect[@]}" -x tests/test_attention.py \
+    tests/test_norms.py tests/test_activations.py tests/test_rope.py tests/test_block.py tests/test_remat_points.py
+  return $(( rc || $? ))
+}
+
+bench() {
+  if [ "$dry" -eq 1 ]; then
+    # the suites' own smoke runs are CI tests (tests/test_bench_cli.py): here the stage's path, on the quickest
+    "$python" -m bench --smoke --quick --out "$out/bench" norms && "$python" -m bench summary --out "$out/bench"
+  else
+    "$python" -m bench --quick --out "$out" attention block norms memory && "$python" -m bench summary --out "$out"
+  fi
+}
+
+train() {
+  if [ "$dry" -eq 1 ]; then
+    "$python" -m fused_remat.train --backend reference --steps 2 --eval-interval 2 --seq-len 32 --batch-size 2 \
+      --eval-batches 2 --out "$out/train_main"
+  else  # the run's checkpoint (GBs) stays out of the results: its metrics and plot are copied over
+    local run_dir
+    run_dir=$(mktemp -d)
+    "$python" -m fused_remat.train --steps 100 --out "$run_dir" || return 1
+    mkdir -p "$out/train_main" && cp "$run_dir/metrics.jsonl" "$run_dir"/*.png "$out/train_main/"
+  fi
+}
+
+capacity() {
+  if [ "$dry" -eq 1 ]; then
+    "$python" -m fused_remat.train --find-max-seq-len --preset tiny --batch-size 1 --memory-budget 1MiB \
+      --out "$out/find_max"
+  else
+    "$python" -m fused_remat.train --find-max-seq-len --batch-size 1 --out "$out/find_max"
+  fi
+}
+
+export python out dry
+export -f install tests bench train capacity
 failed=0
-echo "== $(cat "$out/gpu.txt")"
-if [[ " $stages " == *" tests "* ]]; then
-  "$python" -m pytest -q -p no:cacheprovider --benchmark-disable tests bench > "$out/tests.log" 2>&1
-  rc=$?; failed=$(( failed || rc ))
-  echo "== tests (exit $rc): $(tail -1 "$out/tests.log")"
-  grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -20
-fi
-if [[ " $stages " == *" bench "* ]]; then
-  "$python" -m bench --quick --out "$out/results" > "$out/bench.log" 2>&1
-  rc=$?; failed=$(( failed || rc ))
-  echo "== quick benchmarks (exit $rc): $(tail -1 "$out/bench.log")"
-  [ "$rc" -eq 0 ] || tail -20 "$out/bench.log"
-  "$python" -m bench summary --out "$out/results"
-fi
-if [[ " $stages " == *" train "* ]]; then
-  # The README's main job (short), then the longest trainable sequence per policy.
-  { "$python" -m fused_remat.train --steps 100 --out "$out/train_main" \
-      && "$python" -m fused_remat.train --find-max-seq-len --batch-size 1 --out "$out/find_max"; } > "$out/train.log" 2>&1
-  rc=$?; failed=$(( failed || rc ))
-  echo "== trainer (exit $rc):"
-  grep -E "^\[#+\] (100|50)/100|^  (reference|fused_remat)|^done|error" "$out/train.log" | tail -12
-fi
+for stage in "${stages[@]}"; do
+  run_stage "$stage"
+  rc=$?
+  failed=$(( failed || rc ))
+  if [ "$stage" = install ] && [ "$rc" -ne 0 ]; then
+    echo "install failed: the other stages would test what is not installed" >&2
+    exit 1
+  fi
+done
 exit "$failed"

@@ -186,11 +186,21 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def _nvidia_driver() -> str | None:
+    """The NVIDIA driver's version as nvidia-smi gives it, or None without one."""
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, check=True, timeout=30).stdout.split("\n")[0].strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def environment() -> dict:
     import triton
 
     return {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "driver": _nvidia_driver(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
