@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import context_parallel, custom_ops, offload, reference
-from .backend import autocast_dtype, use_triton
+from .backend import autocast_dtype, requested_backend, use_triton
 from .flops import attention_op_flops, document_pairs, flop_formula, matmul_flops, visible_pairs
 from .kernels.limits import SUPPORTED_DTYPES
 from .remat import (COMPUTE, FP32, KEPT_FOR_BACKWARD, RESIDUAL, Kept, Remat, budget_points, check_memory_budget,
@@ -777,7 +777,10 @@ class TransformerBlock(reference.TransformerBlock):
                                    f"with TRITON_INTERPRET=1 on CPU); this call would use the reference block")
         params = [self._parameter(name) for name in _PARAMETERS]
         compute_dtype = self._compute_dtype(x, params)  # the same dtype check on both paths
-        if not use_triton(_OP, x.device):  # the reference math; a policy that replays through torch.utils.checkpoint
+        # Meta tensors (a model sized before it is allocated) take the custom operators too: their fake
+        # kernels give the fused block's shapes, their FLOP formulas its counts.
+        on_meta = x.device.type == "meta" and requested_backend() != "reference"
+        if not (on_meta or use_triton(_OP, x.device)):  # the reference math; a replaying point through torch.utils.checkpoint
             return super().forward(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen or None, position_ids=position_ids,
                                    rope_inv_freq=rope_inv_freq, adapters=adapters)
         call = _BlockCall(

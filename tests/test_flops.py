@@ -75,6 +75,21 @@ def test_the_block_counts_its_matmuls_and_causal_attention_and_the_replay(remat,
     assert set(per_op) == {"block_bwd"}, "the block is one operator: nothing inside it is counted twice"
 
 
+@pytest.mark.parametrize("remat", ["none", "full", "keep:o,lse,h"])
+def test_the_block_on_meta_tensors_counts_what_it_counts_on_real_ones(remat, triton_backend):
+    """A model sized on the meta device before it is allocated is counted as it will run: the
+    block's custom operators, their fake kernels and FLOP formulas, not the reference math."""
+    counts = []
+    for device in ("cpu", "meta"):
+        block = _block(remat).to(device)
+        x = torch.randn(2, 33, 48, device=device, requires_grad=True)
+        forward, _ = _counted(lambda: block(x))
+        y = block(x)
+        backward, per_op = _counted(lambda: y.backward(torch.ones_like(y)))
+        counts.append((forward, backward, set(per_op)))
+    assert counts[0] == counts[1] and counts[1][2] == {"block_bwd"}
+
+
 def test_frozen_weights_are_not_counted_in_backward(triton_backend):
     block = _block("cheap").requires_grad_(False)
     x = torch.randn(1, 17, 48, requires_grad=True)
