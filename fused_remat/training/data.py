@@ -21,8 +21,10 @@ Batches are ``Batch(inputs, targets, cu_seqlens, max_seqlen)``: int64 inputs and
 ``(batch_size, seq_len)`` cut at random offsets, the targets being the inputs shifted by one token.
 The offsets of a training batch are a pure function of ``(seed, step, micro_step, rank)``: a run
 resumed at step k draws exactly the batches an uninterrupted run would have, and data-parallel
-ranks draw different ones. Validation batches depend only on the seed, so every evaluation scores
-the same tokens.
+ranks draw different ones. The trainer passes ``micro_step`` 0 and, as ``rank``, the micro-batch's
+slot in its step (``loop.micro_batch_slot``: rank x grad_accum + micro-step), so that a step's global
+batch is the same sequences on any world with as many micro-batches per step. Validation batches
+depend only on the seed, so every evaluation scores the same tokens.
 
 Documents (``document_boundary``, the trainer's ``--document-boundary``). Where the data says where
 documents start, a batch also carries them, so that attention stays within each: ``cu_seqlens``,
