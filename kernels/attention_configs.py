@@ -25,7 +25,7 @@ TUNE_KEY = ["N_CTX_Q_KEY", "N_CTX_K_KEY", "HEAD_DIM", "CAUSAL", "WINDOW", "SOFTC
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and GPU family: 90 = Hopper (sm_90) and
 # newer, 80 = Ampere/Ada. Forward and dQ stream key tiles past a resident query tile; dK/dV streams
 # query tiles past a resident key tile (its BLOCK_N is the resident side). Chosen from the compiled
-# form at bf16, D 64/128:
+# form at bf16, D 64/128 (and 256 where a list says so):
 # - Hopper: every dot a warpgroup MMA (HGMMA) doing each multiply-add once. Left out: 8-warp tiles
 #   with 64 query rows in fwd/dQ (both warpgroups recompute S and dP), dK/dV key tiles below 64
 #   rows (BLOCK_N = 32: wgmma needs M >= 64, so mma.sync instead) and 8-warp dK/dV tiles of 64 key
@@ -36,36 +36,66 @@ TUNE_KEY = ["N_CTX_Q_KEY", "N_CTX_K_KEY", "HEAD_DIM", "CAUSAL", "WINDOW", "SOFTC
 #   Warp specialization is not among them: tl.range(warp_specialize=True) left the forward loop
 #   unchanged at 8 warps (the same SASS, no register reallocation) and failed in Triton 3.9's
 #   NVGPUWarpSpecialization pass at 4 warps, on sm_90a.
-# - A100: the configurations measured before the Hopper list; those that spill are in SPILLS.
+#   dK/dV at D=256 (HEAD_DIMS): no wgmma tile keeps dK and dV in registers. A warpgroup's wgmma
+#   covers 64 key rows, so a tile without repeated work holds at least 64 rows x 256 columns x 2
+#   fp32 accumulators per 128 threads, 256 registers a thread: every such tile spills (2 KB a thread
+#   and more, 128 spill loads and 128 spill stores an iteration of the hot loop), and the 8-warp
+#   tiles of 64 key rows that halve that repeat S^T and dP^T in both warpgroups (M16 N64 w8: no
+#   spills, but 1.5x the multiply-adds and 4669 warp instructions per million useful ones). M64 N32
+#   w8 s2 takes mma.sync (32 key rows, below wgmma's 64), its 8 warps along the 64 query rows and
+#   the head dim: no spills (at most 242 registers, causal and GQA, Triton 3.6 and 3.9), each
+#   multiply-add once, 1472 warp instructions per million useful multiply-adds, against 2457 for the
+#   least-spilling wgmma tile (M16 N128 w8 s3) and 1339-1379 for the other two that fit (M32 N64 w4
+#   s4, M32 N128 w8 s3), whose counts include those 256 spill instructions an iteration (bf16, MHA,
+#   Triton 3.9). It is the D=256 dK/dV list.
+# - A100 (mma.sync, HMMA): as on Hopper, each multiply-add once and no spills. Triton lays out the
+#   warps of all the chained products of a hot loop alike, following the accumulator's (rows: the
+#   resident tile; columns: the head dim): along its rows, 16 a warp, when it has at least as many
+#   rows as columns, else along its columns, 8 a warp; a product narrower than the warps' span is
+#   computed by several warps at once (mma_sync_work, which the pruner applies at each head dim:
+#   e.g. fwd M64 N64 w8 repeats everything twice at D=64 and nothing at D=128). In, among others:
+#   fwd M128 N128 w8 and M128 N64 w8 (the fewest instructions per multiply-add at D 64 and 128),
+#   M64 N64 w8 and M32 N64 w8 for D=256; dQ M128 N64 w8 (D 64), M128 N32 w8 (D 128), M32 N64 w8
+#   and M32 N32 w4 (D 256; the first spills on Triton 3.6 without a causal mask); dK/dV M16 N128 w8
+#   (the fewest at D 64 and 128), M128 N32 w8 and M64 N32 w8 (warps along the head dim) and M64 N16
+#   w8 (the one tile without spills at D=256 with causal GQA). Left out: the tiles that
+#   repeat work at every head dim 64-256 (fwd and dQ M64 N32 w8; dK/dV M16 N64 w8, M32 N64 w8,
+#   M16 N32 w4, M32 N32 w8), those that spill at most head dims where they fit (fwd M64 N128 w4;
+#   dQ M64 N128 w8, M64 N64 w4; dK/dV M64 N128 w8, M32 N128 w8, M32 N64 w4, M64 N32 w4) and fwd
+#   M64 N64 w8 s3 (s2 instead: s3 is over the shared memory estimate at D=256, the head dim it is for).
 SHAPES = {
     "fwd": {
         90: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 2)],
-        80: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 8, 2), (64, 64, 4, 3),
-             (64, 64, 8, 3), (64, 128, 4, 3), (64, 32, 4, 2), (64, 32, 8, 2)],
+        80: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 8, 2), (64, 64, 4, 3), (64, 32, 4, 2), (64, 64, 8, 2),
+             (32, 64, 8, 2)],
     },
     "dq": {
         90: [(128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4),
              (64, 16, 4, 3)],
-        80: [(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 8, 3), (64, 32, 8, 3),
-             (64, 64, 4, 3), (64, 32, 4, 4), (64, 128, 8, 2), (64, 32, 8, 2)],
+        80: [(128, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 4), (64, 64, 8, 3), (32, 64, 8, 2), (32, 32, 4, 3)],
     },
     "dkdv": {
-        90: [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (16, 128, 8, 3), (32, 64, 4, 4)],
-        80: [(32, 128, 8, 3), (64, 128, 8, 3), (16, 64, 8, 3), (32, 64, 8, 2),
-             (32, 64, 4, 4), (16, 32, 4, 2), (32, 32, 8, 2), (64, 32, 4, 3)],
+        90: [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (16, 128, 8, 3), (32, 64, 4, 4), (64, 32, 8, 2)],
+        80: [(16, 128, 8, 2), (128, 32, 8, 2), (64, 32, 8, 2), (64, 16, 8, 2)],
     },
 }
 
+# Configurations offered only at some padded head dims: (family, kernel, shape) -> head dims.
+HEAD_DIMS = {
+    (90, "dkdv", (64, 32, 8, 2)): (256,),  # mma.sync: the one spill-free D=256 dK/dV tile (above)
+}
+
 # Where a configuration spills registers (ptxas -v on the compiled kernel; bf16, fp16 taken as the
-# same): every configuration of SHAPES at head dims 64, 128 and 256, causal and not, MHA and GQA
-# 4:1 (fwd and dQ do not depend on GQA), on Triton 3.6 and 3.9, compiled for sm_90a and sm_80
-# through the launchers (bench/static.py's stand-in driver). An entry lists the cases where either
-# Triton version spills: (family, kernel, (BLOCK_M, BLOCK_N, num_warps)) -> [(padded head dims,
-# causal, GQA)], None = either, and a fourth element, the Triton versions, where only some spill.
-# A configuration not listed spilled nowhere. How much each spills: static.json / static.md.
+# same): every configuration of SHAPES at head dims 64, 128 and 256 where it fits the shared memory
+# estimate (and, on sm_80, does each multiply-add once), causal and not, MHA and GQA 4:1 (fwd and dQ
+# do not depend on GQA), on Triton 3.6 and 3.9, compiled for sm_90a and sm_80 through the launchers
+# (bench/static.py's stand-in driver). An entry lists the cases where either Triton version spills:
+# (family, kernel, (BLOCK_M, BLOCK_N, num_warps)) -> [(padded head dims, causal, GQA)], None =
+# either, and a fourth element, the Triton versions, where only some spill. A configuration not
+# listed spilled nowhere. How much each spills: static.json / static.md.
 SPILLS = {
-    # D=256: dK and dV's accumulators alone fill a thread's registers in every Hopper dK/dV tile, so
-    # all of them spill and the pruning falls back to those that fit.
+    # D=256: dK and dV's accumulators alone fill a thread's registers in every Hopper wgmma dK/dV
+    # tile, so all of them spill; the pruning keeps the mma.sync tile of HEAD_DIMS.
     (90, "dkdv", (64, 128, 8)): [((128,), None, True), ((128,), True, False), ((256,), None, None)],
     (90, "dkdv", (32, 128, 8)): [((128,), True, True), ((256,), None, None)],
     (90, "dkdv", (32, 64, 4)): [((128,), True, True), ((256,), None, None)],
@@ -77,26 +107,14 @@ SPILLS = {
     (90, "dq", (128, 32, 8)): [((256,), None, None, "3.6")],
     (90, "fwd", (128, 128, 8)): [((256,), None, None)],
     (90, "fwd", (64, 128, 4)): [((256,), True, None)],
-    (80, "dkdv", (64, 128, 8)): [((64, 128, 256), None, None)],
-    (80, "dkdv", (32, 128, 8)): [((64,), None, True), ((128, 256), None, None)],
-    (80, "dkdv", (32, 64, 4)): [((64,), None, True), ((64,), True, False), ((128, 256), None, None)],
-    (80, "dkdv", (32, 64, 8)): [((64,), True, True), ((256,), None, True), ((256,), True, False)],
-    (80, "dkdv", (64, 32, 4)): [((64,), True, True), ((128, 256), None, None)],
-    (80, "dkdv", (16, 64, 8)): [((256,), True, True)],
-    (80, "dkdv", (16, 32, 4)): [((256,), True, None)],
-    (80, "dq", (128, 64, 8)): [((128, 256), None, None)],
-    (80, "dq", (128, 32, 8)): [((256,), None, None)],
-    (80, "dq", (64, 128, 8)): [((64, 256), None, None), ((128,), True, None)],
-    (80, "dq", (64, 64, 4)): [((128, 256), None, None)],
-    (80, "dq", (64, 64, 8)): [((256,), True, None)],
-    (80, "dq", (64, 32, 4)): [((256,), True, None)],
-    (80, "fwd", (128, 128, 8)): [((128, 256), None, None)],
-    (80, "fwd", (128, 64, 8)): [((256,), None, None)],
-    (80, "fwd", (128, 32, 8)): [((64,), True, None), ((256,), None, None)],
-    (80, "fwd", (64, 128, 4)): [((64, 128, 256), None, None)],
-    (80, "fwd", (64, 64, 4)): [((128,), True, None), ((256,), None, None)],
-    (80, "fwd", (64, 32, 8)): [((64,), True, None), ((128,), False, None)],
+    (80, "dkdv", (128, 32, 8)): [((128,), True, True)],
+    (80, "dkdv", (64, 32, 8)): [((256,), True, True)],
+    (80, "dq", (128, 64, 8)): [((128,), None, None)],
+    (80, "dq", (32, 64, 8)): [((256,), False, None, "3.6")],
+    (80, "fwd", (128, 128, 8)): [((64,), True, None, "3.6")],
+    (80, "fwd", (64, 64, 4)): [((128,), True, None, "3.9")],
     (80, "fwd", (64, 32, 4)): [((256,), None, None)],
+    (80, "fwd", (32, 64, 8)): [((128,), True, None, "3.6")],
 }
 
 # Configurations that spill only under a mask of real batches (the WINDOW, SOFTCAP and VARLEN
@@ -109,7 +127,9 @@ VARIANT_SPILLS = {
     (90, "dkdv", (32, 64, 4)): [((128,), {"window", "varlen"})],
     (90, "dq", (128, 128, 8)): [((128,), {"softcap"})],
     (80, "fwd", (128, 64, 8)): [((128,), {"window"})],
+    (80, "fwd", (64, 64, 4)): [((128,), {"softcap"})],
     (80, "dq", (64, 32, 4)): [((128,), {"varlen"})],
+    (80, "dkdv", (128, 32, 8)): [((128,), {"softcap"})],
 }
 # The constexpr that turns each variant on.
 VARIANT_FLAGS = {"window": "WINDOW", "softcap": "SOFTCAP", "varlen": "VARLEN"}
@@ -191,6 +211,34 @@ def variant_spills(family: int, kernel: str, config, head_dim: int, variants: se
                for dims, spilling in VARIANT_SPILLS.get((family, kernel, blocks), ()))
 
 
+def offered_at(family: int, kernel: str, config, head_dim: int) -> bool:
+    """Whether HEAD_DIMS leaves ``config`` in ``family``'s list at this padded head dim."""
+    dims = HEAD_DIMS.get((family, kernel, config_shape(config)))
+    return dims is None or head_dim in dims
+
+
+def mma_sync_work(kernel: str, config, head_dim: int) -> float:
+    """The multiply-adds the hot loop's mma.sync (HMMA) instructions execute over those it needs
+    (1.0: each once) at this padded head dim, as Triton lays out their warps: every chained product
+    of the loop like the accumulator's (rows: the resident tile, BLOCK_M in fwd/dQ and BLOCK_N in
+    dK/dV; columns: the head dim), all warps along its rows (16 rows a warp) where it has at least
+    as many rows as columns, else all along its columns (8 columns a warp). Where a product is
+    narrower than the warps' span, the warps beyond it compute the same multiply-adds again. This is
+    bench/static.py's mma_work_ratio of each of the 1040 sm_80 attention kernels compiled while
+    choosing SHAPES (fwd, dQ, dK/dV; BLOCK_M and BLOCK_N 16 to 128, 4 and 8 warps, D 64/128/256,
+    causal and not, MHA and GQA, the masks of real batches; Triton 3.6 and 3.9), and
+    tests/test_compile_targets.py holds it to the compiled ratio. Hopper's wgmma is not modelled."""
+    m, n, warps = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps
+    resident, streamed = (n, m) if kernel == "dkdv" else (m, n)
+    if resident >= head_dim:
+        return max(1.0, 16 * warps / resident)
+    # the products' columns: fwd S (keys), PV (head dim); dQ S, dP (keys), dS K (head dim);
+    # dK/dV S^T, dP^T (queries), P^T dO, dS^T Q (head dim)
+    widths = {"fwd": (streamed, head_dim), "dq": (streamed, streamed, head_dim),
+              "dkdv": (streamed, streamed, head_dim, head_dim)}[kernel]
+    return sum(max(1.0, 8 * warps / width) for width in widths) / len(widths)
+
+
 def fp32_config(kernel: str, head_dim: int):
     """The one configuration of ``kernel`` for fp32 inputs at this padded head dim (FP32_SHAPES)."""
     shapes = FP32_SHAPES[kernel]
@@ -198,11 +246,14 @@ def fp32_config(kernel: str, head_dim: int):
 
 
 def pruner(kernel: str):
-    """The autotuner's early_config_prune for ``kernel``: the target family's list, within its
-    shared memory, without the configurations SPILLS lists for this head dim, causality and GQA
-    (unknown ones count as spilling) nor those VARIANT_SPILLS lists for the launch's masks. Never empty: if every configuration spills, those that fit are
-    kept, and if none fits, the fp32 one (small enough for any head dim). fp32 (IEEE dots, a
-    correctness path rather than a fast one) gets its one configuration of FP32_SHAPES."""
+    """The autotuner's early_config_prune for ``kernel``: the target family's list (at the head dims
+    HEAD_DIMS allows), within its shared memory, on sm_80 without the configurations whose warps
+    repeat multiply-adds (mma_sync_work), and without those SPILLS lists for this head dim,
+    causality and GQA (unknown ones count as spilling) nor those VARIANT_SPILLS lists for the
+    launch's masks. Never empty: if every configuration spills, those that do each multiply-add
+    once are kept, else those that fit, and if none fits, the fp32 one (small enough for any head
+    dim). fp32 (IEEE dots, a correctness path rather than a fast one) gets its one configuration of
+    FP32_SHAPES."""
 
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
@@ -217,16 +268,19 @@ def pruner(kernel: str):
         gqa = None if "GROUP" not in args else int(args["GROUP"]) > 1
         fitting = []
         for config in configs:
-            if config_shape(config) not in wanted or smem_estimate(config, head_dim, elem, kernel) > limit:
+            if config_shape(config) not in wanted or not offered_at(family, kernel, config, head_dim):
+                continue
+            if smem_estimate(config, head_dim, elem, kernel) > limit:
                 continue
             # Register budget: a 128-row fp32 accumulator of width 256 needs 8 warps.
             if head_dim >= 256 and config.kwargs["BLOCK_N" if kernel == "dkdv" else "BLOCK_M"] >= 128 and config.num_warps < 8:
                 continue
             fitting.append(config)
+        once = [c for c in fitting if family != 80 or mma_sync_work(kernel, c, head_dim) == 1.0]
         variants = {name for name, flag in VARIANT_FLAGS.items() if args.get(flag)}
-        keep = [c for c in fitting if not spills(family, kernel, c, head_dim, causal, gqa)
+        keep = [c for c in once if not spills(family, kernel, c, head_dim, causal, gqa)
                 and not variant_spills(family, kernel, c, head_dim, variants)]
-        return keep or fitting or [fp32_config(kernel, head_dim)]
+        return keep or once or fitting or [fp32_config(kernel, head_dim)]
 
     return prune
 
@@ -237,6 +291,6 @@ KERNELS = ("fwd", "dq", "dkdv")
 CONFIGS = {k: make_configs(dict.fromkeys(SHAPES[k][90] + SHAPES[k][80])) for k in KERNELS}
 PRUNERS = {k: pruner(k) for k in KERNELS}
 
-__all__ = ["CONFIGS", "FP32_SHAPES", "INTERPRETER_CONFIG", "KERNELS", "PRUNERS", "RESIDENT_TILES", "SHAPES", "SMEM_LIMIT", "SPILLS", "TUNE_KEY", "VARIANT_FLAGS", "VARIANT_SPILLS",
-           "config_shape", "fp32_config", "make_configs", "pruner", "smem_estimate", "smem_limit", "spills", "variant_spills",
-           "target_family"]
+__all__ = ["CONFIGS", "FP32_SHAPES", "HEAD_DIMS", "INTERPRETER_CONFIG", "KERNELS", "PRUNERS", "RESIDENT_TILES", "SHAPES", "SMEM_LIMIT", "SPILLS", "TUNE_KEY", "VARIANT_FLAGS",
+           "VARIANT_SPILLS", "config_shape", "fp32_config", "make_configs", "mma_sync_work", "offered_at", "pruner", "smem_estimate", "smem_limit",
+           "spills", "variant_spills", "target_family"]

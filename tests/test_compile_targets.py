@@ -10,7 +10,8 @@ cached for the session, shared by xdist workers. Per compiled kernel, separate t
   register allocation (32 registers and a stack of kilobytes, what its old tiles compiled to);
 - ``hgmma``: on sm_90a, every attention dot is a Hopper warpgroup MMA (HGMMA), no mma.sync (HMMA);
 - ``not_serialized``: on sm_90a, ptxas does not report advisory C7515 (wgmma serialized);
-- ``work_once``: the hot loop's MMAs execute exactly the multiply-adds needed (no warpgroup repeats);
+- ``work_once``: the hot loop's MMAs execute exactly the multiply-adds needed (no warp or warpgroup
+  repeats another's);
 - ``copy_engine``: the attention kernels stream their tiles by TMA on sm_90a (tensor descriptors)
   and without it on sm_80, which has none (pointer loads, cp.async).
 
@@ -18,13 +19,16 @@ Floating-point fusion: one case per launch site compiled for sm_90a with Triton'
 off (Triton 3.10's) is the same SASS as with it on, FFMAs included: the launches ask for fusion.
 
 The attention goals (no spills, HGMMA, no C7515, work once, TMA) hold on sm_90a, the target the
-attention kernels are tuned for; on sm_80 the attention kernels are checked to compile, fit and use
-no TMA, and every other kernel also for no spills.
+attention kernels are tuned for; on sm_80 the attention kernels are held to the same standard but for
+the two goals of warpgroup MMAs (HGMMA, C7515): they fit, do not spill, do each multiply-add once and
+use no TMA. Every other kernel is checked to fit and not spill on both.
 
 Goals today's kernels do not meet are strict xfails with the reason (``known_failure``): the day
-a kernel meets one, its test fails as XPASS and the entry must go. Spills, HMMA and repeated work
-are not among them: the autotuner's pruning keeps, per target, only configurations without them
-(``picked_configs`` asks it under the stand-in driver), and those are asserted.
+a kernel meets one, its test fails as XPASS and the entry must go. Spills and repeated work are
+not among them: the autotuner's pruning keeps, per target, only configurations without them
+(``picked_configs`` asks it under the stand-in driver), and those are asserted. HMMA on sm_90a is
+one, at D=256 in dK/dV only: there the one tile without spills takes mma.sync (see
+test_hopper_dkdv_at_head_dim_256_spill_free).
 
 CI runs a small subset (a few minutes on 2 cores). ``FUSED_REMAT_COMPILE_ALL=1`` adds every
 configuration the attention autotuner can pick, every dtype, head dims 64/128/256, causal and not,
@@ -54,25 +58,35 @@ PROPERTIES = ("fits", "no_spills", "few_spills", "hgmma", "not_serialized", "wor
 FP32_SPILL_BUDGET = {64: 64, 128: 64, 256: 512}
 MMA_KERNELS = ("_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv")
 
-# The CI subset: one configuration each of the attention kernels (the autotuner's first choices),
-# one norm, one activation, RoPE, on sm_90a and sm_80.
+# The CI subset: the forward at a configuration both targets pick, one norm, one activation, RoPE,
+# on sm_90a and sm_80.
 CI_CASES = [
     Case("attention_fwd", "bfloat16", 64, causal=True, config=(128, 64, 8, 3)),
     Case("attention_fwd", "bfloat16", 128, causal=False, config=(128, 64, 8, 3)),
-    Case("attention_bwd", "bfloat16", 64, causal=True, config=(128, 64, 8, 3), dkdv_config=(32, 128, 8, 3)),
     Case("rms_norm_bwd", "bfloat16", width=4096),
     Case("swiglu_bwd", "bfloat16", width=4096),
     Case("rope", "bfloat16", 128),
 ]
-# On sm_90a only (Hopper's own picks): the largest forward tile, dK/dV with GQA at D=128, where the
-# larger dK/dV tiles spill, the dK/dV tile with the fewest instructions per multiply-add, and fp32
-# (FFMA dots, the small tiles of FP32_SHAPES).
+# On sm_90a only (Hopper's own picks): the backward, the largest forward tile, dK/dV with GQA at
+# D=128, where the larger dK/dV tiles spill, the dK/dV tile with the fewest instructions per
+# multiply-add, fp32 (FFMA dots, the small tiles of FP32_SHAPES) and D=256 with causal GQA (dK/dV's
+# mma.sync tile, HOPPER_D256_DKDV).
 CI_SM90_CASES = [
+    Case("attention_bwd", "bfloat16", 64, causal=True, config=(128, 64, 8, 3), dkdv_config=(32, 128, 8, 3)),
     Case("attention_fwd", "bfloat16", 128, causal=True, config=(128, 128, 8, 3)),
     Case("attention_bwd", "bfloat16", 128, causal=True, gqa=True, config=(128, 32, 8, 3), dkdv_config=(16, 128, 8, 3)),
     Case("attention_bwd", "bfloat16", 128, config=(128, 64, 8, 3), dkdv_config=(64, 128, 8, 2)),
     Case("attention_fwd", "float32", 128, causal=True, config=(16, 16, 8, 2)),
     Case("attention_bwd", "float32", 128, gqa=True, config=(16, 16, 8, 2), dkdv_config=(32, 16, 8, 2)),
+    Case("attention_bwd", "bfloat16", 256, causal=True, gqa=True, config=(64, 16, 4, 3), dkdv_config=(64, 32, 8, 2)),
+]
+# On sm_80 only (A100's own picks): the backward at D=64 (dK/dV's warps along the head dim), with GQA
+# at D=128 (dQ's 8 warps on 64 query rows, along the head dim) and at D=256 (dK/dV's one tile without
+# spills with causal GQA).
+CI_SM80_CASES = [
+    Case("attention_bwd", "bfloat16", 64, causal=True, config=(128, 64, 8, 3), dkdv_config=(128, 32, 8, 2)),
+    Case("attention_bwd", "bfloat16", 128, causal=True, gqa=True, config=(64, 64, 8, 3), dkdv_config=(16, 128, 8, 2)),
+    Case("attention_bwd", "bfloat16", 256, causal=True, gqa=True, config=(32, 32, 4, 3), dkdv_config=(64, 16, 8, 2)),
 ]
 # The masks of real batches (bench/static.py's VARIANTS), on sm_90a, each with the tile and head dim
 # of a dense case above: its twin for the instruction comparison (test_variant_hot_loop_near_dense).
@@ -90,7 +104,7 @@ VARIANT_CASES = [
          variant="varlen"),
 ]
 CI_PAIRS = ([(c, t) for c in CI_CASES for t in ("sm_90a", "sm_80")]
-            + [(c, "sm_90a") for c in CI_SM90_CASES + VARIANT_CASES])
+            + [(c, "sm_90a") for c in CI_SM90_CASES + VARIANT_CASES] + [(c, "sm_80") for c in CI_SM80_CASES])
 
 
 def picked_configs(kernel: str, target: str, dtype: str, head_dim: int, causal: bool, gqa: bool,
@@ -150,15 +164,17 @@ def _kernels(case: Case) -> tuple[str, ...]:
 
 
 def known_failure(case: Case, target: str, kernel: str, prop: str) -> str | None:
-    """Why a goal is not met today, or None where it must hold. Spills, HMMA fallbacks and
-    repeated matrix work are not here: the attention autotuner's pruning leaves out, per target, every
-    configuration that shows them (kernels/attention_configs.py, SHAPES and SPILLS), so every configuration
-    it can pick is asserted to have none, but for dK/dV at D=256, where no tile avoids spilling (the
-    pruning then keeps those that fit). fp16 is assumed to behave as bf16, and the fp32 entries
-    (full set only) follow earlier measurements, not a run of these tests."""
+    """Why a goal is not met today, or None where it must hold. Spills and repeated matrix work
+    are not here: the attention autotuner's pruning leaves out, per target, every configuration that
+    shows them (kernels/attention_configs.py: SHAPES, SPILLS, mma_sync_work), so every configuration
+    it can pick is asserted to have none. HMMA is, for Hopper's dK/dV at D=256: every wgmma tile
+    spills there (the dK and dV accumulators alone need 256 registers a thread), so the pick is an
+    mma.sync tile. fp16 is assumed to behave as bf16, and the fp32 entries (full set only) follow
+    earlier measurements, not a run of these tests."""
     sm90_attention = target == "sm_90a" and kernel in MMA_KERNELS
-    if prop == "no_spills" and sm90_attention and kernel == "_attn_bwd_dkdv" and case.head_dim == 256:
-        return "D=256 dK/dV: the dK and dV accumulators alone need 256 registers a thread in every wgmma tile"
+    if prop == "hgmma" and sm90_attention and kernel == "_attn_bwd_dkdv" and case.head_dim == 256:
+        return ("D=256 dK/dV: mma.sync (32 key rows), the one tile without spills; every wgmma tile spills "
+                "(dK and dV need 256 registers a thread) or repeats S^T and dP^T in both warpgroups")
     return None
 
 
@@ -169,9 +185,9 @@ def _params():
     for case, target, full in cases:
         for kernel in _kernels(case):
             for prop in PROPERTIES:
-                # The attention goals are for sm_90a; on sm_80 the attention kernels must compile
-                # and fit (their spills and repeated work are in the static table, not asserted).
-                if kernel in MMA_KERNELS and target != "sm_90a" and prop not in ("fits", "copy_engine"):
+                # sm_80 has no warpgroup MMA: its attention kernels are held to the rest of the
+                # standard (fit, no spills, each multiply-add once, no TMA).
+                if kernel in MMA_KERNELS and target != "sm_90a" and prop in ("hgmma", "not_serialized"):
                     continue
                 if kernel not in MMA_KERNELS and prop in ("hgmma", "not_serialized", "work_once", "copy_engine"):
                     continue
@@ -309,6 +325,98 @@ def test_hopper_picks_follow_the_rules(dtype, dim, causal, gqa):
                 assert n >= 64 * max(1, warps // 4), f"dkdv M{m} N{n} w{warps}: key tile below 64 rows per warpgroup"
             else:
                 assert not (m < 128 and warps == 8), f"{kernel} M{m} N{n} w{warps}: 8 warps on {m} query rows"
+
+
+AMPERE_SHAPES = [(dtype, dim, causal, gqa) for dtype in ("bfloat16", "float16") for dim in (16, 32, 64, 128, 256)
+                 for causal in (False, True) for gqa in (False, True)]
+
+
+def test_ampere_picks_do_each_multiply_add_once():
+    """What the autotuner can pick on sm_80 (no compile), at every padded head dim, dtype,
+    causality and GQA: configurations whose mma.sync warps each own their rows or columns of every
+    product (mma_sync_work 1.0, held to the compiled ratio by test_mma_sync_work_is_the_compiled_ratio)
+    and, at D 64/128/256, none that SPILLS lists: no fallback to a spilling or repeating tile."""
+    from fused_remat.kernels.attention_configs import make_configs, mma_sync_work, spills
+
+    for dtype, dim, causal, gqa in AMPERE_SHAPES:
+        for kernel in ("fwd", "dq", "dkdv"):
+            picked = picked_configs(kernel, "sm_80", dtype, dim, causal, gqa)
+            where = f"{kernel} {dtype} D{dim} {'causal' if causal else 'full'} {'gqa' if gqa else 'mha'}"
+            assert picked, f"{where}: pruning left nothing"
+            for shape in picked:
+                config = make_configs([shape])[0]
+                work = mma_sync_work(kernel, config, dim)
+                assert work == 1.0, f"{where}: M{shape[0]} N{shape[1]} w{shape[2]} executes {work:.3f}x the multiply-adds"
+                if dim >= 64:
+                    assert not spills(80, kernel, config, dim, causal, gqa), f"{where}: {shape} spills"
+
+
+# sm_80 configurations the autotuner leaves out because their warps repeat work, compiled only to
+# hold mma_sync_work to the compiler: the forward with 8 warps on 64 query rows at D=64 (warps along
+# the rows: twice everything), dQ and dK/dV with 8 warps along a 128-wide head dim over 32 keys or
+# queries (S and dP, S^T and dP^T twice).
+REPEATING_SM80_CASES = [
+    Case("attention_fwd", "bfloat16", 64, config=(64, 64, 8, 3)),
+    Case("attention_bwd", "bfloat16", 128, config=(64, 32, 8, 2), dkdv_config=(32, 64, 8, 2)),
+]
+
+
+def test_mma_sync_work_is_the_compiled_ratio(facts_cache):
+    """mma_sync_work (the pruner's model of Triton's mma.sync warp layout) is bench/static.py's
+    mma_work_ratio of every sm_80 attention kernel compiled here: the CI picks (ratio 1, warps along
+    rows and along columns) and configurations that repeat work (ratio 2, 1.667, 1.5)."""
+    from fused_remat.kernels.attention_configs import make_configs, mma_sync_work
+
+    names = {"_attn_fwd": "fwd", "_attn_bwd_dq": "dq", "_attn_bwd_dkdv": "dkdv"}
+    cases = [c for c, t in CI_PAIRS if t == "sm_80" and c.op.startswith("attention") and c.dtype != "float32"]
+    ratios = set()
+    for case in cases + REPEATING_SM80_CASES:
+        rows = [r for r in _facts(facts_cache, case, "sm_80") if r["kernel"] in names]
+        assert rows and not any("error" in r for r in rows), f"{case.id}: {rows}"
+        for row in rows:
+            c = row["config"]
+            config = make_configs([(c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"])])[0]
+            model = round(mma_sync_work(names[row["kernel"]], config, row["constexprs"]["HEAD_DIM"]), 3)
+            compiled = row["hot_loop"]["mma_work_ratio"]
+            assert row["mma"] == "HMMA" and compiled == model, \
+                f"{case.id} {row['kernel']}: compiled {row['mma']} ratio {compiled}, mma_sync_work {model}"
+            ratios.add(compiled)
+    assert {1.0, 2.0, 1.667, 1.5} <= ratios, ratios
+
+
+# Hopper's dK/dV at D=256: no wgmma tile keeps dK and dV in registers (kernels/attention_configs.py),
+# so the list there is one mma.sync tile, M64 N32 w8 s2. The bound it is held to: the hot-loop warp
+# instructions per useful multiply-add of the least-spilling wgmma tile of the list, M16 N128 w8 s3
+# (16 query rows a step; 2 KB a thread stored and more, 128 spill loads and 128 spill stores an
+# iteration), compiled beside it for the same launch.
+HOPPER_D256_DKDV = (64, 32, 8, 2)
+HOPPER_D256_CASE = Case("attention_bwd", "bfloat16", 256, causal=True, gqa=True, config=(64, 16, 4, 3),
+                        dkdv_config=HOPPER_D256_DKDV)
+HOPPER_D256_SPILLING = dataclasses.replace(HOPPER_D256_CASE, dkdv_config=(16, 128, 8, 3))
+
+
+def test_hopper_dkdv_at_head_dim_256_spill_free(facts_cache):
+    """sm_90a, D=256: the autotuner offers dK/dV the one spill-free tile (every dtype it tunes,
+    causal and not, MHA and GQA), which does each multiply-add once and issues no more warp
+    instructions per useful multiply-add in its hot loop than the least-spilling wgmma tile."""
+    assert (HOPPER_D256_CASE, "sm_90a") in CI_PAIRS
+    for dtype in ("bfloat16", "float16"):
+        for causal in (False, True):
+            for gqa in (False, True):
+                assert picked_configs("dkdv", "sm_90a", dtype, 256, causal, gqa) == [HOPPER_D256_DKDV], (dtype, causal, gqa)
+
+    def dkdv(case):
+        rows = [r for r in _facts(facts_cache, case, "sm_90a") if r["kernel"] == "_attn_bwd_dkdv"]
+        assert len(rows) == 1 and "error" not in rows[0], rows
+        return rows[0]
+
+    ours, spilling = dkdv(HOPPER_D256_CASE), dkdv(HOPPER_D256_SPILLING)
+    assert (ours["spill_stores"], ours["spill_loads"]) == (0, 0), ours
+    assert spilling["spill_stores"] > 0, f"M16 N128 w8 s3 no longer spills at D=256 ({spilling['registers']} registers)"
+    assert ours["hot_loop"]["mma_work_ratio"] == 1.0
+    cost, bound = (r["hot_loop"]["warp_instructions_per_million_macs"] for r in (ours, spilling))
+    assert cost <= bound, f"M64 N32 w8 s2: {cost} warp instructions per million useful multiply-adds, " \
+                          f"the spilling M16 N128 w8 s3 {bound}"
 
 
 def test_picks_depend_on_the_target():
