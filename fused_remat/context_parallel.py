@@ -26,7 +26,9 @@ Backward: with the global o and lse the rank already has, the existing attention
 each (q block, k/v block) pair gives that pair's exact contribution (P = exp(s - lse) is the
 global probability, delta = rowsum(do * o) the global one). dQ accumulates locally; dK/dV
 accumulate in an fp32 buffer that travels round the ring with the k/v block it belongs to and is
-home after W shifts.
+home after W shifts. Both transfers overlap compute: at each step the next k/v block and the
+previous step's dK/dV buffer are in flight while this step's block gradients are computed, and the
+buffer is waited for only to add them.
 """
 
 from __future__ import annotations
@@ -102,16 +104,22 @@ def mean_over_group(local_mean: torch.Tensor, local_count: int, group) -> torch.
     return share + (value - share.detach())
 
 
+# Backward has two transfers in flight between the same pair of ranks (the next k/v block and the
+# last block's dK/dV); they are posted in the same order on every rank, and a tag of their own keeps
+# gloo from matching one with the other whatever the order (NCCL orders them per pair).
+_KV_TAG, _DKV_TAG = 0, 1
+
+
 class _Shift:
     """One in-flight ring transfer: ``tensor`` sent to the next rank, its like received from the previous."""
 
-    def __init__(self, tensor: torch.Tensor, group):
+    def __init__(self, tensor: torch.Tensor, group, tag: int = _KV_TAG):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         self.received = torch.empty_like(tensor)
         send_to, receive_from = (dist.get_global_rank(group, (rank + step) % world) for step in (1, -1))
         self.requests = dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, tensor, send_to, group),
-            dist.P2POp(dist.irecv, self.received, receive_from, group),
+            dist.P2POp(dist.isend, tensor, send_to, group, tag),
+            dist.P2POp(dist.irecv, self.received, receive_from, group, tag),
         ])
 
     def wait(self) -> torch.Tensor:
@@ -175,7 +183,7 @@ def ring_attention_bwd(do, q, k, v, o, lse, group, causal: bool, scale: float):
     chunk = q.shape[2] // 2
     kv = torch.stack((k, v))
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    dkv = torch.zeros(kv.shape, device=q.device, dtype=torch.float32)  # travels with kv
+    dkv_shift = None  # the dK/dV accumulator in flight to the next rank, with the k/v block it belongs to
     for step in range(world):
         incoming = _Shift(kv, group) if step + 1 < world else None
         rows, keys, masked = _blocks(step, rank, world, causal, chunk)
@@ -185,11 +193,15 @@ def ring_attention_bwd(do, q, k, v, o, lse, group, causal: bool, scale: float):
         dq_part, dk_part, dv_part = attention_bwd(do[:, :, rows], q[:, :, rows], k_block, v_block, o[:, :, rows],
                                                   lse[:, :, rows], masked, scale, out=parts)
         dq[:, :, rows] += dq_part
+        # The accumulator of this k/v block arrives from the previous rank while the block above is
+        # computed: only now is it waited for, so the dK/dV shift overlaps compute as the k/v one does.
+        dkv = torch.zeros(kv.shape, device=q.device, dtype=torch.float32) if dkv_shift is None else dkv_shift.wait()
         dkv[0][:, :, keys] += dk_part
         dkv[1][:, :, keys] += dv_part
-        dkv = _Shift(dkv, group).wait()
+        dkv_shift = _Shift(dkv, group, tag=_DKV_TAG)
         if incoming is not None:
             kv = incoming.wait()
+    dkv = dkv_shift.wait()  # the W-th shift brings this rank's own accumulator home
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 

@@ -102,6 +102,53 @@ def test_ring_attention_matches_one_process(world, q_heads, kv_heads, causal, dt
     run_ranks(world, _attention_check, 1, q_heads, kv_heads, 8 * world, 16, causal, dtype)
 
 
+def _overlap_check(rank, world):
+    """Records the ring backward's order of events: which transfer is started and waited for, and
+    when each block's gradients are computed."""
+    import fused_remat.context_parallel as cp
+    from fused_remat.kernels import attention as kernels
+
+    events, compute = [], kernels.attention_bwd
+
+    class LoggedShift(cp._Shift):
+        def __init__(self, tensor, group, tag=cp._KV_TAG):
+            self.name = "kv" if tag == cp._KV_TAG else "dkv"
+            events.append(("start", self.name))
+            super().__init__(tensor, group, tag)
+
+        def wait(self):
+            events.append(("wait", self.name))
+            return super().wait()
+
+    def logged_bwd(*args, **kwargs):
+        events.append(("compute",))
+        return compute(*args, **kwargs)
+
+    cp._Shift, kernels.attention_bwd = LoggedShift, logged_bwd
+    try:
+        gen = torch.Generator().manual_seed(7)
+        q, k, v, do = (torch.randn(1, 2, 4, 16, generator=gen) for _ in range(4))
+        o, lse = cp.ring_attention_fwd(q, k, v, torch.distributed.group.WORLD, True, 0.25)
+        events.clear()
+        cp.ring_attention_bwd(do, q, k, v, o, lse, torch.distributed.group.WORLD, True, 0.25)
+    finally:
+        cp._Shift, kernels.attention_bwd = LoggedShift.__bases__[0], compute
+    computes = [i for i, e in enumerate(events) if e == ("compute",)]
+    dkv_starts = [i for i, e in enumerate(events) if e == ("start", "dkv")]
+    dkv_waits = [i for i, e in enumerate(events) if e == ("wait", "dkv")]
+    assert len(computes) == len(dkv_starts) == len(dkv_waits) == world, events
+    for step in range(1, world):
+        # The dK/dV buffer sent at the end of step - 1 is in flight while step's block is computed.
+        assert dkv_starts[step - 1] < computes[step] < dkv_waits[step - 1], events
+    kv_starts = [i for i, e in enumerate(events) if e == ("start", "kv")]
+    assert len(kv_starts) == world - 1 and all(kv_starts[s] < computes[s] for s in range(world - 1)), events
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_backward_overlaps_the_dkdv_shift_with_the_next_blocks_compute(world):
+    run_ranks(world, _overlap_check)
+
+
 def test_zigzag_layout_round_trip_and_positions():
     seq, world = 24, 3
     x = torch.arange(seq).view(1, seq)
@@ -149,7 +196,8 @@ def _model_check(rank, world, remat, n_kv_heads, seq):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("world, remat, n_kv_heads", [(2, "cheap", 1), (4, "full", 2), (2, "none", 2)])
+# offload: the ring runs again in backward from the block input held in host memory.
+@pytest.mark.parametrize("world, remat, n_kv_heads", [(2, "cheap", 1), (4, "full", 2), (2, "none", 2), (2, "offload", 1)])
 def test_language_model_matches_one_process(world, remat, n_kv_heads):
     run_ranks(world, _model_check, remat, n_kv_heads, 8 * world)
 
@@ -165,10 +213,12 @@ def _meter_check(rank, world, remat, seq_per_rank, expected_bytes):
     with saved_memory(exclude=model.parameters()) as meter:
         loss = model(tokens, tokens)
     loss.backward()
-    assert meter.bytes == expected_bytes, f"rank {rank} saved {meter.bytes} bytes, one process at 1/{world} the length {expected_bytes}"
+    assert (meter.bytes, meter.host_bytes) == expected_bytes, (f"rank {rank} saved {meter.bytes} bytes "
+                                                              f"({meter.host_bytes} in host memory), one process at "
+                                                              f"1/{world} the length {expected_bytes}")
 
 
-@pytest.mark.parametrize("remat", ["cheap", "full"])
+@pytest.mark.parametrize("remat", ["cheap", "full", "offload"])
 def test_per_rank_memory_at_n_times_the_sequence_equals_one_process(remat):
     """N ranks hold N times the sequence at the per-rank activation memory of one process at 1x."""
     from fused_remat.memory import saved_memory
@@ -179,7 +229,7 @@ def test_per_rank_memory_at_n_times_the_sequence_equals_one_process(remat):
     tokens = torch.randint(0, _METER_CONFIG.vocab_size, (1, seq_per_rank))
     with saved_memory(exclude=model.parameters()) as meter:
         model(tokens, tokens)
-    run_ranks(world, _meter_check, remat, seq_per_rank, meter.bytes)
+    run_ranks(world, _meter_check, remat, seq_per_rank, (meter.bytes, meter.host_bytes))
 
 
 def _train(out, processes: int, *extra: str):
