@@ -56,8 +56,8 @@ sys.exit(cli.main())
 '''
 
 
-def torchrun_trainer(out: Path, *arguments: str, fault: str | None = None) -> subprocess.CompletedProcess:
-    """``python -m fused_remat.train *arguments --out out`` on two gloo ranks under torchrun, with
+def torchrun_trainer(out: Path, *arguments: str, fault: str | None = None, ranks: int = 2) -> subprocess.CompletedProcess:
+    """``python -m fused_remat.train *arguments --out out`` on ``ranks`` gloo ranks under torchrun, with
     ``fault`` (FAULTY_TRAINER) planted when given. The backend comes from FUSED_REMAT_BACKEND."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     program = ["-m", "fused_remat.train"]
@@ -66,7 +66,7 @@ def torchrun_trainer(out: Path, *arguments: str, fault: str | None = None) -> su
         script.write_text(FAULTY_TRAINER)
         env["FAULT"] = fault
         program = [str(script)]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *program,
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), *program,
                *arguments, "--out", str(out)]
     launcher = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
