@@ -25,6 +25,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -150,6 +151,73 @@ def test_four_fsdp_ranks_resume_on_two_and_one_and_one_process_resumes_on_four(t
     # gradient by its own RMS: an element whose gradient is near zero steps by up to the learning
     # rate whatever its size, so there the rounding differences move weights by a fraction of it.
     _assert_close_states(read_checkpoint(reverse / "checkpoint.dcp")["model"], expected, REL, atol=TINY_LR / 100)
+
+
+def _assert_same_checkpoints(ours: Path, theirs: Path) -> None:
+    """Every checkpoint age of two runs holds the same step and the same bits."""
+    assert [p.name for p in checkpoint_files(ours / "checkpoint.dcp")] == [
+        p.name for p in checkpoint_files(theirs / "checkpoint.dcp")]
+    for mine, other in zip(checkpoint_files(ours / "checkpoint.dcp"), checkpoint_files(theirs / "checkpoint.dcp")):
+        mine, other = read_checkpoint(mine), read_checkpoint(other)
+        assert mine["step"] == other["step"]
+        _assert_close_states(mine["model"], other["model"], 0, atol=0)
+        _assert_close_states(mine["optimizer"]["state"], other["optimizer"]["state"], 0, atol=0)
+
+
+def test_an_asynchronous_checkpoint_holds_its_steps_state_while_training_goes_on(tmp_path, monkeypatch):
+    """--async-checkpoint: the step loop trains on while a thread writes the shards (here made to
+    take a while); what is written is the state of the checkpoint's step, committed at the next."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from fused_remat.training import loop
+
+    events, write, step = [], FileSystemWriter.write_data, loop.train_step
+
+    def slow_write(self, *args, **kwargs):
+        events.append("write starts")
+        time.sleep(1.0)
+        result = write(self, *args, **kwargs)
+        events.append("write ends")
+        return result
+
+    def logged_step(*args, **kwargs):
+        events.append("step")
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", slow_write)
+    monkeypatch.setattr(loop, "train_step", logged_step)
+    waited, background = tmp_path / "waited", tmp_path / "background"
+    arguments = [*ARGS, "--steps", "6", "--checkpoint-interval", "2", "--keep-checkpoints", "3"]
+    assert cli.main([*arguments, "--checkpoint-format", "sharded", "--out", str(waited)]) == 0
+    events.clear()
+    assert cli.main([*arguments, "--async-checkpoint", "--out", str(background)]) == 0
+    steps, written = ([i for i, event in enumerate(events) if event == what] for what in ("step", "write ends"))
+    assert len(steps) == 6 and len(written) == 3, events
+    # the saves of steps 2 and 4 were still being written when steps 3 and 5 began; the last one waits
+    assert written[0] > steps[2] and written[1] > steps[4], events
+    assert written[2] == len(events) - 1, events
+    assert _trajectory(background) == _trajectory(waited)
+    _assert_same_checkpoints(background, waited)
+
+
+def test_asynchronous_checkpoints_are_sharded_and_refuse_the_single_file(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli.main([*ARGS, "--async-checkpoint", "--checkpoint-format", "single", "--out", str(tmp_path)])
+    assert "--async-checkpoint writes sharded checkpoints" in capsys.readouterr().err
+
+
+def test_asynchronous_checkpoints_on_two_fsdp_ranks_and_a_stop_in_between(tmp_path):
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    args = [*ARGS, "--distributed", "fsdp", "--steps", "6", "--keep-checkpoints", "3"]
+    finished = torchrun_trainer(whole, *args)
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    interrupted = torchrun_trainer(stopped, *args, "--async-checkpoint", fault="SIGTERM:1:3")  # after step 4's save
+    assert "exitcode  : 143" in interrupted.stderr, interrupted.stdout + interrupted.stderr
+    assert [checkpoints.checkpoint_step(p) for p in checkpoint_files(stopped / "checkpoint.dcp")] == [4, 2]
+    resumed = torchrun_trainer(stopped, *args, "--async-checkpoint", "--resume")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert _trajectory(stopped) == _trajectory(whole)
+    _assert_same_checkpoints(stopped, whole)
 
 
 def test_a_single_file_checkpoint_resumes_on_two_ddp_ranks_and_converts_both_ways(tmp_path, capsys, monkeypatch):

@@ -66,6 +66,7 @@ FORMATS = ("sharded", "single")
 LOCK_NAME = ".lock"
 _FORMAT = "fused_remat.train checkpoint"
 _VERSION = 1
+_ONE_PROCESS_WARNING = "torch.distributed is disabled"  # DCP's, in one process: intended here
 _PARTIAL = re.compile(r"\.(?P<name>.+)\.(?P<pid>[0-9]+)\.partial")
 
 
@@ -245,8 +246,8 @@ def _rotate(path: Path, keep: int) -> None:
     os.replace(link, previous)
 
 
-def _write_failure(path: Path, state: dict, error: BaseException) -> str:
-    needed = state_bytes(state)
+def _write_failure(path: Path, state: dict, error: BaseException, needed: int | None = None) -> str:
+    needed = state_bytes(state) if needed is None else needed
     try:
         free = shutil.disk_usage(path.parent).free
     except OSError:
@@ -503,6 +504,17 @@ def save_sharded_checkpoint(path: Path, tensors: dict, state: dict, keep: int, r
     ``state`` the run state that rank 0 writes as run.pt, the last file before the commit rename.
     ``barrier`` waits for every rank (a no-op in one process). CheckpointWriteError on every rank
     whose part failed; the previous checkpoints are as they were."""
+    start_sharded_checkpoint(path, tensors, state, keep, rank, barrier, rotate).finish()
+
+
+def start_sharded_checkpoint(path: Path, tensors: dict, state: dict, keep: int, rank: int, barrier,
+                             rotate: bool = True, asynchronous: bool = False, group=None) -> ShardedSave:
+    """Writes this rank's shards of a sharded checkpoint into the staging folder and returns the save,
+    which ``finish`` commits. ``asynchronous`` (``--async-checkpoint``): DCP copies ``tensors`` into
+    host memory now and writes them from a thread, its collectives on ``group`` (a gloo group of
+    every rank, ``distributed.checkpoint_group``) so that they never interleave with training's on
+    the default one; the caller trains on and calls ``finish`` later, on every rank at the same
+    point of the run."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -510,34 +522,70 @@ def save_sharded_checkpoint(path: Path, tensors: dict, state: dict, keep: int, r
     if rank == 0 and staging.exists():
         _remove(staging)
     barrier()
+    if asynchronous and not dist.is_initialized():
+        # DCP's writer thread warns after quiet_dcp (whose catch_warnings ends here) is over: ignored for good
+        warnings.filterwarnings("ignore", message=_ONE_PROCESS_WARNING)
+    save = ShardedSave(path, staging, state, state_bytes(tensors) + state_bytes(state), keep, rank, barrier, rotate)
     try:
         with quiet_dcp():
-            dcp.save(tensors, checkpoint_id=staging, no_dist=not dist.is_initialized())
-    except Exception as error:  # DCP gathers every rank's failure into one CheckpointException
-        raise CheckpointWriteError(_write_failure(path, {**state, **tensors}, error)) from error
-    if rank == 0:
-        try:
-            with open(staging / RUN_STATE_NAME, "wb") as stream:
-                torch.save({"format": _FORMAT, "version": _VERSION, "sharded": True, **state}, stream)
-                stream.flush()
-                os.fsync(stream.fileno())
-            _fsync_directory(staging)  # DCP fsyncs its files (FileSystemWriter's sync_files), not their names
-            if rotate:
-                _commit_folder(staging, path, keep)
+            if asynchronous:
+                save.writing = dcp.async_save(tensors, checkpoint_id=staging, process_group=group,
+                                              no_dist=not dist.is_initialized())
             else:
-                os.replace(staging, path)
-        except OSError as error:
-            _remove(staging)
-            raise CheckpointWriteError(_write_failure(path, {**state, **tensors}, error)) from error
-        _fsync_directory(path.parent)
-    barrier()
+                dcp.save(tensors, checkpoint_id=staging, no_dist=not dist.is_initialized())
+    except Exception as error:  # DCP gathers every rank's failure into one CheckpointException
+        raise save.failure(error) from error
+    return save
+
+
+class ShardedSave:
+    """A sharded checkpoint whose shards are written, or being written (``writing``, DCP's future),
+    into ``staging``; ``finish`` commits it."""
+
+    def __init__(self, path: Path, staging: Path, state: dict, needed: int, keep: int, rank: int, barrier,
+                 rotate: bool):
+        self.path, self.staging, self.state, self.needed = path, staging, state, needed
+        self.keep, self.rank, self.barrier, self.rotate = keep, rank, barrier, rotate
+        self.writing = None
+        self.step = state["step"]
+
+    def failure(self, error: BaseException) -> CheckpointWriteError:
+        return CheckpointWriteError(_write_failure(self.path, self.state, error, self.needed))
+
+    def finish(self) -> None:
+        """Waits for this rank's shards (DCP's last step gathers every rank's result, so once rank 0
+        has it all shards are on disk), then rank 0 writes run.pt and commits by renaming the folder;
+        every rank returns once it is committed. CheckpointWriteError on every rank when any rank's
+        write failed."""
+        if self.writing is not None:
+            try:
+                with quiet_dcp():
+                    self.writing.result()
+            except Exception as error:
+                raise self.failure(error) from error
+        if self.rank == 0:
+            try:
+                with open(self.staging / RUN_STATE_NAME, "wb") as stream:
+                    torch.save({"format": _FORMAT, "version": _VERSION, "sharded": True, **self.state}, stream)
+                    stream.flush()
+                    os.fsync(stream.fileno())
+                _fsync_directory(self.staging)  # DCP fsyncs its files (FileSystemWriter's sync_files), not their names
+                if self.rotate:
+                    _commit_folder(self.staging, self.path, self.keep)
+                else:
+                    os.replace(self.staging, self.path)
+            except OSError as error:
+                _remove(self.staging)
+                raise self.failure(error) from error
+            _fsync_directory(self.path.parent)
+        self.barrier()
 
 
 @contextlib.contextmanager
 def quiet_dcp():
     """Silences DCP's warning that it runs in one process: intended here (one process, or a converter)."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message=_ONE_PROCESS_WARNING)
         yield
 
 

@@ -97,6 +97,11 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                         "(torch.distributed.checkpoint); single: one file checkpoint.pt that rank 0 gathers and writes; "
                         "default: sharded under torchrun with more than one rank, else single. Either resumes on any "
                         "number of ranks")
+    parser.add_argument("--async-checkpoint", action="store_true", default=None,
+                        help="write sharded checkpoints in the background: each rank copies its shards to host memory "
+                        "at the checkpoint step (one more copy of its model and optimizer state, held until written), "
+                        "then trains on while a thread writes them; the checkpoint is committed at the next one, at a "
+                        "stop or at the end (implies --checkpoint-format sharded)")
     parser.add_argument("--skip-nonfinite", type=int, default=0,
                         help="steps with a NaN or infinite loss or gradient norm to skip (no update) before the run "
                         "stops; 0: stop at the first (default 0)")

@@ -104,6 +104,8 @@ class TrainConfig:
     keep_checkpoints: int = 2  # the newest checkpoint and this many - 1 before it
     # --checkpoint-format sharded|single; None: sharded on more than one rank, else single (loop.checkpoint_form)
     checkpoint_format: str | None = None
+    # --async-checkpoint: sharded checkpoints written from a thread while training goes on (loop.train)
+    async_checkpoint: bool = False
     skip_nonfinite: int = 0  # steps with a NaN/inf loss or gradient norm skipped before the run stops
     backend: str | None = None  # --backend auto|triton|reference; None: FUSED_REMAT_BACKEND decides
     # --document-boundary: the token id that begins each document of --data, NO_DOCUMENTS, or None
@@ -126,6 +128,9 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {values[name]}")
         if values.get("checkpoint_format", "single") not in ("sharded", "single"):
             raise ValueError(f"--checkpoint-format must be sharded or single, got {values['checkpoint_format']!r}")
+        if values.get("async_checkpoint") and values.get("checkpoint_format") == "single":
+            raise ValueError("--async-checkpoint writes sharded checkpoints (torch.distributed.checkpoint's async_save): "
+                             "leave out --checkpoint-format single")
         if values.get("backend", "auto") not in BACKENDS:  # None is dropped with the other defaults
             raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {values['backend']!r}")
         parallel = values.get("context_parallel", 1)

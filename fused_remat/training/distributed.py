@@ -178,6 +178,15 @@ def leave_after_failure(run: Distributed, error: str) -> str | None:
     return first
 
 
+def checkpoint_group(run: Distributed) -> dist.ProcessGroup | None:
+    """A gloo group of every rank for background checkpoint writes (``--async-checkpoint``): DCP's
+    collectives then run from its writer thread while training's run on the default group (NCCL on
+    GPUs), never interleaved on one group. None in one process. Every rank must call it, at once."""
+    if run.world_size == 1:
+        return None
+    return dist.new_group(backend="gloo")
+
+
 def leave(run: Distributed) -> None:
     """Leaves the process group at once, if it is still joined."""
     if run.world_size > 1 and dist.is_initialized():

@@ -30,12 +30,12 @@ from ..model import LanguageModel, ModelConfig
 from ..planner import RematPlan, explain_policies, measure_policy_costs, plan_remat
 from ..remat import Remat, within_budget
 from . import data as token_data
-from .checkpoint import (CheckpointError, CheckpointWriteError, RunLock, check_metrics, checkpoint_files,
+from .checkpoint import (CheckpointError, CheckpointWriteError, RunLock, ShardedSave, check_metrics, checkpoint_files,
                          checkpoint_mark, checkpoint_path, checkpoint_step, load_newest_checkpoint, newest_name,
-                         predecessor, promote, remove_stale_partials, save_checkpoint, save_sharded_checkpoint)
+                         predecessor, promote, remove_stale_partials, save_checkpoint, start_sharded_checkpoint)
 from .config import TrainConfig, describe_size
-from .distributed import (Distributed, load_sharded_training_state, load_training_state, sharded_training_state,
-                          training_state, unwrap, wrap_model)
+from .distributed import (Distributed, checkpoint_group, load_sharded_training_state, load_training_state,
+                          sharded_training_state, training_state, unwrap, wrap_model)
 from .reporting import Progress, plot_metrics, read_metrics, write_metrics
 from .step import batch_loss, make_optimizer, train_step
 
@@ -119,7 +119,10 @@ def micro_batch_slot(run: Distributed, grad_accum: int, micro_step: int) -> int:
 
 
 def checkpoint_form(config: TrainConfig, run: Distributed) -> str:
-    """--checkpoint-format, by default sharded on more than one rank and single in one process."""
+    """--checkpoint-format, by default sharded on more than one rank or with --async-checkpoint, and
+    single in one process."""
+    if config.async_checkpoint:
+        return "sharded"
     return config.checkpoint_format or ("sharded" if run.world_size > 1 else "single")
 
 
@@ -335,14 +338,31 @@ def _train(config: TrainConfig, run: Distributed, stop: StopRequest) -> int:
                                  "command again") from error
     run.barrier()
 
-    saved = start_step  # the step of the newest checkpoint
+    saved = start_step  # the step of the newest committed checkpoint
+    # --async-checkpoint: the save being written in the background, committed before the next one
+    # starts, at a stop and at the end (one at a time: its staging folder is the next one's too).
+    pending: ShardedSave | None = None
+    writers = checkpoint_group(run) if config.async_checkpoint else None
 
-    def save(step: int) -> None:
-        nonlocal saved
+    def commit_pending() -> None:
+        nonlocal saved, pending
+        if pending is not None:
+            done, pending = pending, None
+            done.finish()
+            saved = done.step
+
+    def save(step: int, wait: bool = True) -> None:
+        nonlocal saved, pending
         run_state = dict(step=step, run=settings, backend=backend, rng=dict(cpu=torch.get_rng_state()))
         if ckpt.suffix == ".dcp":  # every rank writes its shards
-            save_sharded_checkpoint(ckpt, sharded_training_state(model, optimizer), run_state,
-                                    keep=config.keep_checkpoints, rank=run.rank, barrier=run.barrier)
+            commit_pending()
+            started = start_sharded_checkpoint(ckpt, sharded_training_state(model, optimizer), run_state,
+                                               keep=config.keep_checkpoints, rank=run.rank, barrier=run.barrier,
+                                               asynchronous=config.async_checkpoint, group=writers)
+            if config.async_checkpoint and not wait:
+                pending = started
+                return
+            started.finish()
         else:
             model_state, optimizer_state = training_state(model, optimizer)
             if run.is_main:
@@ -395,7 +415,7 @@ def _train(config: TrainConfig, run: Distributed, stop: StopRequest) -> int:
                 _handle_nonfinite(config, record, skipped, failed, saved, ckpt, progress,
                                   None if state is None else start_step)
             if checkpointing:
-                save(step)
+                save(step, wait=stopping or step == config.steps)  # a stop or the end waits for its checkpoint
             if stopping:
                 progress.close()
                 status = stop_status(stop_signal)
@@ -405,6 +425,11 @@ def _train(config: TrainConfig, run: Distributed, stop: StopRequest) -> int:
                 return status
     except Exception as error:
         progress.close()
+        if run.world_size == 1 and pending is not None:
+            try:
+                commit_pending()  # a finished step's checkpoint, written in the background: kept
+            except CheckpointWriteError as write_error:
+                print(f"warning: {write_error}", file=sys.stderr)
         if step > saved and run.world_size == 1 and not isinstance(error, (CheckpointWriteError, TrainingFailed)):
             _checkpoint_after_error(error, step, save, ckpt, lambda: unwritten is not None and write_metrics(
                 metrics_path, [{**unwritten, "checkpoint": checkpoint_mark(step, tokens_per_step, torch.get_rng_state())}],
