@@ -1,8 +1,9 @@
 """Launch configurations of the attention kernels (kernels/attention.py) and the facts that prune them.
 
-The autotuner gets every configuration of either GPU family (its list is fixed when the kernel is
+The autotuner gets every configuration of every GPU family (its list is fixed when the kernel is
 decorated); its ``early_config_prune`` (``pruner``) keeps the target family's shapes that fit in
-shared memory and that ptxas does not spill at the launch's head dim, causality and GQA.
+shared memory (on Blackwell also in tensor memory) and that ptxas does not spill at the launch's
+head dim, causality and GQA.
 
 Every rule here was read from the compiled form, never from timing: ptxas -v and the SASS of each
 configuration, as ``python -m bench static`` records them (``bench/results/static/static.json``
@@ -22,9 +23,9 @@ INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages"
 # causality. dK/dV adds GROUP (its loop runs over the query heads of a kv head).
 TUNE_KEY = ["N_CTX_Q_KEY", "N_CTX_K_KEY", "HEAD_DIM", "CAUSAL", "WINDOW", "SOFTCAP", "VARLEN"]
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and GPU family: 90 = Hopper (sm_90) and
-# newer, 80 = Ampere/Ada. Forward and dQ stream key tiles past a resident query tile; dK/dV streams
-# query tiles past a resident key tile (its BLOCK_N is the resident side). Chosen from the compiled
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and GPU family: 100 = Blackwell (sm_100a) and
+# newer, 90 = Hopper (sm_90), 80 = Ampere/Ada. Forward and dQ stream key tiles past a resident query
+# tile; dK/dV streams query tiles past a resident key tile (its BLOCK_N is the resident side). Chosen from the compiled
 # form at bf16, D 64/128 (and 256 where a list says so):
 # - Hopper: every dot a warpgroup MMA (HGMMA) doing each multiply-add once. Left out: 8-warp tiles
 #   with 64 query rows in fwd/dQ (both warpgroups recompute S and dP), dK/dV key tiles below 64
@@ -63,26 +64,63 @@ TUNE_KEY = ["N_CTX_Q_KEY", "N_CTX_K_KEY", "HEAD_DIM", "CAUSAL", "WINDOW", "SOFTC
 #   M16 N32 w4, M32 N32 w8), those that spill at most head dims where they fit (fwd M64 N128 w4;
 #   dQ M64 N128 w8, M64 N64 w4; dK/dV M64 N128 w8, M32 N128 w8, M32 N64 w4, M64 N32 w4) and fwd
 #   M64 N64 w8 s3 (s2 instead: s3 is over the shared memory estimate at D=256, the head dim it is for).
+# - Blackwell (sm_100a, tcgen05.mma: issued by one thread for the whole CTA, its accumulator in
+#   tensor memory): every dot a tcgen05 MMA doing each multiply-add once (but dK/dV's D=256 mma.sync
+#   tile below), no spills, within shared memory (smem_estimate's Blackwell terms) and the SM's 512
+#   tensor-memory columns (tmem_columns); compiled for sm_100a with Triton 3.9, bf16 (fp16 taken as
+#   the same), D 64/128/256, causal and not, MHA and GQA 4:1. Forward: the Hopper list, without
+#   spills at D 64 and 128 (M128 N128 w8 s3 at D=128: 896 warp instructions per million useful
+#   multiply-adds, the tutorial's pointer and TMA forwards 946 and 900 at that tile; its
+#   warp-specialized forward 679); at D=256 M64 N64 w4 s3 spills without a causal mask (SPILLS).
+#   dQ: the Hopper list but M128 N128 w8 s3 (never fewer instructions than s2, and over the shared
+#   memory from D=128), no spills anywhere; at D=256 also M64 N64 w4 s2 and M128 N32 w8 s2
+#   (HEAD_DIMS; 501 and 821 instructions, no spills), where the s3 tiles exceed a block's shared
+#   memory (M128 N32 w8 s3: 240 KiB, no block fits an SM). dK/dV: dK and dV accumulate in tensor
+#   memory, not registers, so 4 warps hold a 128-key tile: M64 N128 w4 s2 without GQA at D 64 and
+#   128 (the fewest instructions: 893-908 and 481-496, the tutorial's 1244-1251 and 683-702),
+#   M64 N128 w8 s2 (D=64 with GQA: 1347-1362, and MHA), M32 N128 w4 s3 (MHA, and D=64 GQA without
+#   a causal mask). With GQA at D=128 every 128-key tile spills (84 to 3376 B: SPILLS); M64 N64 w8
+#   s2 (8 warps on 64 key rows) is spill-free at D 64 and 128, MHA and GQA (1148-1163 with GQA at
+#   D=128). At D=256 the 128-key tiles need more tensor memory than an SM has (M16 N128 w8 and
+#   M32 N128 w8: Triton required 576-768 of 512 columns and compiles a trap) or shared memory;
+#   M32 N64 w4 s2 (HEAD_DIMS) is spill-free without GQA (704-711) and spills 3.3-4.9 KB with it, as
+#   does every tcgen05 tile tried at D=256 with GQA (M16/M32/M64 N64, 4 and 8 warps: 700 B to 5.2 KB),
+#   so D=256 also has Hopper's mma.sync M64 N32 w8 s2 (HEAD_DIMS: 32 key rows, below tcgen05's 64;
+#   spill-free at D=256 causal or not, MHA and GQA, each multiply-add once, 1335-1362). Left out of
+#   the Hopper dK/dV list: M64 N128 w8 s3 (more instructions than s2 wherever both compiled),
+#   M32 N128 w8 s3 and M16 N128 w8 s3 (no fewer instructions than M32 N128 w4 s3 at D 64 and 128,
+#   spill with GQA at D=128, and trap at D=256) and M32 N64 w4 s4 (spills with GQA at D=128; s2
+#   issues fewer instructions at D=256 in less shared memory). Not warp-specialized, as on Hopper.
 SHAPES = {
     "fwd": {
         90: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 2)],
         80: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 8, 2), (64, 64, 4, 3), (64, 32, 4, 2), (64, 64, 8, 2),
              (32, 64, 8, 2)],
+        100: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 2)],
     },
     "dq": {
         90: [(128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4),
              (64, 16, 4, 3)],
         80: [(128, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 4), (64, 64, 8, 3), (32, 64, 8, 2), (32, 32, 4, 3)],
+        100: [(128, 128, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (64, 16, 4, 3),
+              (128, 32, 8, 2), (64, 64, 4, 2)],
     },
     "dkdv": {
         90: [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (16, 128, 8, 3), (32, 64, 4, 4), (64, 32, 8, 2)],
         80: [(16, 128, 8, 2), (128, 32, 8, 2), (64, 32, 8, 2), (64, 16, 8, 2)],
+        100: [(64, 128, 4, 2), (64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 8, 2)],
     },
 }
 
 # Configurations offered only at some padded head dims: (family, kernel, shape) -> head dims.
 HEAD_DIMS = {
     (90, "dkdv", (64, 32, 8, 2)): (256,),  # mma.sync: the one spill-free D=256 dK/dV tile (above)
+    # Blackwell, D=256 only (above): dQ's two tiles beside the Hopper list's, dK/dV's MHA tile and
+    # its mma.sync tile (the one without spills with GQA).
+    (100, "dq", (128, 32, 8, 2)): (256,),
+    (100, "dq", (64, 64, 4, 2)): (256,),
+    (100, "dkdv", (32, 64, 4, 2)): (256,),
+    (100, "dkdv", (64, 32, 8, 2)): (256,),
 }
 
 # Where a configuration spills registers (ptxas -v on the compiled kernel; bf16, fp16 taken as the
@@ -115,6 +153,15 @@ SPILLS = {
     (80, "fwd", (64, 64, 4)): [((128,), True, None, "3.9")],
     (80, "fwd", (64, 32, 4)): [((256,), None, None)],
     (80, "fwd", (32, 64, 8)): [((128,), True, None, "3.6")],
+    # Blackwell (sm_100a, Triton 3.9 only; every configuration of SHAPES[...][100] at the head dims
+    # where HEAD_DIMS offers it and it fits shared and tensor memory). dK/dV spills with GQA (its
+    # loop over the group's query heads): the 4-warp 128-key tiles from D=64, every 128-key tile at
+    # D=128, M32 N64 w4 at D=256.
+    (100, "dkdv", (64, 128, 4)): [((64, 128), None, True)],
+    (100, "dkdv", (64, 128, 8)): [((128,), None, True)],
+    (100, "dkdv", (32, 128, 4)): [((64,), True, True), ((128,), None, True)],
+    (100, "dkdv", (32, 64, 4)): [((256,), None, True)],
+    (100, "fwd", (64, 64, 4)): [((256,), False, None)],
 }
 
 # Configurations that spill only under a mask of real batches (the WINDOW, SOFTCAP and VARLEN
@@ -130,6 +177,11 @@ VARIANT_SPILLS = {
     (80, "fwd", (64, 64, 4)): [((128,), {"softcap"})],
     (80, "dq", (64, 32, 4)): [((128,), {"varlen"})],
     (80, "dkdv", (128, 32, 8)): [((128,), {"softcap"})],
+    # Blackwell (sm_100a, Triton 3.9): the D=128 picks compiled under each mask, causal (dK/dV's
+    # M64 N64 w8 with GQA, its launch): fwd M128 N128 w8 and dQ M128 N128 w8 spilled under none.
+    (100, "dkdv", (64, 128, 4)): [((128,), {"softcap"})],
+    (100, "dkdv", (64, 64, 8)): [((128,), {"window", "varlen"})],
+    (100, "dq", (128, 64, 8)): [((128,), {"window", "softcap"})],
 }
 # The constexpr that turns each variant on.
 VARIANT_FLAGS = {"window": "WINDOW", "softcap": "SOFTCAP", "varlen": "VARLEN"}
@@ -147,8 +199,11 @@ FP32_SHAPES = {
     "dkdv": {256: (32, 16, 8, 2)},
 }
 
-# Shared memory per block where the driver cannot say (the opt-in maximum, bytes).
-SMEM_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
+# Shared memory per block where the driver cannot say (the opt-in maximum, bytes; B200 as H100).
+SMEM_LIMIT = {100: 227 * 1024, 90: 227 * 1024, 80: 163 * 1024}
+# Blackwell's tensor memory: 512 columns (of 128 lanes x 32 bits) an SM. A kernel whose buffers need
+# more compiles to a trap that Triton refuses to launch (OutOfResources).
+TMEM_COLUMNS = 512
 # Tiles a kernel keeps resident for its whole loop (fwd: Q; dQ: Q and dO; dK/dV: K and V).
 RESIDENT_TILES = {"fwd": 1, "dq": 2, "dkdv": 2}
 
@@ -167,14 +222,16 @@ def config_shape(config) -> tuple:
 
 
 def target_family() -> int:
-    """90 when Triton compiles for Hopper or newer, 80 below: the active driver's target, which is
-    the GPU's or, in bench/static.py, the stand-in's (so the compile-target tests see this choice).
-    Without a CUDA driver (CPU tests) the Hopper list."""
+    """100 when Triton compiles for Blackwell (sm_100) or newer, 90 for Hopper (sm_90 up to 99), 80
+    below: the active driver's target, which is the GPU's or, in bench/static.py, the stand-in's (so
+    the compile-target tests see this choice). Without a CUDA driver (CPU tests) the Hopper list."""
     try:
         arch = triton.runtime.driver.active.get_current_target().arch
     except Exception:
         return 90
-    return 90 if isinstance(arch, int) and arch >= 90 else 80
+    if not isinstance(arch, int):
+        return 80
+    return 100 if arch >= 100 else 90 if arch >= 90 else 80
 
 
 def smem_limit(family: int) -> int:
@@ -186,12 +243,42 @@ def smem_limit(family: int) -> int:
         return SMEM_LIMIT[family]
 
 
-def smem_estimate(config, head_dim: int, elem: int, kernel: str) -> int:
+def smem_estimate(config, head_dim: int, elem: int, kernel: str, family: int = 90) -> int:
     """Shared memory: the pipelined stream of two tiles plus the resident tiles, and 2 KiB for the
-    rest. Close to what the compiled kernels request (the ``shared`` column of static.json)."""
+    rest. Close to what the compiled kernels request (the ``shared`` column of static.json) on sm_90a
+    and sm_80. On Blackwell (family 100) the tcgen05 backward keeps more in shared memory: dQ up to
+    one BLOCK_N x head-dim tile more, dK/dV up to two BLOCK_M x head-dim tiles more (the operands of
+    its tensor-memory MMAs; every fwd, dQ and dK/dV tile compiled for sm_100a, Triton 3.9, bf16 and
+    fp16, D 64/128/256: the forward 1-2 KiB below the estimate, dQ and dK/dV 0-2 KiB below it with
+    these terms, e.g. dQ M128 N32 w8 s3 at D=256 240 KiB against 226 KiB without them), which this
+    adds."""
     rows = config.kwargs
     streamed, resident = ("BLOCK_M", "BLOCK_N") if kernel == "dkdv" else ("BLOCK_N", "BLOCK_M")
-    return (config.num_stages * 2 * rows[streamed] + RESIDENT_TILES[kernel] * rows[resident]) * head_dim * elem + 2048
+    estimate = (config.num_stages * 2 * rows[streamed] + RESIDENT_TILES[kernel] * rows[resident]) * head_dim * elem + 2048
+    if family >= 100:
+        estimate += {"fwd": 0, "dq": rows["BLOCK_N"], "dkdv": 2 * rows["BLOCK_M"]}[kernel] * head_dim * elem
+    return estimate
+
+
+def tmem_columns(kernel: str, config, head_dim: int) -> int:
+    """The tensor-memory columns (of Blackwell's 512 an SM) the hot loop's fp32 accumulators take on
+    sm_100a: one column per accumulator column, at least 32 each (TMEM's allocation granule); fwd S
+    (BLOCK_N wide) and O (head dim), dQ S and dP (BLOCK_N) and dQ (head dim), dK/dV S^T and dP^T
+    (BLOCK_M) and dK and dV (head dim). Their rows are the resident tile (tcgen05's M): at 64 rows
+    an accumulator takes 64 of the 128 lanes (Triton allocates 64 rows for it), so two can share
+    columns (half the count); below 64 rows Triton takes mma.sync, no tensor memory (0). A model,
+    not Triton's allocator: it agrees with every sm_100a compile read (Triton 3.9, bf16 and fp16,
+    fwd, dQ and dK/dV at D 64/128/256) on which fit the 512 columns and which Triton refuses, e.g.
+    dK/dV M16 N128 w8 and M32 N128 w8 at D=256 (576 here; Triton required 576-768); the kernels
+    also keep bf16 operands (P, dS) in tensor memory, within what a model of at most 512 leaves."""
+    rows = config.kwargs
+    resident, streamed = (rows["BLOCK_N"], rows["BLOCK_M"]) if kernel == "dkdv" else (rows["BLOCK_M"], rows["BLOCK_N"])
+    if resident < 64:
+        return 0
+    widths = {"fwd": (streamed, head_dim), "dq": (streamed, streamed, head_dim),
+              "dkdv": (streamed, streamed, head_dim, head_dim)}[kernel]
+    columns = sum(max(32, width) for width in widths)
+    return (columns + 1) // 2 if resident == 64 else columns
 
 
 def spills(family: int, kernel: str, config, head_dim: int, causal, gqa) -> bool:
@@ -250,10 +337,11 @@ def pruner(kernel: str):
     HEAD_DIMS allows), within its shared memory, on sm_80 without the configurations whose warps
     repeat multiply-adds (mma_sync_work), and without those SPILLS lists for this head dim,
     causality and GQA (unknown ones count as spilling) nor those VARIANT_SPILLS lists for the
-    launch's masks. Never empty: if every configuration spills, those that do each multiply-add
-    once are kept, else those that fit, and if none fits, the fp32 one (small enough for any head
-    dim). fp32 (IEEE dots, a correctness path rather than a fast one) gets its one configuration of
-    FP32_SHAPES."""
+    launch's masks; on Blackwell (family 100) also without those whose accumulators need more
+    tensor memory than an SM has (tmem_columns, TMEM_COLUMNS). Never empty: if every configuration
+    spills, those that do each multiply-add once are kept, else those that fit, and if none fits,
+    the fp32 one (small enough for any head dim). fp32 (IEEE dots, a correctness path rather than
+    a fast one) gets its one configuration of FP32_SHAPES."""
 
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
@@ -270,7 +358,10 @@ def pruner(kernel: str):
         for config in configs:
             if config_shape(config) not in wanted or not offered_at(family, kernel, config, head_dim):
                 continue
-            if smem_estimate(config, head_dim, elem, kernel) > limit:
+            if smem_estimate(config, head_dim, elem, kernel, family) > limit:
+                continue
+            # Blackwell: accumulators beyond the SM's tensor memory compile to a trap.
+            if family >= 100 and tmem_columns(kernel, config, head_dim) > TMEM_COLUMNS:
                 continue
             # Register budget: a 128-row fp32 accumulator of width 256 needs 8 warps.
             if head_dim >= 256 and config.kwargs["BLOCK_N" if kernel == "dkdv" else "BLOCK_M"] >= 128 and config.num_warps < 8:
@@ -286,11 +377,11 @@ def pruner(kernel: str):
 
 
 KERNELS = ("fwd", "dq", "dkdv")
-# Per kernel: every configuration of either family, in the autotuner's fixed order (the pruner
-# picks the target's), and the pruner.
-CONFIGS = {k: make_configs(dict.fromkeys(SHAPES[k][90] + SHAPES[k][80])) for k in KERNELS}
+# Per kernel: every configuration of every family (Hopper's, Ampere's, then Blackwell's new ones),
+# in the autotuner's fixed order (the pruner picks the target's), and the pruner.
+CONFIGS = {k: make_configs(dict.fromkeys(SHAPES[k][90] + SHAPES[k][80] + SHAPES[k][100])) for k in KERNELS}
 PRUNERS = {k: pruner(k) for k in KERNELS}
 
-__all__ = ["CONFIGS", "FP32_SHAPES", "HEAD_DIMS", "INTERPRETER_CONFIG", "KERNELS", "PRUNERS", "RESIDENT_TILES", "SHAPES", "SMEM_LIMIT", "SPILLS", "TUNE_KEY", "VARIANT_FLAGS",
+__all__ = ["CONFIGS", "FP32_SHAPES", "HEAD_DIMS", "INTERPRETER_CONFIG", "KERNELS", "PRUNERS", "RESIDENT_TILES", "SHAPES", "SMEM_LIMIT", "SPILLS", "TMEM_COLUMNS", "TUNE_KEY", "VARIANT_FLAGS",
            "VARIANT_SPILLS", "config_shape", "fp32_config", "make_configs", "mma_sync_work", "offered_at", "pruner", "smem_estimate", "smem_limit",
-           "spills", "variant_spills", "target_family"]
+           "spills", "tmem_columns", "variant_spills", "target_family"]
