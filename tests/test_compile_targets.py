@@ -553,3 +553,22 @@ def test_static_writes_its_folder_and_nothing_else(tmp_path, monkeypatch):
     payload = json.loads((tmp_path / "static.json").read_text())
     assert payload["rows"] == [row]
     assert (tmp_path / "static.md").read_text() == markdown_document(payload)
+
+
+def test_merge_keeps_the_targets_a_run_did_not_compile_with_their_commits(tmp_path):
+    """--merge: a run that compiled sm_100a alone replaces the sm_100a rows of static.json and keeps
+    the other targets' rows, each target's commit recorded and named in static.md."""
+    committed = json.loads((DEFAULT_OUT / "static.json").read_text())
+    hopper = next(r for r in committed["rows"] if r["target"] == "sm_90a")
+    ampere = next(r for r in committed["rows"] if r["target"] == "sm_80")
+    earlier = {**committed["environment"], "commit": "0000000", "date": "2026-01-01"}
+    (tmp_path / "static.json").write_text(json.dumps({"suite": "static", "environment": earlier,
+                                                      "rows": [hopper, ampere, {**hopper, "target": "sm_100a"}]}))
+    blackwell = {**hopper, "target": "sm_100a", "registers": 1}
+    write([blackwell], tmp_path, json.loads((tmp_path / "static.json").read_text()))
+    payload = json.loads((tmp_path / "static.json").read_text())
+    assert payload["rows"] == [hopper, ampere, blackwell]
+    compiled = payload["environment"]["compiled"]
+    assert compiled["sm_90a"]["commit"] == compiled["sm_80"]["commit"] == "0000000"
+    assert compiled["sm_100a"]["commit"] == payload["environment"]["commit"] != "0000000"
+    assert "sm_90a at commit 0000000" in (tmp_path / "static.md").read_text()
