@@ -9,6 +9,9 @@
     python -m bench static               # no GPU: every kernel compiled for sm_90a and sm_80 (bench/static.py)
     python -m bench frontier             # torch.compile's memory/recompute frontier beside ours, one layer
                                          # (bench/frontier.py; runs on CPU too)
+    python -m bench checkpoint           # no GPU: the trainer's checkpoint save/load time and bytes per rank,
+                                         # sharded against gathered, DDP and FSDP2 on gloo CPU ranks
+                                         # (bench/checkpoint.py)
 
 Results go to bench/results/<gpu-name>/ (or --out): <suite>.json with the device, versions, date
 and commit; <suite>.md; <suite>*.png.
@@ -32,7 +35,8 @@ from bench import harness, report
 SUITES = {"norms": "bench.bench_norms", "attention": "bench.bench_attention", "memory": "bench.bench_memory",
           "block": "bench.bench_block", "train": "bench.bench_train"}
 # Commands that are not timing suites and need no GPU: name -> module with main(argv).
-COMMANDS = {"static": "bench.static", "frontier": "bench.frontier", "gpu_stage": "bench.gpu_check"}
+COMMANDS = {"static": "bench.static", "frontier": "bench.frontier", "checkpoint": "bench.checkpoint",
+            "gpu_stage": "bench.gpu_check"}
 
 
 def load_suite(name: str) -> harness.Suite:

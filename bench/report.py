@@ -176,9 +176,10 @@ def plot(folder: Path, name: str, title: str, results: list[Result], x_key: str,
 
 MARK_START, MARK_END = "<!-- results:start -->", "<!-- results:end -->"
 # bench/results/static/ holds `python -m bench static`'s compile-time facts (static.json, static.md),
-# bench/results/frontier/ `python -m bench frontier`'s bytes and FLOPs (frontier.json, .md, .png):
-# never speed, so never in the results section, which is rebuilt from GPU timings alone.
-NOT_TIMINGS = ("static", "frontier")
+# bench/results/frontier/ `python -m bench frontier`'s bytes and FLOPs (frontier.json, .md, .png),
+# bench/results/checkpoint/ `python -m bench checkpoint`'s save/load on CPU ranks (checkpoint.json, .md):
+# never kernel speed, so never in the results section, which is rebuilt from GPU timings alone.
+NOT_TIMINGS = ("static", "frontier", "checkpoint")
 
 
 def readme_section(results_dir: Path = RESULTS) -> str:
