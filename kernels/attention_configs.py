@@ -222,14 +222,16 @@ def config_shape(config) -> tuple:
 
 
 def target_family() -> int:
-    """100 when Triton compiles for Blackwell (sm_100) or newer, 90 for Hopper (sm_90 up to 99), 80
-    below: the active driver's target, which is the GPU's or, in bench/static.py, the stand-in's (so
-    the compile-target tests see this choice). Without a CUDA driver (CPU tests) the Hopper list."""
+    """100 when Triton compiles for datacenter Blackwell (sm_100 up to 119: tcgen05, tensor memory),
+    90 for Hopper (sm_90 up to 99), 80 for Ampere and Ada and for the GeForce and workstation
+    Blackwell parts (sm_120 and up: mma.sync, as Ampere, with neither wgmma nor tensor memory): the
+    active driver's target, which is the GPU's or, in bench/static.py, the stand-in's (so the
+    compile-target tests see this choice). Without a CUDA driver (CPU tests) the Hopper list."""
     try:
         arch = triton.runtime.driver.active.get_current_target().arch
     except Exception:
         return 90
-    if not isinstance(arch, int):
+    if not isinstance(arch, int) or arch >= 120:
         return 80
     return 100 if arch >= 100 else 90 if arch >= 90 else 80
 

@@ -198,6 +198,20 @@ def test_target_family_per_arch():
             assert target_family() == family, target
 
 
+@pytest.mark.parametrize("arch, family", [(100, 100), (103, 100), (110, 100), (120, 80), (121, 80), (90, 90),
+                                          (89, 80), (86, 80), (80, 80)])
+def test_geforce_blackwell_takes_the_mma_sync_lists(arch, family, monkeypatch):
+    """sm_120 (RTX 50 series, RTX PRO Blackwell) has neither tcgen05 nor wgmma: Triton compiles its
+    dots to mma.sync as on Ampere, so it takes family 80's lists, not the tensor-memory ones."""
+    from types import SimpleNamespace
+
+    from fused_remat.kernels import attention_configs as tuning
+
+    target = SimpleNamespace(get_current_target=lambda: SimpleNamespace(arch=arch))
+    monkeypatch.setattr(tuning, "triton", SimpleNamespace(runtime=SimpleNamespace(driver=SimpleNamespace(active=target))))
+    assert tuning.target_family() == family
+
+
 BLACKWELL_LAUNCHES = [(dtype, dim, causal, gqa) for dtype in ("bfloat16", "float16") for dim in (64, 128, 256)
                       for causal in (False, True) for gqa in (False, True)]
 
