@@ -4,19 +4,23 @@
     python -m bench checkpoint --preset tiny --out DIR          # a quick run (the test's)
 
 For each strategy (DDP, FSDP2) and form (``sharded``: torch.distributed.checkpoint, every rank
-writing its own shards into ``checkpoint.dcp``; ``single``: the full state gathered to rank 0,
-which writes ``checkpoint.pt``) one ``torchrun --standalone`` job of ``--ranks`` gloo CPU ranks,
+writing its own shards into ``checkpoint.dcp``; ``async``: the same written from DCP's thread,
+``--async-checkpoint``; ``single``: the full state gathered to rank 0, which writes
+``checkpoint.pt``) one ``torchrun --standalone`` job of ``--ranks`` gloo CPU ranks,
 on the reference backend (``FUSED_REMAT_BACKEND=reference``: plain PyTorch, no Triton
 interpreter), runs this module as its worker (``--worker``). Each rank builds the model and AdamW
 as the trainer does (``cli.parse_args``, ``LanguageModel``, ``wrap_model``, ``make_optimizer``),
 trains one step (``train_step``, a short sequence) so that AdamW's moments exist, then calls the
 trainer's own checkpoint code, as ``training/loop.py`` does:
 
-- save: ``save_sharded_checkpoint(sharded_training_state(...))`` on every rank, or
-  ``training_state`` (a collective) and ``save_checkpoint`` on rank 0, then a barrier. Its time is
-  the wall time between two barriers, the largest over the ranks; ``--repeats`` saves (5), each
-  into a fresh folder (nothing to rotate), each followed by a load, and the table gives the median
-  and the range;
+- save: ``start_sharded_checkpoint(sharded_training_state(...))`` on every rank and its
+  ``finish`` (the commit), or ``training_state`` (a collective) and ``save_checkpoint`` on rank 0,
+  then a barrier. Two times, each from a barrier and the largest over the ranks: how long training
+  waits (``save_s``: up to the commit, but for ``async`` only until DCP has copied the shards into
+  host memory and its thread writes them) and how long until the checkpoint is committed
+  (``written_s``; the same as ``save_s`` but for ``async``, whose commit the trainer makes at its
+  next checkpoint, while it trains). ``--repeats`` saves (5), each into a fresh folder (nothing to
+  rotate), each followed by a load, and the table gives the median and the range;
 - load: the weights and AdamW's state zeroed and the checkpoint's files dropped from the page cache
   (``posix_fadvise(POSIX_FADV_DONTNEED)``, so read through the disk, as a restart reads them), then
   ``load_newest_checkpoint`` (which for the single file checks every entry's CRC-32 and reads it
@@ -63,7 +67,7 @@ from bench import harness
 
 DEFAULT_OUT = harness.REPO / "bench" / "results" / "checkpoint"
 STRATEGIES = ("ddp", "fsdp")
-FORMS = ("sharded", "single")
+FORMS = ("sharded", "async", "single")
 SEQ_LEN = 32  # one short sequence: the step only has to make AdamW's state
 BATCH_SIZE = 1
 REPEATS = 5  # saves and loads per job, each timed: the table gives their median and range
@@ -79,7 +83,8 @@ class Row:
     preset: str
     vocab_size: int
     parameters: int
-    save_s: list[float]  # wall time of each save, barrier to barrier, the largest over the ranks
+    save_s: list[float]  # how long training waits for each save (from a barrier), the largest over the ranks
+    written_s: list[float]  # how long until each save is committed (save_s but for async)
     load_s: list[float]  # the same for each load into the same world
     bytes_per_rank: list[int]  # the bytes of the files each rank wrote
     files_per_rank: list[list[str]]  # their names, relative to the checkpoint
@@ -169,8 +174,8 @@ def worker(args) -> int:
     from fused_remat.training import cli
     from fused_remat.training import data as token_data
     from fused_remat.training.checkpoint import (checkpoint_path, load_newest_checkpoint, save_checkpoint,
-                                                 save_sharded_checkpoint)
-    from fused_remat.training.distributed import (init_distributed, load_sharded_training_state,
+                                                 start_sharded_checkpoint)
+    from fused_remat.training.distributed import (checkpoint_group, init_distributed, load_sharded_training_state,
                                                   load_training_state, sharded_training_state, shutdown,
                                                   training_state, unwrap, wrap_model)
     from fused_remat.training.loop import checkpoint_form, micro_batch_slot, resolve_remat, run_settings
@@ -180,7 +185,8 @@ def worker(args) -> int:
     vocab = [] if args.vocab_size is None else ["--vocab-size", str(args.vocab_size)]
     config = cli.parse_args(["--backend", "reference", "--preset", args.preset, "--seq-len", str(args.seq_len),
                              "--batch-size", str(BATCH_SIZE), "--steps", "1", "--distributed", args.strategy,
-                             "--checkpoint-format", args.form, "--out", str(out), *vocab])
+                             *(["--async-checkpoint"] if args.form == "async" else ["--checkpoint-format", args.form]),
+                             "--out", str(out), *vocab])
     cli.choose_backend(config.backend)
     run = init_distributed(config.distributed)
     device = run.device()
@@ -198,15 +204,20 @@ def worker(args) -> int:
     before = _checksum(model, optimizer)
     if run.is_main:
         out.mkdir(parents=True, exist_ok=True)
+    writers = checkpoint_group(run) if config.async_checkpoint else None
 
-    def save(ckpt: Path) -> float:
-        """What loop.py's save() does; its wall time between barriers, the largest over the ranks."""
+    def save(ckpt: Path) -> tuple[float, float]:
+        """What loop.py's save() does: how long training waits for it and how long until it is
+        committed (from a barrier, the largest over the ranks)."""
         run.barrier()
         started = time.perf_counter()
         run_state = dict(step=1, run=settings, backend="reference", rng=dict(cpu=torch.get_rng_state()))
         if ckpt.suffix == ".dcp":  # every rank writes its shards
-            save_sharded_checkpoint(ckpt, sharded_training_state(model, optimizer), run_state,
-                                    keep=config.keep_checkpoints, rank=run.rank, barrier=run.barrier)
+            writing = start_sharded_checkpoint(ckpt, sharded_training_state(model, optimizer), run_state,
+                                               keep=config.keep_checkpoints, rank=run.rank, barrier=run.barrier,
+                                               asynchronous=config.async_checkpoint, group=writers)
+            waited = time.perf_counter() - started
+            writing.finish()
         else:
             model_state, optimizer_state = training_state(model, optimizer)
             if run.is_main:
@@ -214,7 +225,8 @@ def worker(args) -> int:
                                 keep=config.keep_checkpoints)
             del model_state, optimizer_state
         run.barrier()
-        return _max_over_ranks(time.perf_counter() - started)
+        written = time.perf_counter() - started
+        return _max_over_ranks(waited if config.async_checkpoint else written), _max_over_ranks(written)
 
     def load(ckpt: Path) -> float:
         """What loop.py's resume does, from the disk, into weights and moments zeroed first."""
@@ -235,13 +247,15 @@ def worker(args) -> int:
         run.barrier()
         return _max_over_ranks(time.perf_counter() - started)
 
-    save_s, load_s, restored = [], [], True
+    save_s, written_s, load_s, restored = [], [], [], True
     for repeat in range(args.repeats):  # each into a folder of its own: no rotation, nothing to overwrite
         ckpt = checkpoint_path(out / f"repeat{repeat}", checkpoint_form(config, run))
         if run.is_main:
             ckpt.parent.mkdir(parents=True)
         run.barrier()
-        save_s.append(save(ckpt))
+        waited, written = save(ckpt)
+        save_s.append(waited)
+        written_s.append(written)
         load_s.append(load(ckpt))
         restored = restored and _checksum(model, optimizer) == before != 0.0
         if repeat == 0 and run.is_main:
@@ -257,7 +271,8 @@ def worker(args) -> int:
     dist.all_gather_object(peaks, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
     if run.is_main:
         row = Row(strategy=args.strategy, form=args.form, ranks=run.world_size, preset=args.preset,
-                  vocab_size=model_config.vocab_size, parameters=parameters, save_s=save_s, load_s=load_s,
+                  vocab_size=model_config.vocab_size, parameters=parameters, save_s=save_s,
+                  written_s=written_s, load_s=load_s,
                   bytes_per_rank=bytes_per_rank, files_per_rank=files_per_rank, peak_rss_bytes=peaks,
                   restored=restored, host_load=[args.host_load, os.getloadavg()[0]])
         Path(args.result).write_text(json.dumps(dataclasses.asdict(row)))
@@ -322,22 +337,26 @@ def markdown_table(rows: list[Row], environment: dict, settings: dict) -> str:
              f"{first.parameters / 1e6:.1f}M parameters, fp32 "
              f"weights and AdamW's two moments) on {first.ranks} gloo CPU ranks (torchrun, reference backend, one "
              f"training step of {settings['batch_size']} x {settings['seq_len']} tokens first), sharded "
-             "(torch.distributed.checkpoint, every rank its own shards) against single (gathered to rank 0, one "
-             f"file). Machine: {cores} CPU cores, {environment['device']}, torch {environment['torch']}, Python "
+             "(torch.distributed.checkpoint, every rank its own shards; async: the same written from DCP's thread, "
+             "--async-checkpoint) against single (gathered to rank 0, one file). Machine: {cores} CPU cores, {environment['device']}, torch {environment['torch']}, Python "
              f"{environment['python']}, {environment['date']}, commit {environment['commit']}. These are CPU "
              "processes on one host writing to one local disk: the two forms compared on that machine, not a "
              "cluster's file system.",
              "",
-             "| strategy | form | ranks | save s | load s | MiB per rank | total MiB | rank 0 peak RSS GiB | restored | "
-             "host load |",
-             "|---|---|---:|---:|---:|---|---:|---:|---|---|"]
+             "| strategy | form | ranks | save s | written s | load s | MiB per rank | total MiB | rank 0 peak RSS GiB "
+             "| restored | host load |",
+             "|---|---|---:|---:|---:|---:|---|---:|---:|---|---|"]
     for row in rows:
-        lines.append(f"| {row.strategy} | {row.form} | {row.ranks} | {_spread(row.save_s)} | {_spread(row.load_s)} | "
+        lines.append(f"| {row.strategy} | {row.form} | {row.ranks} | {_spread(row.save_s)} | {_spread(row.written_s)} | "
+                     f"{_spread(row.load_s)} | "
                      f"{' / '.join(_mib(b) for b in row.bytes_per_rank)} | {_mib(row.total_bytes)} | "
                      f"{_gib(row.peak_rss_bytes[0])} | {'yes' if row.restored else 'NO'} | "
                      f"{' -> '.join(f'{load:.1f}' for load in row.host_load)} |")
-    lines += ["", f"Save and load: seconds, the median (and range) of {settings['repeats']} in one job, each the wall "
-              "time between barriers, the largest over the ranks, each save into a fresh folder; a load reads the "
+    lines += ["", f"Save, written and load: seconds, the median (and range) of {settings['repeats']} in one job, each "
+              "from a barrier, the largest over the ranks, each save into a fresh folder. Save: how long training "
+              "waits; written: until the checkpoint is committed (the same but for async, whose shards are copied "
+              "into host memory while training waits and written by DCP's thread while it trains on; the trainer "
+              "commits them at its next checkpoint). A load reads the "
               "checkpoint back into the same world (the single file: CRC-32 check and the whole file read on every "
               "rank), its files first dropped from the page cache (posix_fadvise DONTNEED), so read through the disk "
               "(here a virtual machine's disk, which its host may cache). MiB per rank: the files each rank wrote "
