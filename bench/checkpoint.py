@@ -13,8 +13,8 @@ as the trainer does (``cli.parse_args``, ``LanguageModel``, ``wrap_model``, ``ma
 trains one step (``train_step``, a short sequence) so that AdamW's moments exist, then calls the
 trainer's own checkpoint code, as ``training/loop.py`` does:
 
-- save: ``start_sharded_checkpoint(sharded_training_state(...))`` on every rank and its
-  ``finish`` (the commit), or ``training_state`` (a collective) and ``save_checkpoint`` on rank 0,
+- save: the trainer's ``start_checkpoint`` (``start_sharded_checkpoint`` on every rank and its
+  ``finish``, the commit; or ``training_state``, a collective, and ``save_checkpoint`` on rank 0),
   then a barrier. Two times, each from a barrier and the largest over the ranks: how long training
   waits (``save_s``: up to the commit, but for ``async`` only until DCP has copied the shards into
   host memory and its thread writes them) and how long until the checkpoint is committed
@@ -165,30 +165,43 @@ def evict(path: Path) -> None:
 
 
 def worker(args) -> int:
-    """One rank: build, train a step, save and load the checkpoint as the trainer does (module docstring)."""
+    """One rank: build, train a step, save and load the checkpoint as the trainer does (module
+    docstring). It leaves the process group only once the model is gone, as the trainer does: a DDP
+    model's reducer holds the gloo group, and a group destroyed by the reducer after it was left
+    joins gloo's thread while holding the GIL that thread may still need (a hang seen here)."""
+    from fused_remat.training import cli
+    from fused_remat.training.distributed import init_distributed, shutdown
+
+    vocab = [] if args.vocab_size is None else ["--vocab-size", str(args.vocab_size)]
+    config = cli.parse_args(["--backend", "reference", "--preset", args.preset, "--seq-len", str(args.seq_len),
+                             "--batch-size", str(BATCH_SIZE), "--steps", "1", "--distributed", args.strategy,
+                             *(["--async-checkpoint"] if args.form == "async" else ["--checkpoint-format", args.form]),
+                             "--out", str(args.scratch), *vocab])
+    cli.choose_backend(config.backend)
+    run = init_distributed(config.distributed)
+    row = _measure(args, config, run)
+    if row is not None:
+        Path(args.result).write_text(json.dumps(dataclasses.asdict(row)))
+    shutdown(run)
+    return 0
+
+
+def _measure(args, config, run) -> Row | None:
+    """The worker's saves and loads on this rank; rank 0's row."""
     import resource
 
     import torch.distributed as dist
 
     from fused_remat.model import LanguageModel
-    from fused_remat.training import cli
     from fused_remat.training import data as token_data
-    from fused_remat.training.checkpoint import (checkpoint_path, load_newest_checkpoint, save_checkpoint,
-                                                 start_sharded_checkpoint)
-    from fused_remat.training.distributed import (checkpoint_group, init_distributed, load_sharded_training_state,
-                                                  load_training_state, sharded_training_state, shutdown,
-                                                  training_state, unwrap, wrap_model)
-    from fused_remat.training.loop import checkpoint_form, micro_batch_slot, resolve_remat, run_settings
+    from fused_remat.training.checkpoint import checkpoint_path, load_newest_checkpoint
+    from fused_remat.training.distributed import (checkpoint_group, load_sharded_training_state, load_training_state,
+                                                  unwrap, wrap_model)
+    from fused_remat.training.loop import (checkpoint_form, micro_batch_slot, resolve_remat, run_settings,
+                                           start_checkpoint)
     from fused_remat.training.step import make_optimizer, train_step
 
     out = Path(args.scratch)
-    vocab = [] if args.vocab_size is None else ["--vocab-size", str(args.vocab_size)]
-    config = cli.parse_args(["--backend", "reference", "--preset", args.preset, "--seq-len", str(args.seq_len),
-                             "--batch-size", str(BATCH_SIZE), "--steps", "1", "--distributed", args.strategy,
-                             *(["--async-checkpoint"] if args.form == "async" else ["--checkpoint-format", args.form]),
-                             "--out", str(out), *vocab])
-    cli.choose_backend(config.backend)
-    run = init_distributed(config.distributed)
     device = run.device()
     data = token_data.load_data(config.data, config.vocab_size, config.seq_len, config.document_boundary)
     model_config = config.model_config(data.vocab_size)
@@ -212,18 +225,10 @@ def worker(args) -> int:
         run.barrier()
         started = time.perf_counter()
         run_state = dict(step=1, run=settings, backend="reference", rng=dict(cpu=torch.get_rng_state()))
-        if ckpt.suffix == ".dcp":  # every rank writes its shards
-            writing = start_sharded_checkpoint(ckpt, sharded_training_state(model, optimizer), run_state,
-                                               keep=config.keep_checkpoints, rank=run.rank, barrier=run.barrier,
-                                               asynchronous=config.async_checkpoint, group=writers)
-            waited = time.perf_counter() - started
+        writing = start_checkpoint(ckpt, model, optimizer, run_state, config, run, writers)
+        waited = time.perf_counter() - started
+        if writing is not None:
             writing.finish()
-        else:
-            model_state, optimizer_state = training_state(model, optimizer)
-            if run.is_main:
-                save_checkpoint(ckpt, dict(run_state, model=model_state, optimizer=optimizer_state),
-                                keep=config.keep_checkpoints)
-            del model_state, optimizer_state
         run.barrier()
         written = time.perf_counter() - started
         return _max_over_ranks(waited if config.async_checkpoint else written), _max_over_ranks(written)
@@ -269,15 +274,12 @@ def worker(args) -> int:
 
     peaks = [None] * run.world_size
     dist.all_gather_object(peaks, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
-    if run.is_main:
-        row = Row(strategy=args.strategy, form=args.form, ranks=run.world_size, preset=args.preset,
-                  vocab_size=model_config.vocab_size, parameters=parameters, save_s=save_s,
-                  written_s=written_s, load_s=load_s,
-                  bytes_per_rank=bytes_per_rank, files_per_rank=files_per_rank, peak_rss_bytes=peaks,
-                  restored=restored, host_load=[args.host_load, os.getloadavg()[0]])
-        Path(args.result).write_text(json.dumps(dataclasses.asdict(row)))
-    shutdown(run)
-    return 0
+    if not run.is_main:
+        return None
+    return Row(strategy=args.strategy, form=args.form, ranks=run.world_size, preset=args.preset,
+               vocab_size=model_config.vocab_size, parameters=parameters, save_s=save_s, written_s=written_s,
+               load_s=load_s, bytes_per_rank=bytes_per_rank, files_per_rank=files_per_rank, peak_rss_bytes=peaks,
+               restored=restored, host_load=[args.host_load, os.getloadavg()[0]])
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,7 +340,8 @@ def markdown_table(rows: list[Row], environment: dict, settings: dict) -> str:
              f"weights and AdamW's two moments) on {first.ranks} gloo CPU ranks (torchrun, reference backend, one "
              f"training step of {settings['batch_size']} x {settings['seq_len']} tokens first), sharded "
              "(torch.distributed.checkpoint, every rank its own shards; async: the same written from DCP's thread, "
-             "--async-checkpoint) against single (gathered to rank 0, one file). Machine: {cores} CPU cores, {environment['device']}, torch {environment['torch']}, Python "
+             "--async-checkpoint) against single (gathered to rank 0, one file). "
+             f"Machine: {cores} CPU cores, {environment['device']}, torch {environment['torch']}, Python "
              f"{environment['python']}, {environment['date']}, commit {environment['commit']}. These are CPU "
              "processes on one host writing to one local disk: the two forms compared on that machine, not a "
              "cluster's file system.",

@@ -46,6 +46,7 @@ def test_every_combination_is_measured(results):
     assert {"device", "torch", "date", "commit"} <= payload["environment"].keys()
     assert payload["settings"]["preset"] == "tiny" and payload["settings"]["ranks"] == RANKS
     table = (out / "results" / "checkpoint.md").read_text()
+    assert f"Machine: {os.cpu_count()} CPU cores, cpu, torch " in table
     for row in rows.values():
         assert row["preset"] == "tiny" and row["ranks"] == RANKS and row["vocab_size"] == VOCAB
         assert len(row["save_s"]) == len(row["written_s"]) == len(row["load_s"]) == REPEATS
