@@ -353,21 +353,14 @@ def _train(config: TrainConfig, run: Distributed, stop: StopRequest) -> int:
 
     def save(step: int, wait: bool = True) -> None:
         nonlocal saved, pending
+        commit_pending()
         run_state = dict(step=step, run=settings, backend=backend, rng=dict(cpu=torch.get_rng_state()))
-        if ckpt.suffix == ".dcp":  # every rank writes its shards
-            commit_pending()
-            started = start_sharded_checkpoint(ckpt, sharded_training_state(model, optimizer), run_state,
-                                               keep=config.keep_checkpoints, rank=run.rank, barrier=run.barrier,
-                                               asynchronous=config.async_checkpoint, group=writers)
-            if config.async_checkpoint and not wait:
-                pending = started
-                return
-            started.finish()
-        else:
-            model_state, optimizer_state = training_state(model, optimizer)
-            if run.is_main:
-                save_checkpoint(ckpt, dict(run_state, model=model_state, optimizer=optimizer_state),
-                                keep=config.keep_checkpoints)
+        writing = start_checkpoint(ckpt, model, optimizer, run_state, config, run, writers)
+        if writing is not None and config.async_checkpoint and not wait:
+            pending = writing
+            return
+        if writing is not None:
+            writing.finish()
         run.barrier()
         saved = step
 
@@ -479,6 +472,23 @@ def _handle_nonfinite(config: TrainConfig, record: dict, skipped: int, failed: b
     when = "the first step after" if since == 1 else f"each of the {since} steps since"
     raise TrainingFailed(f"{what}: training diverged at {when} resuming from {ckpt} (step {resumed_at}), stopping; "
                          f"{ckpt.name} is kept as it was. {fallback}; {allowance}")
+
+
+def start_checkpoint(ckpt: Path, model, optimizer, run_state: dict, config: TrainConfig, run: Distributed,
+                     writers=None) -> ShardedSave | None:
+    """Writes the checkpoint ``ckpt`` of the run's model, optimizer and ``run_state`` as the trainer
+    does. The sharded form (``.dcp``): every rank's shards, and the ``ShardedSave`` that commits
+    them, to finish at once or, with --async-checkpoint, later (DCP's thread writes them, its
+    collectives on ``writers``, ``checkpoint_group``). The single file: gathered and written by rank
+    0, None."""
+    if ckpt.suffix == ".dcp":
+        return start_sharded_checkpoint(ckpt, sharded_training_state(model, optimizer), run_state,
+                                        keep=config.keep_checkpoints, rank=run.rank, barrier=run.barrier,
+                                        asynchronous=config.async_checkpoint, group=writers)
+    model_state, optimizer_state = training_state(model, optimizer)
+    if run.is_main:
+        save_checkpoint(ckpt, dict(run_state, model=model_state, optimizer=optimizer_state), keep=config.keep_checkpoints)
+    return None
 
 
 def _checkpoint_after_error(error: Exception, step: int, save, ckpt, flush_metrics) -> None:
