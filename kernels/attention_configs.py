@@ -178,10 +178,14 @@ VARIANT_SPILLS = {
     (80, "dq", (64, 32, 4)): [((128,), {"varlen"})],
     (80, "dkdv", (128, 32, 8)): [((128,), {"softcap"})],
     # Blackwell (sm_100a, Triton 3.9): the D=128 picks compiled under each mask, causal (dK/dV's
-    # M64 N64 w8 with GQA, its launch): fwd M128 N128 w8 and dQ M128 N128 w8 spilled under none.
-    (100, "dkdv", (64, 128, 4)): [((128,), {"softcap"})],
+    # M64 N64 w8 with GQA, its launch), and every configuration the pruning offered at D 64 and 128,
+    # MHA, causal and not (bench/results/static): the forward spilled under none.
+    (100, "dkdv", (64, 128, 4)): [((64, 128), {"softcap"})],
+    (100, "dkdv", (32, 128, 4)): [((64,), {"window", "varlen"})],
     (100, "dkdv", (64, 64, 8)): [((128,), {"window", "varlen"})],
+    (100, "dq", (128, 128, 8)): [((64, 128), {"softcap"})],
     (100, "dq", (128, 64, 8)): [((128,), {"window", "softcap"})],
+    (100, "dq", (64, 64, 4)): [((128,), {"varlen"})],
 }
 # The constexpr that turns each variant on.
 VARIANT_FLAGS = {"window": "WINDOW", "softcap": "SOFTCAP", "varlen": "VARLEN"}
