@@ -33,8 +33,11 @@ ranks write into ``.checkpoint.dcp.staging``; once DCP has finished on every ran
 a folder named ``checkpoint[.k].dcp`` is always complete. Predecessors are ``checkpoint.1.dcp`` and so
 on; the two forms share one sequence of ages (``checkpoint_files``), so a run that changes form (a
 single-process run resumed under torchrun) rotates and falls back across both. A staging folder left
-by a killed job is removed on the next start. ``python -m fused_remat.training.checkpoint convert SRC
-DST`` converts between the two forms (``convert``).
+by a killed job is removed on the next start. With ``--async-checkpoint`` the shards are copied into
+host memory at the checkpoint step and written by DCP's thread while training goes on
+(``start_sharded_checkpoint``); the commit (``ShardedSave.finish``) waits for them, so the folder
+becomes a checkpoint only once every rank's shards are on disk. ``python -m
+fused_remat.training.checkpoint convert SRC DST`` converts between the two forms (``convert``).
 
 One trainer per run folder (``RunLock``): two trainers writing one folder would rotate each other's
 checkpoints away and interleave their metrics.
