@@ -29,9 +29,11 @@ leaving (``distributed.shutdown``). ``python -m fused_remat.train`` (the module
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
+import traceback
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
@@ -167,6 +169,11 @@ def _failed(error: Exception, run: Distributed) -> int:
     rank then names as the cause. In a multi-rank run this rank also leaves its error for the other
     ranks and for torchrun's report (whose "Root Cause" shows it instead of an empty error file)."""
     status = next((code for types, code in REPORTED_ERRORS if isinstance(error, types)), None)
+    # The failed run's frames, which the traceback keeps, hold its model: a DDP reducer that outlives
+    # the process group destroys the group later, joining gloo's thread while holding the GIL that
+    # the thread may need (a hang seen in bench/checkpoint.py). Their locals go while it is there.
+    traceback.clear_frames(error.__traceback__)
+    gc.collect()
     first_failure = leave_after_failure(run, f"{type(error).__name__}: {error}") if run.world_size > 1 else None
     if status is None and first_failure is not None:
         here = str(error).splitlines()[0] if str(error) else ""
