@@ -573,3 +573,19 @@ def test_merge_keeps_the_targets_a_run_did_not_compile_with_their_commits(tmp_pa
     assert compiled["sm_90a"]["commit"] == compiled["sm_80"]["commit"] == "0000000"
     assert compiled["sm_100a"]["commit"] == payload["environment"]["commit"] != "0000000"
     assert "sm_90a at commit 0000000" in (tmp_path / "static.md").read_text()
+
+
+def test_every_attention_kernel_in_the_committed_tables_is_spill_free_and_does_its_work_once():
+    """bench/results/static holds every configuration the pruning offers on each target (bf16, D 64
+    and 128, causal and not, with the masks of real batches): none spills, each does every
+    multiply-add once on the target's tensor-core MMA. A pruning fact that went missing shows here
+    once the tables are regenerated."""
+    payload = json.loads((DEFAULT_OUT / "static.json").read_text())
+    mma = {"sm_90a": "HGMMA", "sm_80": "HMMA", "sm_100a": "UTCHMMA"}
+    rows = [r for r in payload["rows"] if r["kernel"] in ("_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv")]
+    assert {r["target"] for r in rows} == set(mma)
+    for row in rows:
+        where = f"{row['target']} {row['kernel']} {row['case']} {_config_text(row['config'])}"
+        assert "error" not in row, where
+        assert row["spill_stores"] == row["spill_loads"] == 0, where
+        assert row["mma"] == mma[row["target"]] and row["hot_loop"]["mma_work_ratio"] == 1.0, where
