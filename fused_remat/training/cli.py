@@ -103,7 +103,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                         help="write sharded checkpoints in the background: each rank copies its shards to host memory "
                         "at the checkpoint step (one more copy of its model and optimizer state, held until written), "
                         "then trains on while a thread writes them; the checkpoint is committed at the next one, at a "
-                        "stop or at the end (implies --checkpoint-format sharded)")
+                        "stop or at the end (implies --checkpoint-format sharded; for FSDP2: under DDP every rank copies the "
+                        "whole replicated state)")
     parser.add_argument("--skip-nonfinite", type=int, default=0,
                         help="steps with a NaN or infinite loss or gradient norm to skip (no update) before the run "
                         "stops; 0: stop at the first (default 0)")
