@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import platform
+import re
 import subprocess
 import time
 from collections.abc import Callable
@@ -21,6 +22,12 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+
+
+def device_folder(device_name: str) -> Path:
+    """Where a device's results go: bench/results/<its name, with anything but [A-Za-z0-9._-] as '-'>."""
+    return RESULTS / re.sub(r"[^A-Za-z0-9._-]+", "-", device_name).strip("-")
 INPUT_SETS = 3  # inputs rotate through this many fresh random sets, so no call sees warm inputs twice
 
 

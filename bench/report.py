@@ -9,21 +9,15 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections import defaultdict
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.harness import REPO, Result
+from bench.harness import REPO, RESULTS, Result, device_folder
 from fused_remat.training.reporting import pyplot, save_figure
 
-RESULTS = REPO / "bench" / "results"
 README = REPO / "README.md"
 OURS = "fused_remat"
-
-
-def device_folder(device_name: str) -> Path:
-    return RESULTS / re.sub(r"[^A-Za-z0-9._-]+", "-", device_name).strip("-")
 
 
 def write_json(folder: Path, suite: str, environment: dict, ceilings: dict, results: list[Result]) -> Path:
@@ -182,6 +176,11 @@ MARK_START, MARK_END = "<!-- results:start -->", "<!-- results:end -->"
 NOT_TIMINGS = ("static", "frontier", "checkpoint")
 
 
+def suite_files(folder: Path) -> list[Path]:
+    """The benchmark suites' JSON in ``folder``, without bench/gpu_check.sh's stage records beside them."""
+    return sorted(set(folder.glob("*.json")) - set(folder.glob("gpu_check_*.json")))
+
+
 def readme_section(results_dir: Path = RESULTS) -> str:
     """The README's results section, rebuilt from the committed JSON files: per GPU, the stages of
     bench/gpu_check.sh (gpu_check_*.json), then each benchmark suite's table and plots."""
@@ -190,7 +189,7 @@ def readme_section(results_dir: Path = RESULTS) -> str:
         stages = [json.loads(path.read_text()) for path in sorted(folder.glob("gpu_check_*.json"))]
         if stages:
             parts.append(gpu_check_table(folder.name, stages))
-        for path in sorted(set(folder.glob("*.json")) - set(folder.glob("gpu_check_*.json"))):
+        for path in suite_files(folder):
             payload, results = load_json(path)
             parts.append(markdown_table(payload["suite"], payload["environment"], payload["ceilings"], results))
             for png in sorted(folder.glob(f"{payload['suite']}*.png")):
@@ -223,7 +222,7 @@ def update_readme() -> None:
 def summary(folder: Path) -> str:
     """One line per suite of a run: how often ours beat the best peer, and the geometric-mean ratio."""
     lines = ["| suite | cases | ours fastest | geo-mean speed-up vs best peer | range |", "|---|---|---|---|---|"]
-    for path in sorted(folder.glob("*.json")):
+    for path in suite_files(folder):
         payload, results = load_json(path)
         ratios = []
         for case in dict.fromkeys(r.case for r in results):
