@@ -30,10 +30,10 @@ POINTS = [
 ]
 
 
-def _block(remat="none", **kwargs) -> TransformerBlock:
+def _block(device, remat="none", **kwargs) -> TransformerBlock:
     torch.manual_seed(0)
     return TransformerBlock(DIM, HEADS, n_kv_heads=KV_HEADS, ffn_dim=FFN, norm="rmsnorm", activation="swiglu",
-                            bias=False, rope_theta=10000.0, remat=remat, **kwargs)
+                            bias=False, rope_theta=10000.0, remat=remat, device=device, **kwargs)
 
 
 def _widths() -> dict[str, int]:
@@ -49,9 +49,9 @@ def _output_and_grads(block, x) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_every_point_computes_the_gradients_of_none_bitwise(qk_norm, triton_backend):
-    block = _block(qk_norm=qk_norm)
-    x = torch.randn(2, 13, DIM)
+def test_every_point_computes_the_gradients_of_none_bitwise(qk_norm, device, triton_backend):
+    block = _block(device, qk_norm=qk_norm)
+    x = torch.randn(2, 13, DIM, device=device)
     expected = _output_and_grads(block, x)
     # with qk_norm the kept qkv is the projection's output and attention reads a rebuilt copy
     for point in POINTS if not qk_norm else (Remat.SELECTIVE, Remat.keeping(["qkv"]), Remat.keeping(["qkv", "h"])):
@@ -61,9 +61,10 @@ def test_every_point_computes_the_gradients_of_none_bitwise(qk_norm, triton_back
 
 
 def _saved_bytes_per_token(block, lengths=(8, 20), batch=2) -> int:
+    device = next(block.parameters()).device
     saved = []
     for n in lengths:
-        x = torch.randn(batch, n, DIM, requires_grad=True)
+        x = torch.randn(batch, n, DIM, device=device, requires_grad=True)
         with saved_memory() as meter:
             block(x)
         saved.append(meter.bytes)
@@ -75,8 +76,8 @@ def _saved_bytes_per_token(block, lengths=(8, 20), batch=2) -> int:
 @pytest.mark.parametrize("point", [Remat.keeping(names) for names in (
     ["qkv", "o", "lse", "h", "mean1", "rstd1", "mean2", "rstd2"], ["qkv", "o", "lse", "u", "mean1", "rstd1"],
     ["o", "lse", "h"], ["qkv", "u", "mean2", "rstd2"], ["h", "y2"])])
-def test_each_point_keeps_the_bytes_the_contract_prices(point, triton_backend):
-    assert _saved_bytes_per_token(_block(point)) == kept_bytes_per_token(point, _widths(), 4, 4)
+def test_each_point_keeps_the_bytes_the_contract_prices(point, device, triton_backend):
+    assert _saved_bytes_per_token(_block(device, point)) == kept_bytes_per_token(point, _widths(), 4, 4)
 
 
 def _counted(run) -> int:
@@ -85,14 +86,14 @@ def _counted(run) -> int:
     return counter.get_total_flops()
 
 
-def test_the_backward_counts_exactly_the_replay_each_point_runs(triton_backend):
+def test_the_backward_counts_exactly_the_replay_each_point_runs(device, triton_backend):
     """Backward's FLOPs exceed ``none``'s by the point's replay: a linear layer per rebuilt product,
     attention where its results were not kept."""
     seq = 13
-    x = torch.randn(1, seq, DIM, requires_grad=True)
+    x = torch.randn(1, seq, DIM, device=device, requires_grad=True)
 
     def backward_flops(point):
-        block = _block(point)
+        block = _block(device, point)
         y = block(x)
         return _counted(lambda: y.backward(torch.ones_like(y)))
 
@@ -136,17 +137,17 @@ def test_a_budget_picks_the_least_replay_that_fits_and_prices_attention_by_the_s
 
 
 @pytest.mark.parametrize("fraction", [0.8, 0.5, 0.2])
-def test_the_block_honours_its_memory_budget_as_the_meter_measures_it(fraction, triton_backend):
-    block = _block(memory_budget=fraction)
+def test_the_block_honours_its_memory_budget_as_the_meter_measures_it(fraction, device, triton_backend):
+    block = _block(device, memory_budget=fraction)
     lengths = (16, 24)  # lengths at which each budget picks one point (0.5 picks another below 16)
-    none = _saved_bytes_per_token(_block("none"), lengths)
+    none = _saved_bytes_per_token(_block(device, "none"), lengths)
     kept = _saved_bytes_per_token(block, lengths)
     assert kept <= fraction * none
     seq = 20
     expected = within_budget(fraction, _widths(), 4, 4, visible_pairs(seq, seq, True) / seq)
     assert kept == kept_bytes_per_token(expected, _widths(), 4, 4)
-    x = torch.randn(2, seq, DIM)
-    assert all(torch.equal(a, b) for a, b in zip(_output_and_grads(block, x), _output_and_grads(_block(), x)))
+    x = torch.randn(2, seq, DIM, device=device)
+    assert all(torch.equal(a, b) for a, b in zip(_output_and_grads(block, x), _output_and_grads(_block(device), x)))
 
 
 @pytest.mark.parametrize("value,error,match", [
@@ -156,10 +157,10 @@ def test_the_block_honours_its_memory_budget_as_the_meter_measures_it(fraction, 
     ("0.5", TypeError, r"memory_budget must be a number in \[0, 1\].*got str"),
     (True, TypeError, r"memory_budget must be a number.*got bool"),
 ])
-def test_a_bad_memory_budget_names_the_argument(value, error, match):
+def test_a_bad_memory_budget_names_the_argument(value, error, match, device):
     with pytest.raises(error, match="^TransformerBlock: " + match):
-        _block(memory_budget=value)
-    block = _block(memory_budget=0.5)
+        _block(device, memory_budget=value)
+    block = _block(device, memory_budget=0.5)
     with pytest.raises(error, match=match):
         block.memory_budget = value
     assert block.memory_budget == 0.5, "a refused setting leaves the block as it was"
