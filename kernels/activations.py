@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import FP_FUSION, next_power_of_2
+from .launch import SEPARATE_ROUNDING, next_power_of_2
 from .precision import load_tile, store_tile
 
 MAX_BLOCK_N = 1024
@@ -116,7 +116,7 @@ def _launch(kernel, tensors: list[torch.Tensor], **constexprs) -> None:
     block_m, block_n, num_warps, programs = _tiling(rows, cols)
     kernel[(programs,)](
         *tensors, rows, cols, *(t.stride(0) for t in tensors),
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **constexprs, **FP_FUSION,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **constexprs, **SEPARATE_ROUNDING,
     )
 
 

@@ -14,6 +14,15 @@ import triton
 # and the interpreter drops them.
 FP_FUSION = {"enable_fp_fusion": True}
 
+# The row-wise kernels (norms, activations) ask for the opposite: every multiply and add rounds on
+# its own. Their outputs are rebuilt by other kernels (a norm's or activation's backward rebuilds the
+# forward's output for the next weight gradient), and every remat point must give the same bits;
+# with fusion on, the compiler contracts the same source differently in the two kernels (on an
+# H200, exact GELU's rebuilt output and dx differed from the forward's and from the no-rebuild
+# backward's, and LayerNorm's dx over one column came out as w*dy's rounding error times rstd
+# instead of 0). They are memory-bound: the separate FMUL and FADD cost no time.
+SEPARATE_ROUNDING = {"enable_fp_fusion": False}
+
 
 @functools.lru_cache(maxsize=None)
 def _cuda_sm_count(index: int) -> int:

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import FP_FUSION, next_power_of_2, persistent_program_count
+from .launch import SEPARATE_ROUNDING, next_power_of_2, persistent_program_count
 from .limits import MAX_NORM_WIDTH
 from .precision import load_tile, round_to, store_tile
 
@@ -272,7 +272,7 @@ def norm_fwd(x, weight, bias, eps, *, rms: bool, residual=None, out_dtype=None):
         rows, cols, x.stride(0), residual.stride(0) if fused_residual else 0, h.stride(0) if fused_residual else 0,
         y.stride(0), float(eps),
         IS_RMS=rms, HAS_BIAS=bias is not None, HAS_RESIDUAL=fused_residual, SINGLE_PASS=single_pass,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **FP_FUSION,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **SEPARATE_ROUNDING,
     )
     return y, mean, rstd, h
 
@@ -304,7 +304,7 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, has_bias: bool, resi
             rows, cols, x.stride(0), dy.stride(0), residual_grad.stride(0) if residual_grad is not None else 0,
             dx.stride(0), y.stride(0) if rebuild_output else 0,
             IS_RMS=rms, HAS_BIAS=has_bias, HAS_DRES=residual_grad is not None, REBUILD_OUTPUT=rebuild_output,
-            SINGLE_PASS=single_pass, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **FP_FUSION,
+            SINGLE_PASS=single_pass, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **SEPARATE_ROUNDING,
         )
     dw = dw_partial.sum(dim=0).to(weight.dtype)
     db = db_partial.sum(dim=0).to(weight.dtype) if has_bias else None

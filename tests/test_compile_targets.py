@@ -16,7 +16,8 @@ cached for the session, shared by xdist workers. Per compiled kernel, separate t
   and without it on sm_80, which has none (pointer loads, cp.async).
 
 Floating-point fusion: one case per launch site compiled for sm_90a with Triton's fusion default
-off (Triton 3.10's) is the same SASS as with it on, FFMAs included: the launches ask for fusion.
+off (Triton 3.10's) is the same SASS as with it on: the attention and RoPE launches ask for fusion
+(FFMAs included), the norm and activation launches for separate rounding.
 
 The attention goals (no spills, HGMMA, no C7515, work once, TMA) hold on sm_90a, the target the
 attention kernels are tuned for; on sm_80 the attention kernels are held to the same standard but for
@@ -267,25 +268,25 @@ def test_every_kernel_has_cases():
 
 
 # Floating-point fusion: Triton 3.10 compiles without it by default (3.9 warns where
-# TRITON_DEFAULT_FP_FUSION is unset), so every launch asks for it (kernels/launch.py, FP_FUSION).
-# One case per launch site: each kernel of the launchers (swiglu shares gelu's launch).
+# TRITON_DEFAULT_FP_FUSION is unset), so every launch says what it wants (kernels/launch.py): the
+# attention and RoPE launches ask for fusion (FP_FUSION), the row-wise ones for separate rounding
+# (SEPARATE_ROUNDING: outputs other kernels rebuild bitwise). One case per launch site: each kernel of
+# the launchers (swiglu shares gelu's launch).
 FUSION_CASES = [
     Case("attention_fwd", "bfloat16", 64, causal=True, config=(128, 64, 8, 3)),
     Case("attention_bwd", "bfloat16", 64, causal=True, config=(128, 64, 8, 3), dkdv_config=(32, 128, 8, 3)),
+    Case("rope", "bfloat16", 128),
+]
+SEPARATE_ROUNDING_CASES = [
     Case("layer_norm_fwd", "bfloat16", width=4096),
     Case("rms_norm_bwd", "bfloat16", width=4096),
     Case("swiglu_bwd", "bfloat16", width=4096),
-    Case("rope", "bfloat16", 128),
 ]
 
 
-@pytest.mark.parametrize("case", FUSION_CASES, ids=[c.id for c in FUSION_CASES])
-def test_fused_multiply_adds_with_fusion_defaulted_off(facts_cache, monkeypatch, case):
-    """Compiled for sm_90a with Triton's fusion default off (TRITON_DEFAULT_FP_FUSION=0, 3.10's
-    default), each kernel is still compiled with fusion and its SASS is the session's compile of the
-    same case (bench/static.py pins the default on): the same instruction count and the same FFMA,
-    FMUL and FADD counts, in the hot loop too, FFMAs among them. Without the launches' request,
-    ptxas gets --fmad=false and every FFMA that was no explicit tl.fma splits into FMUL + FADD."""
+def _compiled_with_fusion_defaulted_on_and_off(facts_cache, monkeypatch, case) -> list[tuple[dict, dict]]:
+    """(row with the default on, row with it off) per kernel of ``case``, compiled for sm_90a: the
+    session's compile (bench/static.py pins the default on) and one with TRITON_DEFAULT_FP_FUSION=0."""
     default_on = {r["kernel"]: r for r in _facts(facts_cache, case, "sm_90a")}
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
     default_off = run_in_subprocess(case, "sm_90a")
@@ -293,18 +294,39 @@ def test_fused_multiply_adds_with_fusion_defaulted_off(facts_cache, monkeypatch,
     assert not errors, f"{case.id}: {errors}"
     assert sorted(r["kernel"] for r in default_off) == sorted(default_on) == sorted(_kernels(case))
     for row in default_off:
-        kernel, on = row["kernel"], default_on[row["kernel"]]
-        assert on["fp_fusion"] and row["fp_fusion"], f"{kernel}: compiled without fusion with the default off"
-        assert row["fp32_ops"]["FFMA"] > 0, f"{kernel}: no FFMA ({row['fp32_ops']})"
+        on = default_on[row["kernel"]]
         assert (row["sass_instructions"], row["fp32_ops"]) == (on["sass_instructions"], on["fp32_ops"]), \
-            f"{kernel}: default off {row['sass_instructions']} instructions {row['fp32_ops']}, " \
+            f"{row['kernel']}: default off {row['sass_instructions']} instructions {row['fp32_ops']}, " \
             f"default on {on['sass_instructions']} {on['fp32_ops']}"
+    return [(default_on[row["kernel"]], row) for row in default_off]
+
+
+@pytest.mark.parametrize("case", FUSION_CASES, ids=[c.id for c in FUSION_CASES])
+def test_fused_multiply_adds_with_fusion_defaulted_off(facts_cache, monkeypatch, case):
+    """Compiled for sm_90a with Triton's fusion default off (TRITON_DEFAULT_FP_FUSION=0, 3.10's
+    default), each kernel is still compiled with fusion and its SASS is the session's compile of the
+    same case: the same instruction count and the same FFMA, FMUL and FADD counts, in the hot loop
+    too, FFMAs among them. Without the launches' request, ptxas gets --fmad=false and every FFMA
+    that was no explicit tl.fma splits into FMUL + FADD."""
+    for on, off in _compiled_with_fusion_defaulted_on_and_off(facts_cache, monkeypatch, case):
+        kernel = off["kernel"]
+        assert on["fp_fusion"] and off["fp_fusion"], f"{kernel}: compiled without fusion with the default off"
+        assert off["fp32_ops"]["FFMA"] > 0, f"{kernel}: no FFMA ({off['fp32_ops']})"
         if kernel in MMA_KERNELS:
-            hot, hot_on = row["hot_loop"], on["hot_loop"]
+            hot, hot_on = off["hot_loop"], on["hot_loop"]
             assert hot["fp32_ops"]["FFMA"] > 0, f"{kernel}: no FFMA in the hot loop ({hot['fp32_ops']})"
             assert (hot["instructions"], hot["fp32_ops"]) == (hot_on["instructions"], hot_on["fp32_ops"]), \
                 f"{kernel} hot loop: default off {hot['instructions']} instructions {hot['fp32_ops']}, " \
                 f"default on {hot_on['instructions']} {hot_on['fp32_ops']}"
+
+
+@pytest.mark.parametrize("case", SEPARATE_ROUNDING_CASES, ids=[c.id for c in SEPARATE_ROUNDING_CASES])
+def test_row_wise_kernels_round_every_operation_whatever_the_default(facts_cache, monkeypatch, case):
+    """The norm and activation kernels compile without fusion under either default, to the same
+    SASS: each multiply and add rounds on its own, so a backward that rebuilds their output gets the
+    forward's bits (what the remat points' bitwise equality rests on, on a GPU)."""
+    for on, off in _compiled_with_fusion_defaulted_on_and_off(facts_cache, monkeypatch, case):
+        assert not on["fp_fusion"] and not off["fp_fusion"], f"{off['kernel']}: compiled with fusion"
 
 
 HOPPER_SHAPES = [(dtype, dim, causal, gqa) for dtype in ("bfloat16", "float16") for dim in (64, 128)
