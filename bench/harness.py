@@ -10,6 +10,7 @@ is in bench/providers.py.
 from __future__ import annotations
 
 import datetime
+import functools
 import itertools
 import platform
 import re
@@ -217,8 +218,31 @@ def environment() -> dict:
     }
 
 
+HOST_LINK_BYTES = 1 << 28  # 256 MiB: a pinned host buffer and a device buffer, copied whole
+
+
+@functools.cache
+def host_link_ceilings(quick: bool) -> dict:
+    """The measured pinned host -> device and device -> host copy bandwidth (GB/s, bytes moved one
+    way), one HOST_LINK_BYTES buffer copied with ``non_blocking=True`` on the current stream and
+    timed as the other ceilings are (time_ms: CUDA events, median). Measured once per process, so
+    the ceilings a run records and the offload case (bench_memory.py) read the same figures; {}
+    without CUDA."""
+    if not torch.cuda.is_available():
+        return {}
+    host = torch.empty(HOST_LINK_BYTES, dtype=torch.uint8, pin_memory=True)
+    on_device = torch.empty(HOST_LINK_BYTES, dtype=torch.uint8, device="cuda")
+    ceilings = {}
+    for key, target, source in (("h2d_GBps", on_device, host), ("d2h_GBps", host, on_device)):
+        ms, _, _ = time_ms(lambda target=target, source=source: target.copy_(source, non_blocking=True), quick)
+        ceilings[key] = HOST_LINK_BYTES / (ms * 1e-3) / 1e9
+    torch.cuda.synchronize()
+    return ceilings
+
+
 def measure_ceilings(quick: bool) -> dict:
-    """The device's measured copy bandwidth (GB/s, read + write) and dense bf16 matmul rate (TFLOP/s)."""
+    """The device's measured copy bandwidth (GB/s, read + write), dense bf16 matmul rate (TFLOP/s)
+    and pinned host <-> device bandwidth each way (GB/s, host_link_ceilings)."""
     if not torch.cuda.is_available():
         return {}
     elements = 2**28  # 512 MiB of bf16: far beyond L2
@@ -232,7 +256,8 @@ def measure_ceilings(quick: bool) -> dict:
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     ms, _, _ = time_ms(lambda: torch.matmul(a, b), quick)
     matmul_tflops = 2 * n**3 / (ms * 1e-3) / 1e12
-    return {"copy_GBps": copy_gbs, "bf16_matmul_TFLOPs": matmul_tflops}
+    del a, b
+    return {"copy_GBps": copy_gbs, "bf16_matmul_TFLOPs": matmul_tflops, **host_link_ceilings(quick)}
 
 
 def optional_import(module: str):

@@ -1,13 +1,14 @@
 """The ``offload`` policy: ``full``'s kept input in host memory. On CPU the copy is the tensor itself,
 so these tests check the bookkeeping (what the meter counts where, the prefetch chain, gradients
-bitwise equal to the other policies); the stream overlap and the device memory are GPU tests."""
+bitwise equal to the other policies); the device memory, pinned host copies and copies on a side
+stream are a GPU test. The step time against full's is bench/bench_memory.py's offload case."""
 
 import gc
 
 import pytest
 import torch
 
-from fused_remat import TransformerBlock, reference
+from fused_remat import TransformerBlock, offload, reference
 from fused_remat.block import block_widths
 from fused_remat.memory import saved_memory
 from fused_remat.model import LanguageModel, ModelConfig, preset
@@ -147,30 +148,44 @@ def test_the_planner_offloads_where_copies_hide_and_reports_host_bytes():
 
 
 @pytest.mark.gpu
-def test_gpu_offload_holds_less_device_memory_than_full_and_overlaps():
+def test_gpu_offload_holds_less_device_memory_than_full_and_copies_on_a_side_stream(monkeypatch):
     """On a GPU: between forward and backward, offload holds about the layer inputs less than
-    full; the step is not much slower than full's (the copies overlap compute)."""
+    full; its host copies are pinned (so that copies can be asynchronous), and every copy, each
+    layer's device -> host at forward and host -> device at backward, is enqueued on the side
+    stream, not the compute stream (so that copies can overlap compute). Whether they do overlap,
+    the step time against full's and against the link's measured bandwidth, is a benchmark, not
+    asserted here: bench/bench_memory.py's offload case (``python -m bench memory``), beside the
+    h2d_GBps and d2h_GBps ceilings."""
     device = torch.device("cuda")
     config = preset("gpt2-small", n_layers=8)
     tokens = torch.randint(0, config.vocab_size, (1, 16385), device=device)
     model = LanguageModel(config, "full", device=device)
-    held, seconds = {}, {}
+    compute = torch.cuda.current_stream(device)
+    entered, stream = [], torch.cuda.stream
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: entered.append(s) or stream(s))
+    held = {}
     for policy in ("full", "offload"):
         model.set_remat(policy)
-        for _ in range(2):  # the second run is timed, the first warms up
-            torch.cuda.synchronize()
-            before = torch.cuda.memory_allocated()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(tokens[:, :-1], tokens[:, 1:])
-            torch.cuda.synchronize()
-            held[policy] = torch.cuda.memory_allocated() - before
-            loss.backward()
-            end.record()
-            torch.cuda.synchronize()
-            seconds[policy] = start.elapsed_time(end) / 1e3
-            model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+        torch.cuda.synchronize()
+        held[policy] = torch.cuda.memory_allocated() - before
+        if policy == "offload":  # this forward's copies: the latest, each naming the one before it
+            copies, latest = [], offload._latest.copy()
+            while latest is not None and len(copies) < config.n_layers:
+                copies.append(latest)
+                latest = latest.previous() if latest.previous is not None else None
+        loss.backward()
+        torch.cuda.synchronize()
+        model.zero_grad(set_to_none=True)
     inputs = config.n_layers * 16384 * config.dim * 4
     assert held["full"] - held["offload"] >= 0.8 * inputs, held
-    assert seconds["offload"] <= 1.25 * seconds["full"], seconds
+    assert len(copies) == config.n_layers
+    for copy in copies:
+        assert copy.host.shape == (1, 16384, config.dim) and copy.host.device.type == "cpu"
+        assert copy.host.is_pinned()
+    side = offload._side_stream(device)
+    assert side != compute
+    assert len(entered) == 2 * config.n_layers and all(s == side for s in entered), entered
