@@ -13,6 +13,7 @@ from .backend import use_triton
 from .kernels.limits import check_same_device, check_same_dtype, check_tensor
 
 
+@custom_ops.cached_forward_signature
 class _Gelu(torch.autograd.Function):
     @staticmethod
     def forward(x, approximate: str):
@@ -31,6 +32,7 @@ class _Gelu(torch.autograd.Function):
         return custom_ops.first_order_only("gelu", dx, None)
 
 
+@custom_ops.cached_forward_signature
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(gate, up):

@@ -19,6 +19,7 @@ _OP = "attention"
 _VARLEN_OP = "attention_varlen"
 
 
+@custom_ops.cached_forward_signature
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(q, k, v, causal: bool, scale: float, window: list[int], softcap: float):
@@ -47,6 +48,7 @@ class _Attention(torch.autograd.Function):
         return custom_ops.first_order_only(_OP, dq, dk, dv, None, None, None, None)
 
 
+@custom_ops.cached_forward_signature
 class _VarlenAttention(torch.autograd.Function):
     """cu_seqlens_k None: the keys' offsets are the queries' (torch.compile cannot trace a Function
     given one tensor twice, and self-attention passes the same offsets for both)."""

@@ -528,6 +528,7 @@ def _with_absent(params, has_param) -> list[torch.Tensor | None]:
     return [next(given) if has else None for has in has_param]
 
 
+@custom_ops.cached_forward_signature
 class _BlockFunction(torch.autograd.Function):
     """The block's autograd: the two custom operators above, and what is kept between them."""
 

@@ -205,6 +205,7 @@ def ring_attention_bwd(do, q, k, v, o, lse, group, causal: bool, scale: float):
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
+@custom_ops.cached_forward_signature
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(q, k, v, group, causal: bool, scale: float):

@@ -16,6 +16,8 @@ Launchers are imported inside each implementation: importing fused_remat must no
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor
 
@@ -44,6 +46,17 @@ def none_if_empty(t: Tensor) -> Tensor | None:
     return None if t.numel() == 0 else t
 
 
+def cached_forward_signature(function: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
+    """Class decorator for a Function with ``setup_context``: ``Function.apply`` binds each call's
+    arguments to ``forward``'s signature (for its defaults), and ``inspect.signature`` rebuilds that
+    on every call unless the function carries one. Built once here: about a third of a small op's
+    host time (an RMSNorm forward's, 125 -> 77 us on a 2-core CPU, its launch stubbed), and a
+    GPU waits on the host at short sequences."""
+    function.forward.__signature__ = inspect.signature(function.forward)
+    return function
+
+
+@cached_forward_signature
 class _FirstOrderOnly(torch.autograd.Function):
     """Identity on gradients, whose own backward refuses: a second derivative (create_graph=True
     and a gradient penalty, torch.func.hessian) would treat what the backward kernels kept as

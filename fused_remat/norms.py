@@ -41,6 +41,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
+@custom_ops.cached_forward_signature
 class _NormFunction(torch.autograd.Function):
     """LayerNorm (``rms=False``) or RMSNorm of x's rows: keeps x, the weight and the fp32 statistics."""
 
