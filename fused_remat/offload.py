@@ -10,6 +10,13 @@ The ``offload`` policy keeps what ``full`` keeps (the block input x), but not on
   layer ahead, when the current layer's backward starts, on the same side stream; the compute
   stream waits for a layer's upload only when that layer's backward begins.
 
+The host memory lives as long as the graph keeps it, no longer: the block saves the host tensor
+for backward, and a ``HostCopy`` holds it only until its first ``fetch``, then weakly. A backward
+that does not retain the graph frees the pinned memory with the graph's other saved tensors, so
+a loop's next forward reuses it from the caching host allocator even while the last step's loss
+is still referenced (which would otherwise keep two steps of copies pinned, the second allocated
+afresh); a retained graph keeps it for its next backward.
+
 Copies are made in creation order per thread: each ``HostCopy`` remembers the one created just
 before it, which is, in a model, the previous layer's (prefetching it is only a hint: every
 ``fetch`` starts its own upload when none was prefetched, so gradient accumulation, several
@@ -59,36 +66,49 @@ class HostCopy:
         if tensor.device.type == "cuda":
             stream = _side_stream(tensor.device)
             stream.wait_stream(torch.cuda.current_stream(tensor.device))  # x is written by then
-            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             with torch.cuda.stream(stream):
-                self.host.copy_(tensor, non_blocking=True)
+                host.copy_(tensor, non_blocking=True)
                 self._stored = torch.cuda.Event()
                 self._stored.record(stream)
             tensor.record_stream(stream)
         else:
-            self.host = tensor.detach()
+            host = tensor.detach()
             self._stored = None
-        _registry[id(self.host)] = self.host
+        self._held: torch.Tensor | None = host  # until the first fetch; then the graph's saved tensors hold it
+        self._host = weakref.ref(host)
+        _registry[id(host)] = host
+
+    @property
+    def host(self) -> torch.Tensor | None:
+        """The host copy, or None once the graph that saved it was freed."""
+        return self._host()
 
     def prefetch(self) -> None:
-        """Start the copy back to the device unless it is under way."""
-        if self._upload is not None:
+        """Start the copy back to the device unless it is under way (or the host copy is gone:
+        a prefetch is only a hint)."""
+        host = self.host
+        if self._upload is not None or host is None:
             return
         if self.device.type != "cuda":
-            self._upload = self.host
+            self._upload = host
             return
         stream = _side_stream(self.device)
         with torch.cuda.stream(stream):
             stream.wait_event(self._stored)
-            self._upload = self.host.to(self.device, non_blocking=True)
+            self._upload = host.to(self.device, non_blocking=True)
             self._uploaded = torch.cuda.Event()
             self._uploaded.record(stream)
 
     def fetch(self) -> torch.Tensor:
         """The tensor back on its device, ready for the current stream; then prefetches the copy
-        made before this one (the layer backward reaches next). The host copy stays until this
-        object dies, so a graph kept with ``retain_graph`` can run backward again."""
+        made before this one (the layer backward reaches next). From here on only the graph holds
+        the host copy: a retained graph runs backward again, a freed one frees the pinned memory."""
         self.prefetch()
+        if self._upload is None:
+            raise RuntimeError("offload: the host copy of this activation was freed with its graph; a second "
+                               "backward through a graph needs retain_graph=True on the first")
+        self._held = None
         tensor, self._upload = self._upload, None
         if self.device.type == "cuda":
             current = torch.cuda.current_stream(self.device)

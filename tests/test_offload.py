@@ -98,6 +98,42 @@ def test_retained_graph_runs_backward_twice(device, triton_backend):
     assert torch.equal(first, torch.autograd.grad(y, x)[0])
 
 
+def _host_copies(output: torch.Tensor) -> list[HostCopy]:
+    """The HostCopy of every offloaded block in ``output``'s graph."""
+    copies, stack, seen = [], [output.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if getattr(node, "host_copy", None) is not None:
+            copies.append(node.host_copy)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return copies
+
+
+def test_a_backward_frees_the_host_copies_while_its_loss_lives_and_a_retained_graph_keeps_them(device, triton_backend):
+    """A training loop's ``loss = model(...)`` keeps last step's graph until the next forward
+    returns: its pinned copies must not live that long (two steps pinned, the second allocated
+    afresh), so they go with the backward's saved tensors; retain_graph keeps them."""
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, 9), device=device)
+    model = LanguageModel(CONFIG, "offload", device=device)
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    copies = _host_copies(loss)
+    assert len(copies) == CONFIG.n_layers and all(c.host is not None for c in copies)
+    loss.backward(retain_graph=True)
+    gc.collect()
+    assert all(c.host is not None for c in copies)
+    first = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    gc.collect()
+    assert all(torch.equal(a, p.grad) for a, p in zip(first, model.parameters()))
+    assert all(c.host is None for c in copies), "the host copies outlived their graph's backward"
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        loss.backward()
+
+
 def test_offload_under_torch_compile_runs_eagerly_and_matches(device, triton_backend):
     block = TransformerBlock(32, 2, remat="offload", device=device)
     x = torch.randn(1, 8, 32, device=device, requires_grad=True)
@@ -177,15 +213,14 @@ def test_gpu_offload_holds_less_device_memory_than_full_and_copies_on_a_side_str
             while latest is not None and len(copies) < config.n_layers:
                 copies.append(latest)
                 latest = latest.previous() if latest.previous is not None else None
+            hosts = [(c.host.shape, c.host.device.type, c.host.is_pinned()) for c in copies]
         loss.backward()
         torch.cuda.synchronize()
         model.zero_grad(set_to_none=True)
     inputs = config.n_layers * 16384 * config.dim * 4
     assert held["full"] - held["offload"] >= 0.8 * inputs, held
-    assert len(copies) == config.n_layers
-    for copy in copies:
-        assert copy.host.shape == (1, 16384, config.dim) and copy.host.device.type == "cpu"
-        assert copy.host.is_pinned()
+    assert hosts == [((1, 16384, config.dim), "cpu", True)] * config.n_layers
+    assert all(c.host is None for c in copies), "the pinned copies outlived the backward"
     side = offload._side_stream(device)
     assert side != compute
     assert len(entered) == 2 * config.n_layers and all(s == side for s in entered), entered
