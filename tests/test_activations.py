@@ -1,6 +1,7 @@
 """gelu and swiglu against a float64 reference and plain PyTorch in the same dtype."""
 
 import functools
+import math
 
 import pytest
 import torch
@@ -51,6 +52,26 @@ def test_gelu_matches_references(approximate, dtype, shape, device, triton_backe
     (dx,) = torch.autograd.grad(ours, x, dy)
     gelu = functools.partial(F.gelu, approximate=approximate)
     _assert_matches_references("gelu", gelu, [x], dy, [ours, dx], ["y", "dx"], dtype)
+
+
+def test_tanh_gelu_keeps_its_relative_accuracy_on_the_negative_tail(device, triton_backend):
+    """Where gelu(x) is tiny (x from -6 to -3) the output and gradient stay accurate relative to
+    their own size: 1 + tanh(z) cancels there (1% off at x = -4.3 in fp32, which put an fp16
+    output 1.7 ulps off on an H200; 0 at x = -6), sigmoid(2z) formed from exp(-2|z|) does not. The
+    bound leaves room for exp's own condition: fp32's z, off by a few ulps, moves exp(2z) by
+    |2z| (up to 25) times as much."""
+    x = (-3.0 - 3.0 * torch.rand(4096, device=device)).double()  # fp32 inputs, exactly
+    dy = torch.randn_like(x)
+    x64 = x.clone().requires_grad_()
+    # tanh gelu as x sigmoid(2z): F.gelu's own float64 form cancels too, to 0 below x = -6
+    ref = x64 * torch.sigmoid(2 * math.sqrt(2 / math.pi) * (x64 + 0.044715 * x64**3))
+    (ref_dx,) = torch.autograd.grad(ref, x64, dy)
+    x32 = x.float().requires_grad_()
+    ours = fused_remat.gelu(x32, "tanh")
+    (dx,) = torch.autograd.grad(ours, x32, dy.float())
+    for name, got, want in (("y", ours, ref), ("dx", dx, ref_dx)):
+        relative = ((got.double() - want) / want).abs().max().item()
+        assert relative < 2e-5, f"gelu tanh {name}: relative error {relative:.2e} on the negative tail"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
