@@ -88,6 +88,25 @@ def time_ms(fn: Callable[[], object], quick: bool) -> tuple[float, float, float]
     return median, p20, p80
 
 
+HOST_CALLS = 10  # few enough that their kernels never fill the launch queue
+
+
+def host_ms(fn: Callable[[], object]) -> float | None:
+    """The host's time per call (ms): HOST_CALLS calls issued back to back after a synchronize,
+    without waiting for the GPU. Where it reaches the median (``do_bench`` flushes the L2 before
+    each call, which hides only a short host time), the call is host-bound: the GPU waits on the
+    host. None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(HOST_CALLS):
+        fn()
+    elapsed = time.perf_counter() - started
+    torch.cuda.synchronize()
+    return elapsed / HOST_CALLS * 1e3
+
+
 def _wall_ms(fn: Callable[[], object]) -> float:
     started = time.perf_counter()
     fn()
@@ -124,6 +143,9 @@ def run_case(case: Case, quick: bool, measure_memory: bool = False) -> list[Resu
             fn = factory()
             result.ms, result.ms_p20, result.ms_p80 = time_ms(fn, quick)
             result.metric = case.metric(result.ms)
+            host = host_ms(fn)
+            if host is not None:
+                result.extra["host_ms"] = host
             if measure_memory:
                 result.peak_mib = peak_memory_mib(fn)
                 result.saved_mib = saved_memory_mib(fn)

@@ -51,6 +51,8 @@ def _cell(result: Result, ceilings: dict, baseline: Result | None = None) -> str
     ceiling = _ceiling_value(result.unit, ceilings)
     if is_ours(result.provider) and ceiling and result.metric is not None:
         text += f", {100 * result.metric / ceiling:.0f}% of peak"
+    if "host_ms" in result.extra:
+        text += f", host {result.extra['host_ms']:.3f} ms"
     if result.peak_mib is not None:
         text += f", peak {result.peak_mib:,.0f} MiB"
     if result.saved_mib is not None:
@@ -73,6 +75,8 @@ def markdown_table(suite: str, environment: dict, ceilings: dict, results: list[
         f"**{suite}** on {environment['device']} (torch {environment['torch']}, triton {environment['triton']}, "
         f"CUDA {environment['cuda']}, {environment['date']}, commit {environment['commit']}); "
         f"measured ceilings: {ceiling_note or 'n/a'}. Cells: {unit} (median ms); last column: best peer's time / ours (>1: we are faster)"
+        + ("; 'host': the host's time per call, issued without waiting (near the median: host-bound)"
+           if any("host_ms" in r.extra for r in results) else "")
         + ("; 'vs X': time and peak memory over the baseline X's (<1: less)." if any("baseline" in r.params for r in results) else "."),
         "",
         "| case | " + " | ".join(providers) + " | speed-up vs best peer |",

@@ -64,3 +64,18 @@ def test_speed_run_refuses_without_a_gpu():
 def test_unknown_suite_is_named():
     run = _bench("--smoke", "nonsense")
     assert run.returncode == 2 and "unknown suite(s) nonsense" in run.stderr
+
+
+def test_summary_reads_past_the_gpu_check_records_and_cells_show_host_time(tmp_path):
+    """bench/gpu_check.sh leaves gpu_check_<stage>.json beside the suites' JSON: `bench summary`
+    failed on them on the H200 and must read past them; a result's host time per call shows in
+    its cell (where it nears the median, the call is host-bound)."""
+    ours = harness.Result("norms", "rms fwd", {}, "fused_remat", unit="GB/s", ms=0.3, metric=1.0,
+                          extra={"host_ms": 0.29})
+    peer = harness.Result("norms", "rms fwd", {}, "eager", unit="GB/s", ms=0.1, metric=3.0)
+    environment = dict(device="NVIDIA H200", torch="2.11", triton="3.6", cuda="13.0", date="d", commit="c")
+    report.write_json(tmp_path, "norms", environment, {}, [ours, peer])
+    (tmp_path / "gpu_check_tests.json").write_text(json.dumps({"stage": "tests", "exit": 0}))
+    assert "| norms | 1 | 0 | 0.33x |" in report.summary(tmp_path)
+    table = report.markdown_table("norms", environment, {}, [ours, peer])
+    assert "1.0 (0.300 ms), host 0.290 ms" in table and "'host': the host's time per call" in table
