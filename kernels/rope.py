@@ -110,14 +110,14 @@ def _check(x: torch.Tensor, inv_freq: torch.Tensor) -> None:
         raise ValueError(f"rope_: head dim D={head_dim} must be even and in 2..{MAX_HEAD_DIM}")
     if x.stride(-1) != 1:
         raise ValueError(f"rope_: x must have a contiguous last dim, got strides {x.stride()}")
-    got = (
-        f"{inv_freq.dtype} {tuple(inv_freq.shape)} on {inv_freq.device}"
-        if isinstance(inv_freq, torch.Tensor) else type(inv_freq).__name__
-    )
     if not isinstance(inv_freq, torch.Tensor) or (
         inv_freq.shape != (head_dim // 2,) or inv_freq.dtype != torch.float32
         or not inv_freq.is_contiguous() or inv_freq.device != x.device
     ):
+        got = (  # formatted only to raise: it cost more host time than the launch's other checks
+            f"{inv_freq.dtype} {tuple(inv_freq.shape)} on {inv_freq.device}"
+            if isinstance(inv_freq, torch.Tensor) else type(inv_freq).__name__
+        )
         raise ValueError(
             f"rope_: inv_freq must be a contiguous float32 tensor of shape ({head_dim // 2},) "
             f"on {x.device} for D={head_dim}, got {got}"
