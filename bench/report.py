@@ -176,8 +176,15 @@ MARK_START, MARK_END = "<!-- results:start -->", "<!-- results:end -->"
 # bench/results/static/ holds `python -m bench static`'s compile-time facts (static.json, static.md),
 # bench/results/frontier/ `python -m bench frontier`'s bytes and FLOPs (frontier.json, .md, .png),
 # bench/results/checkpoint/ `python -m bench checkpoint`'s save/load on CPU ranks (checkpoint.json, .md):
-# never kernel speed, so never in the results section, which is rebuilt from GPU timings alone.
+# never kernel speed, so never in the results section, which is rebuilt from GPU timings alone. A
+# folder named for one of them and a variant (static-triton3.6: the same compile on another Triton)
+# is one of them too.
 NOT_TIMINGS = ("static", "frontier", "checkpoint")
+
+
+def holds_timings(folder: Path) -> bool:
+    """Whether ``folder`` (under bench/results/) holds a GPU's timings rather than NOT_TIMINGS' facts."""
+    return folder.is_dir() and folder.name.split("-", 1)[0] not in NOT_TIMINGS
 
 
 def suite_files(folder: Path) -> list[Path]:
@@ -189,7 +196,7 @@ def readme_section(results_dir: Path = RESULTS) -> str:
     """The README's results section, rebuilt from the committed JSON files: per GPU, the stages of
     bench/gpu_check.sh (gpu_check_*.json), then each benchmark suite's table and plots."""
     parts = []
-    for folder in sorted(p for p in results_dir.glob("*") if p.is_dir() and p.name not in NOT_TIMINGS):
+    for folder in sorted(filter(holds_timings, results_dir.glob("*"))):
         stages = [json.loads(path.read_text()) for path in sorted(folder.glob("gpu_check_*.json"))]
         if stages:
             parts.append(gpu_check_table(folder.name, stages))

@@ -55,6 +55,15 @@ def test_readme_section_says_not_measured_without_results(tmp_path):
     assert report.readme_section(tmp_path).startswith("Not yet measured")
 
 
+def test_readme_section_leaves_out_compile_facts_and_their_variants(tmp_path):
+    """bench/results/static-triton3.6 (the static compile on another Triton) is compile-time facts
+    like static/, not a GPU's timings: `bench readme` crashed on it before."""
+    for name in ("static", "static-triton3.6", "checkpoint"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / f"{name}.json").write_text(json.dumps({"suite": "static", "rows": []}))
+    assert report.readme_section(tmp_path).startswith("Not yet measured")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU this would start a real run")
 def test_speed_run_refuses_without_a_gpu():
     run = _bench("--quick", "norms")
