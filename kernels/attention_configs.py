@@ -137,8 +137,9 @@ SPILLS = {
     (90, "dkdv", (64, 128, 8)): [((128,), None, True), ((128,), True, False), ((256,), None, None)],
     (90, "dkdv", (32, 128, 8)): [((128,), True, True), ((256,), None, None)],
     (90, "dkdv", (32, 64, 4)): [((128,), True, True), ((256,), None, None)],
-    (90, "dkdv", (16, 128, 8)): [((256,), None, None)],
-    (90, "dq", (128, 128, 8)): [((256,), None, None)],  # (s3 is over the shared memory limit anyway)
+    (90, "dkdv", (16, 128, 8)): [((256,), None, None), ((128,), True, True, "3.6")],
+    # (s3 is over the shared memory limit anyway)
+    (90, "dq", (128, 128, 8)): [((256,), None, None), ((128,), None, None, "3.6")],
     (90, "dq", (128, 64, 8)): [((256,), None, None)],
     (90, "dq", (64, 64, 4)): [((256,), None, None)],
     (90, "dq", (64, 32, 4)): [((256,), None, None, "3.6")],
@@ -162,21 +163,28 @@ SPILLS = {
     (100, "dkdv", (32, 128, 4)): [((64,), True, True), ((128,), None, True)],
     (100, "dkdv", (32, 64, 4)): [((256,), None, True)],
     (100, "fwd", (64, 64, 4)): [((256,), False, None)],
+    # Triton 3.6 on sm_100a (bench/results/static-triton3.6: the default compile of 2026-11-26).
+    (100, "fwd", (128, 64, 8)): [((64,), True, None, "3.6")],
 }
 
 # Configurations that spill only under a mask of real batches (the WINDOW, SOFTCAP and VARLEN
 # constexprs: a window's bounds, the softcap's tanh factor, a document's bounds take registers),
 # from the same compiles of bench/static.py's VARIANTS (bf16, head dims 64 and 128, causal and not,
-# MHA and GQA on sm_90a, MHA on sm_80, Triton 3.9): (family, kernel, blocks) -> [(padded head dims,
-# the variants that spill)]. D 64 spilled under none; D 256 was not compiled for the variants.
+# MHA and GQA on sm_90a, MHA on sm_80): (family, kernel, blocks) -> [(padded head dims, the variants
+# that spill)], and a third element, the Triton versions, where only some spill. On Triton 3.9 D 64
+# spilled under none; Triton 3.6's entries are from bench/results/static-triton3.6 (its bundled
+# ptxas 12.8 allocates the masked dK/dV loops worse). D 256 was not compiled for the variants.
 VARIANT_SPILLS = {
-    (90, "dkdv", (64, 128, 8)): [((128,), {"window", "softcap", "varlen"})],
-    (90, "dkdv", (32, 64, 4)): [((128,), {"window", "varlen"})],
+    (90, "dkdv", (64, 128, 8)): [((128,), {"window", "softcap", "varlen"}), ((64,), {"window", "varlen"}, "3.6")],
+    (90, "dkdv", (32, 64, 4)): [((128,), {"window", "varlen"}), ((64,), {"window", "softcap", "varlen"}, "3.6")],
+    (90, "dkdv", (32, 128, 8)): [((64,), {"varlen"}, "3.6"), ((128,), {"window", "softcap", "varlen"}, "3.6")],
+    (90, "dkdv", (16, 128, 8)): [((128,), {"window", "softcap", "varlen"}, "3.6")],
     (90, "dq", (128, 128, 8)): [((128,), {"softcap"})],
     (80, "fwd", (128, 64, 8)): [((128,), {"window"})],
     (80, "fwd", (64, 64, 4)): [((128,), {"softcap"})],
     (80, "dq", (64, 32, 4)): [((128,), {"varlen"})],
-    (80, "dkdv", (128, 32, 8)): [((128,), {"softcap"})],
+    (80, "dkdv", (128, 32, 8)): [((128,), {"softcap"}), ((128,), {"varlen"}, "3.6")],
+    (80, "dkdv", (64, 32, 8)): [((64,), {"softcap"}, "3.6")],
     # Blackwell (sm_100a, Triton 3.9): the D=128 picks compiled under each mask, causal (dK/dV's
     # M64 N64 w8 with GQA, its launch), and every configuration the pruning offered at D 64 and 128,
     # MHA, causal and not (bench/results/static): the forward spilled under none.
@@ -186,6 +194,8 @@ VARIANT_SPILLS = {
     (100, "dq", (128, 128, 8)): [((64, 128), {"softcap"})],
     (100, "dq", (128, 64, 8)): [((128,), {"window", "softcap"})],
     (100, "dq", (64, 64, 4)): [((128,), {"varlen"})],
+    (100, "fwd", (128, 32, 8)): [((64,), {"varlen"}, "3.6")],
+    (100, "fwd", (64, 64, 4)): [((128,), {"window"}, "3.6")],
 }
 # The constexpr that turns each variant on.
 VARIANT_FLAGS = {"window": "WINDOW", "softcap": "SOFTCAP", "varlen": "VARLEN"}
@@ -287,21 +297,26 @@ def tmem_columns(kernel: str, config, head_dim: int) -> int:
     return (columns + 1) // 2 if resident == 64 else columns
 
 
+def _on_installed_triton(versions) -> bool:
+    """Whether an entry's Triton versions (none: every version) include the installed one."""
+    return not versions or ".".join(triton.__version__.split(".")[:2]) in versions
+
+
 def spills(family: int, kernel: str, config, head_dim: int, causal, gqa) -> bool:
     """Whether SPILLS lists ``config`` as spilling for this head dim, causality and GQA (None:
     unknown, which matches any entry) on the installed Triton version."""
     blocks = (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps)
-    triton_version = ".".join(triton.__version__.split(".")[:2])
     return any(head_dim in dims and (c is None or causal is None or c == causal) and (g is None or gqa is None or g == gqa)
-               and (not versions or triton_version in versions)
+               and _on_installed_triton(versions)
                for dims, c, g, *versions in SPILLS.get((family, kernel, blocks), ()))
 
 
 def variant_spills(family: int, kernel: str, config, head_dim: int, variants: set[str]) -> bool:
-    """Whether VARIANT_SPILLS lists ``config`` as spilling under one of ``variants`` at this head dim."""
+    """Whether VARIANT_SPILLS lists ``config`` as spilling under one of ``variants`` at this head dim
+    on the installed Triton version."""
     blocks = (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps)
-    return any(head_dim in dims and variants & spilling
-               for dims, spilling in VARIANT_SPILLS.get((family, kernel, blocks), ()))
+    return any(head_dim in dims and variants & spilling and _on_installed_triton(versions)
+               for dims, spilling, *versions in VARIANT_SPILLS.get((family, kernel, blocks), ()))
 
 
 def offered_at(family: int, kernel: str, config, head_dim: int) -> bool:

@@ -597,6 +597,35 @@ def test_merge_keeps_the_targets_a_run_did_not_compile_with_their_commits(tmp_pa
     assert "sm_90a at commit 0000000" in (tmp_path / "static.md").read_text()
 
 
+def test_every_spilling_configuration_of_the_triton_36_tables_is_pruned_on_triton_36(monkeypatch):
+    """bench/results/static-triton3.6 is the default compile on Triton 3.6 (the GPU machines'
+    version), made with the pruning of its day: every attention configuration there that spills is
+    one the pruning now drops on 3.6 (the 3.6 entries of SPILLS and VARIANT_SPILLS), so a 3.6
+    autotuner never times it; on 3.9 those entries do not apply."""
+    import triton
+
+    from fused_remat.kernels.attention_configs import spills, variant_spills
+
+    payload = json.loads((DEFAULT_OUT.parent / "static-triton3.6" / "static.json").read_text())
+    assert payload["environment"]["triton"].startswith("3.6.")
+    family = {"sm_90a": 90, "sm_80": 80, "sm_100a": 100}
+    kernels = {"_attn_fwd": "fwd", "_attn_bwd_dq": "dq", "_attn_bwd_dkdv": "dkdv"}
+    spilling = [r for r in payload["rows"] if r["kernel"] in kernels and (r["spill_stores"] or r["spill_loads"])]
+    assert spilling, "no spilling row: the facts this test holds the pruning to are gone"
+    def dropped(row) -> bool:
+        _, _, dim, mask, heads, *variants = row["case"].split("-")
+        blocks = {k: row["config"][k] for k in ("BLOCK_M", "BLOCK_N")}
+        config = triton.Config(blocks, num_warps=row["config"]["num_warps"], num_stages=row["config"]["num_stages"])
+        args = (family[row["target"]], kernels[row["kernel"]], config, int(dim.removeprefix("D")))
+        return spills(*args, mask == "causal", heads == "gqa") or variant_spills(*args, set(variants))
+
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    kept = [f"{r['target']} {r['kernel']} {r['case']} {_config_text(r['config'])}" for r in spilling if not dropped(r)]
+    assert not kept, f"Triton 3.6 keeps spilling configurations: {kept}"
+    monkeypatch.setattr(triton, "__version__", "3.9.0")
+    assert not all(map(dropped, spilling)), "the 3.6 entries apply on 3.9 too"
+
+
 def test_every_attention_kernel_in_the_committed_tables_is_spill_free_and_does_its_work_once():
     """bench/results/static holds every configuration the pruning offers on each target (bf16, D 64
     and 128, causal and not, with the masks of real batches): none spills, each does every
