@@ -17,6 +17,13 @@
 # them, then `python -m bench readme` puts them in the README's Results. Each stage stops itself
 # after STAGE_SECONDS (default 540) so that a call's 10 minutes leave time to fetch the results.
 #
+# A 15-minute lease (one machine start, about a minute, then one 10-minute call) fits install, tests
+# and bench, each under its own limit, in one call, as on the first H200 (bench/results/NVIDIA-H200):
+#   PYTHON=python3 STAGE_SECONDS=60 bash bench/gpu_check.sh install; \
+#   PYTHON=python3 STAGE_SECONDS=300 bash bench/gpu_check.sh tests; \
+#   PYTHON=python3 STAGE_SECONDS=200 bash bench/gpu_check.sh bench
+# then copy bench/results/<gpu>/ into $OUT (as one tar: a call brings back at most 8 files).
+#
 # --dry-run runs every stage in miniature on a CPU, through Triton's interpreter or the reference
 # backend, into DIR (required): what CI runs so that this script cannot rot. Its figures mean nothing.
 set -uo pipefail
