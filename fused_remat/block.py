@@ -240,7 +240,7 @@ def _rope_qk_(qkv: torch.Tensor, g: _BlockCall, seqs: _Sequences, inverse: bool)
         inv_freq = reference.rope_inverse_frequencies(g.head_dim, g.rope_theta, qkv.device)
     group = g.context_parallel_group()
     chunk_starts = None if group is None else list(context_parallel.local_chunk_starts(g.seq, group))
-    custom_ops.rope_qk_(qkv, inv_freq, g.batch, g.n_heads, g.n_kv_heads, inverse, chunk_starts,
+    custom_ops.direct.rope_qk_(qkv, inv_freq, g.batch, g.n_heads, g.n_kv_heads, inverse, chunk_starts,
                         seqs.rope_positions(g))
 
 
@@ -258,7 +258,7 @@ def _attention_input(qkv: torch.Tensor, w: _Weights, g: _BlockCall, seqs: _Seque
         qkv = qkv.clone()
         for columns, weight in _qk_pieces(g):
             heads = qkv[:, columns].reshape(-1, g.head_dim)
-            y, _, _, _ = custom_ops.norm_fwd(heads, getattr(w, weight), None, None, g.eps, True, g.compute_dtype)
+            y, _, _, _ = custom_ops.direct.norm_fwd(heads, getattr(w, weight), None, None, g.eps, True, g.compute_dtype)
             qkv[:, columns] = y.view(g.tokens, -1)
     if g.rope_theta is not None:
         _rope_qk_(qkv, g, seqs, inverse=False)
@@ -271,10 +271,10 @@ def _qk_norm_backward(dqkv: torch.Tensor, qkv: torch.Tensor, w: _Weights, g: _Bl
     Returns the norm weights' gradients."""
     grads = {}
     for columns, weight in _qk_pieces(g):
-        heads = qkv[:, columns].reshape(-1, g.head_dim)
-        _, mean, rstd, _ = custom_ops.norm_fwd(heads, getattr(w, weight), None, None, g.eps, True, g.compute_dtype)
-        dx, dw, _, _ = custom_ops.norm_bwd(dqkv[:, columns].reshape(-1, g.head_dim), heads, getattr(w, weight), None,
-                                           mean, rstd, None, True, False, False, g.compute_dtype)
+        heads, norm_weight = qkv[:, columns].reshape(-1, g.head_dim), getattr(w, weight)
+        _, mean, rstd, _ = custom_ops.direct.norm_fwd(heads, norm_weight, None, None, g.eps, True, g.compute_dtype)
+        dx, dw, _, _ = custom_ops.direct.norm_bwd(dqkv[:, columns].reshape(-1, g.head_dim), heads, norm_weight, None,
+                                                  mean, rstd, None, True, False, False, g.compute_dtype)
         dqkv[:, columns] = dx.view(g.tokens, -1)
         if needs[f"{weight}.weight"]:
             grads[f"{weight}.weight"] = dw
@@ -284,14 +284,14 @@ def _qk_norm_backward(dqkv: torch.Tensor, qkv: torch.Tensor, w: _Weights, g: _Bl
 def _norm_forward(x, weights, g: _BlockCall, residual=None):
     """(y in the compute dtype, mean, rstd, h = x + residual or None)."""
     weight, bias = weights
-    y, mean, rstd, h = custom_ops.norm_fwd(x, weight, bias, residual, g.eps, g.rms, g.compute_dtype)
+    y, mean, rstd, h = custom_ops.direct.norm_fwd(x, weight, bias, residual, g.eps, g.rms, g.compute_dtype)
     return y, mean, rstd, custom_ops.none_if_empty(h)
 
 
 def _activation_forward(u: torch.Tensor, g: _BlockCall) -> torch.Tensor:
     if g.activation == "swiglu":
-        return custom_ops.swiglu_fwd(u[:, :g.ffn_dim], u[:, g.ffn_dim:])
-    return custom_ops.gelu_fwd(u, _approximation(g))
+        return custom_ops.direct.swiglu_fwd(u[:, :g.ffn_dim], u[:, g.ffn_dim:])
+    return custom_ops.direct.gelu_fwd(u, _approximation(g))
 
 
 def _approximation(g: _BlockCall) -> str:
@@ -302,8 +302,8 @@ def _attend(attended: torch.Tensor, g: _BlockCall, seqs: _Sequences) -> tuple[to
     """Attention's forward on the packed, rotated qkv: (o (T, Hq D) token-major, lse)."""
     group = g.context_parallel_group()
     if group is None:
-        return custom_ops.attention_packed_fwd(attended, g.batch, g.n_heads, g.n_kv_heads, *g.attention_mask,
-                                               seqs.cu_seqlens, g.max_seqlen)
+        return custom_ops.direct.attention_packed_fwd(attended, g.batch, g.n_heads, g.n_kv_heads, *g.attention_mask,
+                                                      seqs.cu_seqlens, g.max_seqlen)
     o = attended.new_empty(g.tokens, g.n_heads * g.head_dim)
     _, lse = context_parallel.ring_attention_fwd(*custom_ops.split_heads(attended, g.batch, g.n_heads, g.n_kv_heads),
                                                  group, g.causal, g.softmax_scale,
@@ -596,9 +596,9 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, seqs: 
     grads["fc2.bias"] = _bias_grad(needs["fc2.bias"], dz, named["fc2.bias"])
     da = w.input_grad("fc2", dz, w.fc2)
     if g.activation == "swiglu":
-        du, rebuilt = custom_ops.swiglu_packed_bwd(da, acts.u, acts.a is None)
+        du, rebuilt = custom_ops.direct.swiglu_packed_bwd(da, acts.u, acts.a is None)
     else:
-        du, rebuilt = custom_ops.gelu_bwd(da, acts.u, _approximation(g), acts.a is None)
+        du, rebuilt = custom_ops.direct.gelu_bwd(da, acts.u, _approximation(g), acts.a is None)
     del da
     a = rebuilt if acts.a is None else acts.a
     grads["fc2.weight"] = _weight_grad(needs["fc2.weight"], dz, a, named["fc2.weight"])
@@ -619,8 +619,9 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, seqs: 
     group = g.context_parallel_group()
     attended = _attention_input(acts.qkv, w, g, seqs) if g.qk_norm else acts.qkv
     if group is None:
-        dqkv = custom_ops.attention_packed_bwd(w.input_grad("out_proj", d_attn, w.out), attended, acts.o, acts.lse, g.batch, g.n_heads,
-                                               g.n_kv_heads, *g.attention_mask, seqs.cu_seqlens, g.max_seqlen)
+        dqkv = custom_ops.direct.attention_packed_bwd(w.input_grad("out_proj", d_attn, w.out), attended, acts.o, acts.lse,
+                                                      g.batch, g.n_heads, g.n_kv_heads, *g.attention_mask,
+                                                      seqs.cu_seqlens, g.max_seqlen)
     else:
         dqkv = torch.empty_like(acts.qkv)
         grads_qkv = context_parallel.ring_attention_bwd(
@@ -648,7 +649,7 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, seqs: 
 def _norm_backward(dy, x, weights, mean, rstd, residual_grad, rebuild: bool, g: _BlockCall):
     """(dx + residual_grad, dweight, dbias or None, the rebuilt norm output or None)."""
     weight, bias = weights
-    dx, dw, db, rebuilt = custom_ops.norm_bwd(dy, x, weight, bias, mean, rstd, residual_grad, g.rms, bias is not None,
+    dx, dw, db, rebuilt = custom_ops.direct.norm_bwd(dy, x, weight, bias, mean, rstd, residual_grad, g.rms, bias is not None,
                                               rebuild, g.compute_dtype)
     return dx, dw, custom_ops.none_if_empty(db), custom_ops.none_if_empty(rebuilt)
 
