@@ -142,7 +142,7 @@ def _step_ms(step: OffloadStep, quick: bool) -> list[float]:
     (on CPU, wall-clock: meaningless as speed)."""
     if not step.on_gpu:
         step()
-        return [harness._wall_ms(step) for _ in range(3)]
+        return [harness.wall_ms(step) for _ in range(3)]
     for _ in range(OFFLOAD_WARMUP):
         step()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -171,15 +171,9 @@ def run_offload(case: Case, quick: bool) -> list[Result]:
     results = {}
     for provider, factory in case.providers.items():
         result = results[provider] = Result(case.suite, case.name, case.params, provider, unit=case.unit)
-        try:
+        with harness.errors_reported(result):
             _measure_offload(case, factory, quick, result)
-        except torch.OutOfMemoryError:
-            result.error = "out of memory"
-        except Exception as exc:  # reported in the table, like harness.run_case's
-            result.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+            gc.collect()  # the step's model and graphs, before the next provider's
     full, offload = results["fused_remat-full"], results["fused_remat-offload"]
     copied = case.params["copied_bytes_each_way"]
     offload.extra.update(d2h_bytes=copied, h2d_bytes=copied)

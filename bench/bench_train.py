@@ -218,7 +218,7 @@ def _gpu_step_times(step, quick: bool) -> list[float]:
     window, least, most = SAMPLES[quick]
     step()
     torch.cuda.synchronize()
-    estimate = harness._wall_ms(lambda: (step(), torch.cuda.synchronize()))
+    estimate = harness.wall_ms(lambda: (step(), torch.cuda.synchronize()))
     count = min(most, max(least, round(window / max(estimate, 1e-3))))
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(count)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(count)]
@@ -264,14 +264,14 @@ def _measure(case: Case, factory, quick: bool, result: Result) -> None:
     step = factory()
     result.extra.update(step.info)
     first = []
-    first_ms = harness._wall_ms(lambda: first.append(step()))
+    first_ms = harness.wall_ms(lambda: first.append(step()))
     loss, grad_norm = first[0]
     result.extra.update(first_loss=float(loss), first_grad_norm=float(grad_norm),
                         first_step_s=time.perf_counter() - started)
     if on_gpu:
         times = _gpu_step_times(step, quick)
     else:
-        times = [first_ms] + [harness._wall_ms(step) for _ in range(CPU_STEPS - 1)]
+        times = [first_ms] + [harness.wall_ms(step) for _ in range(CPU_STEPS - 1)]
     quantiles = torch.tensor([0.5, 0.2, 0.8], dtype=torch.float64)  # as triton.testing.do_bench reports them
     median, p20, p80 = torch.quantile(torch.tensor(times, dtype=torch.float64), quantiles).tolist()
     result.ms, result.ms_p20, result.ms_p80 = median, p20, p80

@@ -9,6 +9,7 @@ is in bench/providers.py.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import itertools
@@ -80,7 +81,7 @@ def time_ms(fn: Callable[[], object], quick: bool) -> tuple[float, float, float]
     import triton.testing
 
     if not torch.cuda.is_available():
-        times = sorted(_wall_ms(fn) for _ in range(3))
+        times = sorted(wall_ms(fn) for _ in range(3))
         return times[1], times[0], times[2]
 
     warmup, rep = (10, 40) if quick else (25, 100)
@@ -107,7 +108,7 @@ def host_ms(fn: Callable[[], object]) -> float | None:
     return elapsed / HOST_CALLS * 1e3
 
 
-def _wall_ms(fn: Callable[[], object]) -> float:
+def wall_ms(fn: Callable[[], object]) -> float:
     started = time.perf_counter()
     fn()
     return (time.perf_counter() - started) * 1e3
@@ -135,11 +136,25 @@ def saved_memory_mib(fn: Callable[[], object]) -> float:
     return meter.bytes / 2**20
 
 
+@contextlib.contextmanager
+def errors_reported(result: Result):
+    """Within: a failure is recorded in ``result.error`` (a failing peer is reported in the table,
+    not fatal to the run); after: the CUDA cache emptied for the next provider."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        result.error = "out of memory"
+    except Exception as exc:
+        result.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def run_case(case: Case, quick: bool, measure_memory: bool = False) -> list[Result]:
     results = []
     for provider, factory in case.providers.items():
         result = Result(case.suite, case.name, case.params, provider, unit=case.unit)
-        try:
+        with errors_reported(result):
             fn = factory()
             result.ms, result.ms_p20, result.ms_p80 = time_ms(fn, quick)
             result.metric = case.metric(result.ms)
@@ -150,12 +165,6 @@ def run_case(case: Case, quick: bool, measure_memory: bool = False) -> list[Resu
                 result.peak_mib = peak_memory_mib(fn)
                 result.saved_mib = saved_memory_mib(fn)
             del fn
-        except torch.OutOfMemoryError:
-            result.error = "out of memory"
-        except Exception as exc:  # a failing peer is reported in the table, not fatal to the run
-            result.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
         results.append(result)
     return results
 
