@@ -249,7 +249,7 @@ class Case:
             if self.variant != "dense":
                 parts.append(self.variant)
             if self.config:
-                parts.append("M{}N{}w{}s{}".format(*self.config))
+                parts.append("M{}N{}w{}s{}".format(*self.config) + "".join(f"ws{cap}" for cap in self.config[4:]))
             if self.dkdv_config:
                 parts.append("dkdv_M{}N{}w{}s{}".format(*self.dkdv_config))
         elif self.op == "rope":
@@ -268,6 +268,30 @@ VARIANTS = {
 }
 
 
+# Bytes a warp-specialized kernel may spill, all outside its loops: where the loop masks rows, ptxas
+# keeps two registers a thread (its row of the tile and that row's byte offset, computed before the
+# partitions start) in local memory across setmaxnreg, stored once a program and reloaded where a
+# partition starts (the attention forward's causal, window and document masks on sm_100a).
+PARTITION_ENTRY_SPILL = 8
+
+
+def spill_free(row: dict) -> bool:
+    """No spills; for a warp-specialized kernel, at most PARTITION_ENTRY_SPILL bytes stored and no
+    local memory access in any partition's loop."""
+    if "partitions" in row:
+        return row["spill_stores"] <= PARTITION_ENTRY_SPILL and row["hot_loop"]["mix"].get("local ld/st", 0) == 0
+    return row["spill_stores"] == row["spill_loads"] == 0
+
+
+def launch_config(shape: tuple) -> dict:
+    """A launcher's ``config`` from (BLOCK_M, BLOCK_N, num_warps, num_stages), and a fifth element,
+    the register cap of a warp-specialized forward (kernels/attention_configs.make_configs)."""
+    config = dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), shape))
+    if len(shape) > 4:
+        config.update(maxnreg=shape[4], WARP_SPECIALIZE=True)
+    return config
+
+
 def _run_case(case: Case) -> None:
     """Call the project's launcher for ``case`` on meta tensors (under a stand-in driver)."""
     import torch
@@ -283,8 +307,7 @@ def _run_case(case: Case) -> None:
         k = torch.empty(batch, kv_heads, length, case.head_dim, **meta)
         v = torch.empty_like(k)
         scale = case.head_dim ** -0.5
-        config, dkdv_config = (None if c is None else dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), c))
-                               for c in (case.config, case.dkdv_config))
+        config, dkdv_config = (None if c is None else launch_config(c) for c in (case.config, case.dkdv_config))
         mask = VARIANTS[case.variant]
         if case.variant == "varlen":  # the same tokens as documents of `length` packed along the rows
             q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], case.head_dim) for t in (q, k, v))
@@ -747,7 +770,7 @@ def _hot_loop(sass):
 
 def _instruction_mix(instructions: list[str]) -> dict:
     groups = {"mma": 0, "exp2/mufu": 0, "fp32 math": 0, "async copy": 0, "shared ld/st": 0, "tensor memory": 0,
-              "global ld/st": 0, "sync/wait": 0, "other": 0}
+              "global ld/st": 0, "local ld/st": 0, "sync/wait": 0, "other": 0}
     for text in instructions:
         op = _opcode(text)
         if _MMA.search(text):
@@ -764,6 +787,8 @@ def _instruction_mix(instructions: list[str]) -> dict:
             groups["tensor memory"] += 1
         elif op in ("LDG", "STG", "UTMASTG"):
             groups["global ld/st"] += 1
+        elif op in ("LDL", "STL"):  # spilled registers
+            groups["local ld/st"] += 1
         elif op in ("WARPGROUP", "BAR", "SYNCS", "DEPBAR", "WARPSYNC", "ARRIVES", "UTMACCTL", "UTCBAR"):
             groups["sync/wait"] += 1
         else:
@@ -1041,7 +1066,8 @@ def analyze(compiled: Compiled, arch: Arch) -> dict:
     row = {
         "kernel": compiled.kernel, "target": arch.name,
         "config": {k: c[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_T", "BLOCK_H", "BLOCK_HALF") if k in c}
-        | {"num_warps": compiled.num_warps, "num_stages": compiled.num_stages},
+        | {"num_warps": compiled.num_warps, "num_stages": compiled.num_stages}
+        | ({"maxnreg": binary.metadata.maxnreg} if c.get("WARP_SPECIALIZE") else {}),
         "constexprs": {k: (v if isinstance(v, (bool, int, float, str)) or v is None else str(v)) for k, v in c.items()},
         "shared": int(binary.metadata.shared),
         "smem_limit": arch.smem_per_block,
@@ -1209,7 +1235,8 @@ def can_compile(target: str) -> bool:
 
 def _config_text(config: dict) -> str:
     if "BLOCK_M" in config and "BLOCK_N" in config:
-        return f"M{config['BLOCK_M']} N{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}"
+        specialized = f" ws{config['maxnreg']}" if "maxnreg" in config else ""
+        return f"M{config['BLOCK_M']} N{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}{specialized}"
     blocks = " ".join(f"{k.removeprefix('BLOCK_')}{v}" for k, v in config.items() if k.startswith("BLOCK"))
     return f"{blocks} w{config['num_warps']}"
 
@@ -1217,7 +1244,7 @@ def _config_text(config: dict) -> str:
 def _shape_text(row: dict) -> str:
     """What the row's case is: dtype, head dim / width, causal, GQA."""
     parts = row["case"].split("-")[1:]
-    return " ".join(p for p in parts if not re.fullmatch(r"M\d+N\d+w\d+s\d+", p))
+    return " ".join(p for p in parts if not re.fullmatch(r"M\d+N\d+w\d+s\d+(ws\d+)?", p))
 
 
 def markdown(rows: list[dict]) -> str:

@@ -384,12 +384,14 @@ def _attn_fwd_inner(
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
     NEGATIVE_SCALE: tl.constexpr, NATURAL_EXP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Online softmax of the query block at start_m over the key blocks in [lo, hi): running max
     m_i, sum l_i and output acc. m_i is in the units NATURAL_EXP says (see _probs), so that
     lse = m_i + ln(l_i) matches the backward's P. The scale is applied once per row to the max and
-    inside the exponent's fma, never to the scores (softcapped scores come scaled: scales is 1)."""
+    inside the exponent's fma, never to the scores (softcapped scores come scaled: scales is 1).
+    WARP_SPECIALIZE: Triton splits the loop into partitions (loads, MMAs, softmax, the
+    accumulator's rescaling), each on warps of its own (see _rescaled)."""
     Nq, Nk, D = sizes
     sm_scale, qk_scale = scales
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -398,7 +400,7 @@ def _attn_fwd_inner(
         scale = sm_scale
     else:
         scale = qk_scale
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         k, v, qk = _key_block(q, keys, start_n, Nk, D, MASKED=MASKED, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
                               DOT_PRECISION=DOT_PRECISION, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N)
         if SOFTCAP:
@@ -422,9 +424,24 @@ def _attn_fwd_inner(
         else:
             alpha = tl.math.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION=DOT_PRECISION)
+        acc = _dot(p.to(v.dtype), v, _rescaled(acc, alpha, HALVES=WARP_SPECIALIZE), DOT_PRECISION=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def _rescaled(acc, alpha, HALVES: tl.constexpr):
+    """acc * alpha per row. HALVES: one column half at a time, the same products. Warp-specialized
+    on Blackwell, the rescaling runs in a partition of 4 warps at 88 registers a thread (Triton's
+    choice), each thread one row of the tensor-memory accumulator: a whole row of 128 fp32 columns
+    spills there (660 B at D=128, sm_100a), half a row does not."""
+    if HALVES:
+        rows: tl.constexpr = acc.shape[0]
+        cols: tl.constexpr = acc.shape[1]
+        left, right = acc.reshape([rows, 2, cols // 2]).permute(0, 2, 1).split()
+        return tl.join(left * alpha[:, None], right * alpha[:, None]).permute(0, 2, 1).reshape([rows, cols])
+    else:
+        return acc * alpha[:, None]
 
 
 @triton.jit(do_not_specialize=["Nq", "Nk", "window_left", "window_right"])  # values of 1 stay runtime values
@@ -440,7 +457,7 @@ def _attn_fwd(
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
     EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, NEGATIVE_SCALE: tl.constexpr,
     NATURAL_EXP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False,
 ):
     """o = softmax(q k^T * scale) v and lse per row. Grid: (query blocks, Hq, B or documents);
     causal runs the last query blocks (which see the most keys) first, for a shorter tail. K and V
@@ -477,19 +494,19 @@ def _attn_fwd(
             acc, l_i, m_i, q, keys, start_m, lo, full_lo, sizes, scales, window, softcaps, MASKED=True,
             CAUSAL=CAUSAL, WINDOW=WINDOW, SOFTCAP=SOFTCAP, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
             NEGATIVE_SCALE=NEGATIVE_SCALE, NATURAL_EXP=NATURAL_EXP, DOT_PRECISION=DOT_PRECISION,
-            HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            WARP_SPECIALIZE=WARP_SPECIALIZE, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, keys, start_m, full_lo, full_hi, sizes, scales, window, softcaps, MASKED=False,
         CAUSAL=CAUSAL, WINDOW=WINDOW, SOFTCAP=SOFTCAP, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
         NEGATIVE_SCALE=NEGATIVE_SCALE, NATURAL_EXP=NATURAL_EXP, DOT_PRECISION=DOT_PRECISION,
-        HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        WARP_SPECIALIZE=WARP_SPECIALIZE, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, keys, start_m, full_hi, hi, sizes, scales, window, softcaps, MASKED=True,
         CAUSAL=CAUSAL, WINDOW=WINDOW, SOFTCAP=SOFTCAP, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
         NEGATIVE_SCALE=NEGATIVE_SCALE, NATURAL_EXP=NATURAL_EXP, DOT_PRECISION=DOT_PRECISION,
-        HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        WARP_SPECIALIZE=WARP_SPECIALIZE, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
 
     empty = l_i == 0.0  # rows that saw no key

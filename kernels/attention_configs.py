@@ -96,7 +96,8 @@ SHAPES = {
         90: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 2)],
         80: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 8, 2), (64, 64, 4, 3), (64, 32, 4, 2), (64, 64, 8, 2),
              (32, 64, 8, 2)],
-        100: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 2)],
+        100: [(128, 128, 4, 2, 168), (128, 128, 4, 3, 168), (128, 64, 4, 3, 168),
+              (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 2)],
     },
     "dq": {
         90: [(128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4),
@@ -121,6 +122,10 @@ HEAD_DIMS = {
     (100, "dq", (64, 64, 4, 2)): (256,),
     (100, "dkdv", (32, 64, 4, 2)): (256,),
     (100, "dkdv", (64, 32, 8, 2)): (256,),
+    # Blackwell's warp-specialized forward tiles, compiled at D 64 and 128 (at 256 they exceed shared memory).
+    (100, "fwd", (128, 128, 4, 2, 168)): (64, 128),
+    (100, "fwd", (128, 128, 4, 3, 168)): (64, 128),
+    (100, "fwd", (128, 64, 4, 3, 168)): (64, 128),
 }
 
 # Where a configuration spills registers (ptxas -v on the compiled kernel; bf16, fp16 taken as the
@@ -223,16 +228,29 @@ RESIDENT_TILES = {"fwd": 1, "dq": 2, "dkdv": 2}
 
 
 def make_configs(shapes) -> list:
-    """triton.Configs of (BLOCK_M, BLOCK_N, num_warps, num_stages) tuples."""
-    return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-        for m, n, w, s in shapes
-    ]
+    """triton.Configs of (BLOCK_M, BLOCK_N, num_warps, num_stages) tuples, and of
+    (BLOCK_M, BLOCK_N, num_warps, num_stages, maxnreg) for a warp-specialized forward (WARP_SPECIALIZE
+    under that register cap)."""
+    configs = []
+    for m, n, w, s, *cap in shapes:
+        specialized = {"WARP_SPECIALIZE": True} if cap else {}
+        configs.append(triton.Config({"BLOCK_M": m, "BLOCK_N": n, **specialized}, num_warps=w, num_stages=s,
+                                     maxnreg=cap[0] if cap else None))
+    return configs
 
 
 def config_shape(config) -> tuple:
-    """A triton.Config back as (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
-    return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
+    """A triton.Config back as the tuple make_configs took."""
+    shape = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
+    return shape + (config.maxnreg,) if config.kwargs.get("WARP_SPECIALIZE") else shape
+
+
+def warp_specialization_compiles() -> bool:
+    """Whether the installed Triton compiles the warp-specialized forward: 3.9 does; 3.6's
+    warp-specialization pass fails on it (PartitionScheduling: "mma must be assigned a partition"),
+    and 3.7 and 3.8 were not compiled."""
+    major, minor = (int(part) for part in triton.__version__.split(".")[:2])
+    return (major, minor) >= (3, 9)
 
 
 def target_family() -> int:
@@ -273,6 +291,8 @@ def smem_estimate(config, head_dim: int, elem: int, kernel: str, family: int = 9
     estimate = (config.num_stages * 2 * rows[streamed] + RESIDENT_TILES[kernel] * rows[resident]) * head_dim * elem + 2048
     if family >= 100:
         estimate += {"fwd": 0, "dq": rows["BLOCK_N"], "dkdv": 2 * rows["BLOCK_M"]}[kernel] * head_dim * elem
+    if rows.get("WARP_SPECIALIZE"):  # the barriers between partitions: 448-576 B more where compiled
+        estimate += 1024
     return estimate
 
 
@@ -379,6 +399,8 @@ def pruner(kernel: str):
         for config in configs:
             if config_shape(config) not in wanted or not offered_at(family, kernel, config, head_dim):
                 continue
+            if config.kwargs.get("WARP_SPECIALIZE") and not warp_specialization_compiles():
+                continue
             if smem_estimate(config, head_dim, elem, kernel, family) > limit:
                 continue
             # Blackwell: accumulators beyond the SM's tensor memory compile to a trap.
@@ -405,4 +427,4 @@ PRUNERS = {k: pruner(k) for k in KERNELS}
 
 __all__ = ["CONFIGS", "FP32_SHAPES", "HEAD_DIMS", "INTERPRETER_CONFIG", "KERNELS", "PRUNERS", "RESIDENT_TILES", "SHAPES", "SMEM_LIMIT", "SPILLS", "TMEM_COLUMNS", "TUNE_KEY", "VARIANT_FLAGS",
            "VARIANT_SPILLS", "config_shape", "fp32_config", "make_configs", "mma_sync_work", "offered_at", "pruner", "smem_estimate", "smem_limit",
-           "spills", "tmem_columns", "variant_spills", "target_family"]
+           "spills", "tmem_columns", "variant_spills", "target_family", "warp_specialization_compiles"]

@@ -49,7 +49,7 @@ from pathlib import Path
 import pytest
 
 from bench.static import (ATTENTION_KERNELS, DEFAULT_OUT, VARIANTS, Case, _config_text, markdown_document,
-                          overview_rows, run_in_subprocess, write)
+                          overview_rows, run_in_subprocess, spill_free, write)
 from bench.static import main as static_main
 
 FULL = os.environ.get("FUSED_REMAT_COMPILE_ALL") == "1"
@@ -628,8 +628,9 @@ def test_every_spilling_configuration_of_the_triton_36_tables_is_pruned_on_trito
 
 def test_every_attention_kernel_in_the_committed_tables_is_spill_free_and_does_its_work_once():
     """bench/results/static holds every configuration the pruning offers on each target (bf16, D 64
-    and 128, causal and not, with the masks of real batches): none spills, each does every
-    multiply-add once on the target's tensor-core MMA. A pruning fact that went missing shows here
+    and 128, causal and not, with the masks of real batches): none spills (a warp-specialized one
+    but for the registers it keeps across setmaxnreg, outside its loops: bench.static.spill_free),
+    each does every multiply-add once on the target's tensor-core MMA. A pruning fact that went missing shows here
     once the tables are regenerated."""
     payload = json.loads((DEFAULT_OUT / "static.json").read_text())
     mma = {"sm_90a": "HGMMA", "sm_80": "HMMA", "sm_100a": "UTCHMMA"}
@@ -638,5 +639,5 @@ def test_every_attention_kernel_in_the_committed_tables_is_spill_free_and_does_i
     for row in rows:
         where = f"{row['target']} {row['kernel']} {row['case']} {_config_text(row['config'])}"
         assert "error" not in row, where
-        assert row["spill_stores"] == row["spill_loads"] == 0, where
+        assert spill_free(row), f"{where}: {row['spill_stores']}/{row['spill_loads']} B spilled"
         assert row["mma"] == mma[row["target"]] and row["hot_loop"]["mma_work_ratio"] == 1.0, where
