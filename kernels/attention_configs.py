@@ -36,7 +36,7 @@ TUNE_KEY = ["N_CTX_Q_KEY", "N_CTX_K_KEY", "HEAD_DIM", "CAUSAL", "WINDOW", "SOFTC
 #   memory to spare) and M16 N128 w8 (spill-free with GQA at D=128, where the larger tiles spill).
 #   Warp specialization is not among them: tl.range(warp_specialize=True) left the forward loop
 #   unchanged at 8 warps (the same SASS, no register reallocation) and failed in Triton 3.9's
-#   NVGPUWarpSpecialization pass at 4 warps, on sm_90a.
+#   NVGPUWarpSpecialization pass at 4 warps, on sm_90a (Blackwell's forward takes it, below).
 #   dK/dV at D=256 (HEAD_DIMS): no wgmma tile keeps dK and dV in registers. A warpgroup's wgmma
 #   covers 64 key rows, so a tile without repeated work holds at least 64 rows x 256 columns x 2
 #   fp32 accumulators per 128 threads, 256 registers a thread: every such tile spills (2 KB a thread
@@ -68,10 +68,15 @@ TUNE_KEY = ["N_CTX_Q_KEY", "N_CTX_K_KEY", "HEAD_DIM", "CAUSAL", "WINDOW", "SOFTC
 #   tensor memory): every dot a tcgen05 MMA doing each multiply-add once (but dK/dV's D=256 mma.sync
 #   tile below), no spills, within shared memory (smem_estimate's Blackwell terms) and the SM's 512
 #   tensor-memory columns (tmem_columns); compiled for sm_100a with Triton 3.9, bf16 (fp16 taken as
-#   the same), D 64/128/256, causal and not, MHA and GQA 4:1. Forward: the Hopper list, without
-#   spills at D 64 and 128 (M128 N128 w8 s3 at D=128: 896 warp instructions per million useful
-#   multiply-adds, the tutorial's pointer and TMA forwards 946 and 900 at that tile; its
-#   warp-specialized forward 679); at D=256 M64 N64 w4 s3 spills without a causal mask (SPILLS).
+#   the same), D 64/128/256, causal and not, MHA and GQA 4:1. Forward: first the warp-specialized
+#   tiles (5-tuples: the fifth element is the register cap, maxnreg; make_configs), M128 N128 w4 s2
+#   and s3 and M128 N64 w4 s3 at D 64 and 128 (HEAD_DIMS; at D=256 they exceed shared memory), on
+#   Triton 3.9 and later (warp_specialization_compiles): M128 N128 w4 s2 issues 681 warp
+#   instructions per million useful multiply-adds at D=128 and 1234 at D=64, the tutorial's
+#   warp-specialized forward 679 and 1575; under a causal, window or document mask they keep 8 B
+#   a thread in local memory outside every loop (bench.static.spill_free). Then the Hopper list,
+#   without spills at D 64 and 128 (M128 N128 w8 s3 at D=128: 896, the tutorial's pointer and TMA
+#   forwards 946 and 900 at that tile); at D=256 M64 N64 w4 s3 spills without a causal mask (SPILLS).
 #   dQ: the Hopper list but M128 N128 w8 s3 (never fewer instructions than s2, and over the shared
 #   memory from D=128), no spills anywhere; at D=256 also M64 N64 w4 s2 and M128 N32 w8 s2
 #   (HEAD_DIMS; 501 and 821 instructions, no spills), where the s3 tiles exceed a block's shared
@@ -90,7 +95,7 @@ TUNE_KEY = ["N_CTX_Q_KEY", "N_CTX_K_KEY", "HEAD_DIM", "CAUSAL", "WINDOW", "SOFTC
 #   the Hopper dK/dV list: M64 N128 w8 s3 (more instructions than s2 wherever both compiled),
 #   M32 N128 w8 s3 and M16 N128 w8 s3 (no fewer instructions than M32 N128 w4 s3 at D 64 and 128,
 #   spill with GQA at D=128, and trap at D=256) and M32 N64 w4 s4 (spills with GQA at D=128; s2
-#   issues fewer instructions at D=256 in less shared memory). Not warp-specialized, as on Hopper.
+#   issues fewer instructions at D=256 in less shared memory). The backward is not warp-specialized.
 SHAPES = {
     "fwd": {
         90: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 2)],
@@ -285,7 +290,8 @@ def smem_estimate(config, head_dim: int, elem: int, kernel: str, family: int = 9
     its tensor-memory MMAs; every fwd, dQ and dK/dV tile compiled for sm_100a, Triton 3.9, bf16 and
     fp16, D 64/128/256: the forward 1-2 KiB below the estimate, dQ and dK/dV 0-2 KiB below it with
     these terms, e.g. dQ M128 N32 w8 s3 at D=256 240 KiB against 226 KiB without them), which this
-    adds."""
+    adds; and 1 KiB for a warp-specialized forward's barriers between partitions (448-576 B more
+    than the rest of the estimate wherever it compiled)."""
     rows = config.kwargs
     streamed, resident = ("BLOCK_M", "BLOCK_N") if kernel == "dkdv" else ("BLOCK_N", "BLOCK_M")
     estimate = (config.num_stages * 2 * rows[streamed] + RESIDENT_TILES[kernel] * rows[resident]) * head_dim * elem + 2048

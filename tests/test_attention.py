@@ -263,6 +263,27 @@ def test_every_descriptor_launch_has_a_scratch_allocator(device, monkeypatch):
     assert all(allocator is own for _, allocator in at_launch[3:])
 
 
+@pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (True, (30, 0))],
+                         ids=["full", "causal", "window"])
+def test_warp_specialized_forward_gives_the_same_bits(causal, window, device):
+    """Blackwell's warp-specialized tiles (kernels/attention_configs.py: WARP_SPECIALIZE under a
+    register cap) rescale the accumulator one column half at a time: the same products, so the
+    same bits as the plain loop. Warp specialization itself is Triton's (sm_100a only; the
+    interpreter runs the loop as written)."""
+    from fused_remat.kernels.attention import attention_fwd
+    from fused_remat.kernels.attention_configs import target_family
+
+    if device.type == "cuda" and target_family() != 100:
+        pytest.skip("warp-specialized tiles are Blackwell's (sm_100a)")
+    q, k, v = (t.detach() for t in _inputs(2, 4, 2, 100, 77, 40, F16, device))
+    blocks = 128 if device.type == "cuda" else 32  # the Blackwell tile; small ones interpret faster
+    plain = {"BLOCK_M": blocks, "BLOCK_N": blocks, "num_warps": 4, "num_stages": 2}
+    specialized = dict(plain, maxnreg=168, WARP_SPECIALIZE=True)
+    o, lse = attention_fwd(q, k, v, causal, 0.3, window=window, config=plain)
+    o_ws, lse_ws = attention_fwd(q, k, v, causal, 0.3, window=window, config=specialized)
+    assert torch.equal(o, o_ws) and torch.equal(lse, lse_ws)
+
+
 @pytest.mark.parametrize("block_m,block_n", [(16, 64), (64, 16)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_unequal_block_shapes(block_m, block_n, causal, device):
