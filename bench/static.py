@@ -29,8 +29,9 @@ attention (06-fused-attention): the forward with pointer loads, the forward with
 device-side tensor descriptors (TMA on Hopper), on sm_100a also its warp-specialized forward (the
 tutorial's Blackwell path), and the backward as a dK/dV and a dQ kernel.
 
-Run ``python -m bench static`` (bf16, D 64/128, every configuration, sm_90a, sm_80 and sm_100a where
-the installed Triton compiles for it) or ``--all`` (every dtype, head dim 64/128/256).
+Run ``python -m bench static`` (bf16, D 64/128 and 256, every configuration, sm_90a, sm_80 and
+sm_100a where the installed Triton compiles for it) or ``--all`` (every dtype, every mask at every
+head dim, GQA on every target).
 Results: ``bench/results/static/static.json`` and ``static.md`` (or ``--out``); nothing else is
 written (the README links to static.md). ``--markdown-only`` rewrites static.md from static.json
 without compiling anything.
@@ -1195,16 +1196,19 @@ def compile_case(case: Case, target: str) -> list[dict]:
 
 
 def sweep(full: bool) -> list[tuple[Case, str]]:
-    """(case, target) pairs. Default: bf16, D 64/128, causal and not, dense and every VARIANT,
-    every configuration the launchers can choose, on sm_90a, sm_80 and sm_100a; GQA (which changes
-    dK/dV's loop over the group) on sm_90a only; the tutorial's warp-specialized forward on sm_100a
-    only (its Blackwell path). ``full``: every dtype, D 64/128/256, MHA and GQA everywhere."""
+    """(case, target) pairs. Default: bf16, D 64/128, causal and not, dense and every VARIANT, and
+    D=256 dense (Gemma's head dim), every configuration the launchers can choose, on sm_90a, sm_80
+    and sm_100a; GQA (which changes dK/dV's loop over the group) on sm_90a only; the tutorial's
+    warp-specialized forward on sm_100a only (its Blackwell path). ``full``: every dtype, D
+    64/128/256 with every VARIANT, MHA and GQA everywhere."""
     dtypes = ("bfloat16", "float16", "float32") if full else ("bfloat16",)
-    dims = (64, 128, 256) if full else (64, 128)
+    dims = (64, 128, 256)
     targets = ("sm_90a", "sm_80", "sm_100a")
     pairs = []
     for target in targets:
         for dtype, dim, causal, variant in itertools.product(dtypes, dims, (False, True), VARIANTS):
+            if dim == 256 and variant != "dense" and not full:
+                continue
             pairs.append((Case("attention_fwd", dtype, dim, causal, variant=variant), target))
             for gqa in (False, True) if full or target == "sm_90a" else (False,):
                 pairs.append((Case("attention_bwd", dtype, dim, causal, gqa, variant=variant), target))
