@@ -464,7 +464,7 @@ def test_ci_cases_are_picks():
 # The instruction goal: each attention hot loop issues no more warp instructions per multiply-add
 # than the Triton tutorial's, compiled the same way (bench/static.py's yardsticks: the forward by
 # pointer loads and through tensor descriptors, the backward's dK/dV and dQ loops), on sm_90a with
-# the installed Triton, bf16, MHA, not causal: the best configuration our autotuner can pick
+# the installed Triton, bf16, MHA, causal and not: the best configuration our autotuner can pick
 # against the yardstick's best.
 YARDSTICKS = {
     "_attn_fwd": (("tutorial_fwd", "tutorial_tma_fwd"), ("_tutorial_attn_fwd", "_tutorial_tma_attn_fwd")),
@@ -477,21 +477,22 @@ YARDSTICKS = {
 SLACK = {"_attn_fwd": 1.0, "_attn_bwd_dq": 1.0, "_attn_bwd_dkdv": 1.02}
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("kernel", list(YARDSTICKS))
-def test_hot_loop_at_or_below_the_tutorial(facts_cache, kernel, dim):
+def test_hot_loop_at_or_below_the_tutorial(facts_cache, kernel, dim, causal):
     def best(rows, names):
         rows = [r for r in rows if r["kernel"] in names]
         assert rows and not any("error" in r for r in rows), rows
         return min((r["hot_loop"]["warp_instructions_per_million_macs"], _config_text(r["config"])) for r in rows)
 
     op = "attention_fwd" if kernel == "_attn_fwd" else "attention_bwd"
-    ours = best(_facts(facts_cache, Case(op, "bfloat16", dim), "sm_90a"), (kernel,))
+    ours = best(_facts(facts_cache, Case(op, "bfloat16", dim, causal), "sm_90a"), (kernel,))
     yard_ops, yard_kernels = YARDSTICKS[kernel]
-    tutorial = best([r for yard in yard_ops for r in _facts(facts_cache, Case(yard, "bfloat16", dim), "sm_90a")],
+    tutorial = best([r for yard in yard_ops for r in _facts(facts_cache, Case(yard, "bfloat16", dim, causal), "sm_90a")],
                     yard_kernels)
     assert ours[0] <= SLACK[kernel] * tutorial[0], \
-        f"{kernel} D={dim}: {ours[0]} warp instructions per million multiply-adds ({ours[1]}) against the tutorial's {tutorial[0]} ({tutorial[1]})"
+        f"{kernel} D={dim} causal={causal}: {ours[0]} warp instructions per million multiply-adds ({ours[1]}) against the tutorial's {tutorial[0]} ({tutorial[1]})"
 
 
 # Within 5% of the dense twin's warp instructions per multiply-add: a window or the documents of a
