@@ -711,14 +711,16 @@ def _attn_bwd_dq_inner(
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
     NATURAL_EXP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Accumulate dQ (unscaled) of the query block at start_m over the key blocks in [lo, hi). Rows
-    that see no key have bias = -inf (see _attn_bwd_preprocess), so their P is exactly 0."""
+    that see no key have bias = -inf (see _attn_bwd_preprocess), so their P is exactly 0.
+    WARP_SPECIALIZE: as in _attn_fwd_inner (loads, MMAs and the elementwise work on warps of their
+    own)."""
     Nq, Nk, D = sizes
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         k, v, qk = _key_block(q, keys, start_n, Nk, D, MASKED=MASKED, EVEN_D=EVEN_D, USE_TMA=USE_TMA,
                               DOT_PRECISION=DOT_PRECISION, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N)
         if SOFTCAP:
@@ -748,7 +750,7 @@ def _attn_bwd_dq(
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
     EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
     NATURAL_EXP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False,
 ):
     """dQ for one query block of one query head, looping over key blocks. Grid: (query blocks, Hq,
     B or documents)."""
@@ -782,17 +784,20 @@ def _attn_bwd_dq(
         dq = _attn_bwd_dq_inner(
             dq, q, do, bias, delta, keys, start_m, lo, full_lo, sizes, scales, window, softcaps, MASKED=True,
             CAUSAL=CAUSAL, WINDOW=WINDOW, SOFTCAP=SOFTCAP, EVEN_D=EVEN_D, USE_TMA=USE_TMA, NATURAL_EXP=NATURAL_EXP,
-            DOT_PRECISION=DOT_PRECISION, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            DOT_PRECISION=DOT_PRECISION, WARP_SPECIALIZE=WARP_SPECIALIZE, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N,
         )
     dq = _attn_bwd_dq_inner(
         dq, q, do, bias, delta, keys, start_m, full_lo, full_hi, sizes, scales, window, softcaps, MASKED=False,
         CAUSAL=CAUSAL, WINDOW=WINDOW, SOFTCAP=SOFTCAP, EVEN_D=EVEN_D, USE_TMA=USE_TMA, NATURAL_EXP=NATURAL_EXP,
-        DOT_PRECISION=DOT_PRECISION, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        DOT_PRECISION=DOT_PRECISION, WARP_SPECIALIZE=WARP_SPECIALIZE, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
     )
     dq = _attn_bwd_dq_inner(
         dq, q, do, bias, delta, keys, start_m, full_hi, hi, sizes, scales, window, softcaps, MASKED=True,
         CAUSAL=CAUSAL, WINDOW=WINDOW, SOFTCAP=SOFTCAP, EVEN_D=EVEN_D, USE_TMA=USE_TMA, NATURAL_EXP=NATURAL_EXP,
-        DOT_PRECISION=DOT_PRECISION, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        DOT_PRECISION=DOT_PRECISION, WARP_SPECIALIZE=WARP_SPECIALIZE, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
     )
     dq = dq * sm_scale
     _store_rows(_rows_of(DQ, batch, head, q_first, stride_dqb, stride_dqh, stride_dqn, VARLEN=VARLEN),
@@ -1057,7 +1062,7 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, window=(-1
     Returns dq, dk, dv in the shapes and dtypes of q, k, v: ``out`` = (dq, dk, dv) when given (any
     strides with a contiguous last dim, e.g. views of one packed dqkv buffer), else new contiguous
     tensors. ``config`` pins the dQ kernel's launch configuration and ``dkdv_config`` the dK/dV
-    kernel's (default: ``config``). ``tma`` as in attention_fwd, for the streamed k, v (dQ) and
+    kernel's (default: ``config`` without warp specialization, which only dQ takes). ``tma`` as in attention_fwd, for the streamed k, v (dQ) and
     q, dO (dK/dV)."""
     _require_contiguous_last_dim({"q": q, "k": k, "v": v, "o": o})
     if do.stride(-1) != 1:
@@ -1093,7 +1098,7 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, window=(-1
     scalars = p.scalars(nq_rounded)
     constexprs = p.constexprs(_use_tma(tma, {"q": q, "k": k, "v": v, "do": do}))
     cu_seqlens = p.sequence_args(lse)
-    kernel, cfg = _pick(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, dkdv_config or config)
+    kernel, cfg = _pick(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, dkdv_config or _without_warp_specialization(config))
     kernel[lambda meta: (triton.cdiv(p.grid_lengths[1], meta["BLOCK_N"]), p.kv_heads, p.grid_batch)](
         q, k, v, do, bias, delta, dk, dv, *cu_seqlens,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
@@ -1106,6 +1111,13 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, window=(-1
         *scalars, **constexprs, **cfg,
     )
     return tuple(grads)
+
+
+def _without_warp_specialization(config: dict | None) -> dict | None:
+    """A pinned dQ configuration as dK/dV's, whose kernel is never warp-specialized."""
+    if config is None:
+        return None
+    return {key: value for key, value in config.items() if key not in ("WARP_SPECIALIZE", "maxnreg")}
 
 
 def _pick(plain, tuned, config):

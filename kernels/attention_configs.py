@@ -78,8 +78,11 @@ TUNE_KEY = ["N_CTX_Q_KEY", "N_CTX_K_KEY", "HEAD_DIM", "CAUSAL", "WINDOW", "SOFTC
 #   a thread in local memory outside every loop (bench.static.spill_free). Then the Hopper list,
 #   without spills at D 64 and 128 (M128 N128 w8 s3 at D=128: 896, the tutorial's pointer and TMA
 #   forwards 946 and 900 at that tile); at D=256 M64 N64 w4 s3 spills without a causal mask (SPILLS).
-#   dQ: the Hopper list but M128 N128 w8 s3 (never fewer instructions than s2, and over the shared
-#   memory from D=128), no spills anywhere; at D=256 also M64 N64 w4 s2 and M128 N32 w8 s2
+#   dQ: first the warp-specialized M128 N64 w4 s2 and s3 (register cap 168; D 64 and 128, Triton 3.9
+#   on): 396 and 785 warp instructions per million useful multiply-adds at D 128 and 64, against 524
+#   and 997 for the tiles below, no spills under any mask (128-key tiles need more tensor memory than
+#   an SM has once specialized: 704 columns); then the Hopper list but M128 N128 w8 s3 (never fewer
+#   instructions than s2, and over the shared memory from D=128), no spills anywhere; at D=256 also M64 N64 w4 s2 and M128 N32 w8 s2
 #   (HEAD_DIMS; 501 and 821 instructions, no spills), where the s3 tiles exceed a block's shared
 #   memory (M128 N32 w8 s3: 240 KiB, no block fits an SM). dK/dV: dK and dV accumulate in tensor
 #   memory, not registers, so 4 warps hold a 128-key tile: M64 N128 w4 s2 without GQA at D 64 and
@@ -96,7 +99,9 @@ TUNE_KEY = ["N_CTX_Q_KEY", "N_CTX_K_KEY", "HEAD_DIM", "CAUSAL", "WINDOW", "SOFTC
 #   the Hopper dK/dV list: M64 N128 w8 s3 (more instructions than s2 wherever both compiled),
 #   M32 N128 w8 s3 and M16 N128 w8 s3 (no fewer instructions than M32 N128 w4 s3 at D 64 and 128,
 #   spill with GQA at D=128, and trap at D=256) and M32 N64 w4 s4 (spills with GQA at D=128; s2
-#   issues fewer instructions at D=256 in less shared memory). The backward is not warp-specialized.
+#   issues fewer instructions at D=256 in less shared memory). dK/dV is not warp-specialized: its
+#   128-key tiles need 576-896 tensor-memory columns once specialized (a trap), M32 N128 w4 spills
+#   516 B, and M64 N64 w4 issues 504 against M64 N128 w4's 496 unspecialized.
 SHAPES = {
     "fwd": {
         90: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 2)],
@@ -109,7 +114,8 @@ SHAPES = {
         90: [(128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4),
              (64, 16, 4, 3)],
         80: [(128, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 4), (64, 64, 8, 3), (32, 64, 8, 2), (32, 32, 4, 3)],
-        100: [(128, 128, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (64, 16, 4, 3),
+        100: [(128, 64, 4, 2, 168), (128, 64, 4, 3, 168),
+              (128, 128, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (64, 16, 4, 3),
               (128, 32, 8, 2), (64, 64, 4, 2)],
     },
     "dkdv": {
@@ -128,10 +134,13 @@ HEAD_DIMS = {
     (100, "dq", (64, 64, 4, 2)): (256,),
     (100, "dkdv", (32, 64, 4, 2)): (256,),
     (100, "dkdv", (64, 32, 8, 2)): (256,),
-    # Blackwell's warp-specialized forward tiles, compiled at D 64 and 128 (at 256 they exceed shared memory).
+    # Blackwell's warp-specialized forward and dQ tiles, compiled at D 64 and 128 (at 256 they exceed
+    # shared memory).
     (100, "fwd", (128, 128, 4, 2, 168)): (64, 128),
     (100, "fwd", (128, 128, 4, 3, 168)): (64, 128),
     (100, "fwd", (128, 64, 4, 3, 168)): (64, 128),
+    (100, "dq", (128, 64, 4, 2, 168)): (64, 128),
+    (100, "dq", (128, 64, 4, 3, 168)): (64, 128),
 }
 
 # Where a configuration spills registers (ptxas -v on the compiled kernel; bf16, fp16 taken as the
@@ -235,7 +244,7 @@ RESIDENT_TILES = {"fwd": 1, "dq": 2, "dkdv": 2}
 
 def make_configs(shapes) -> list:
     """triton.Configs of (BLOCK_M, BLOCK_N, num_warps, num_stages) tuples, and of
-    (BLOCK_M, BLOCK_N, num_warps, num_stages, maxnreg) for a warp-specialized forward (WARP_SPECIALIZE
+    (BLOCK_M, BLOCK_N, num_warps, num_stages, maxnreg) for a warp-specialized forward or dQ (WARP_SPECIALIZE
     under that register cap)."""
     configs = []
     for m, n, w, s, *cap in shapes:
@@ -252,9 +261,9 @@ def config_shape(config) -> tuple:
 
 
 def warp_specialization_compiles() -> bool:
-    """Whether the installed Triton compiles the warp-specialized forward: 3.9 does; 3.6's
-    warp-specialization pass fails on it (PartitionScheduling: "mma must be assigned a partition"),
-    and 3.7 and 3.8 were not compiled."""
+    """Whether the installed Triton compiles the warp-specialized forward and dQ: 3.9 does; 3.6's
+    warp-specialization pass fails on the forward (PartitionScheduling: "mma must be assigned a
+    partition"), and 3.7 and 3.8 were not compiled."""
     major, minor = (int(part) for part in triton.__version__.split(".")[:2])
     return (major, minor) >= (3, 9)
 
@@ -291,7 +300,7 @@ def smem_estimate(config, head_dim: int, elem: int, kernel: str, family: int = 9
     its tensor-memory MMAs; every fwd, dQ and dK/dV tile compiled for sm_100a, Triton 3.9, bf16 and
     fp16, D 64/128/256: the forward 1-2 KiB below the estimate, dQ and dK/dV 0-2 KiB below it with
     these terms, e.g. dQ M128 N32 w8 s3 at D=256 240 KiB against 226 KiB without them), which this
-    adds; and 1 KiB for a warp-specialized forward's barriers between partitions (448-576 B more
+    adds; and 1 KiB for a warp-specialized kernel's barriers between partitions (448-576 B more
     than the rest of the estimate wherever it compiled)."""
     rows = config.kwargs
     streamed, resident = ("BLOCK_M", "BLOCK_N") if kernel == "dkdv" else ("BLOCK_N", "BLOCK_M")
@@ -313,14 +322,18 @@ def tmem_columns(kernel: str, config, head_dim: int) -> int:
     not Triton's allocator: it agrees with every sm_100a compile read (Triton 3.9, bf16 and fp16,
     fwd, dQ and dK/dV at D 64/128/256) on which fit the 512 columns and which Triton refuses, e.g.
     dK/dV M16 N128 w8 and M32 N128 w8 at D=256 (576 here; Triton required 576-768); the kernels
-    also keep bf16 operands (P, dS) in tensor memory, within what a model of at most 512 leaves."""
+    also keep bf16 operands (P, dS) in tensor memory, within what a model of at most 512 leaves.
+    Warp-specialized, the products of an iteration (S, dP) are double-buffered, so that the MMA
+    partition computes the next while the others read this one: counted twice (dQ M128 N128 w4 at
+    D=128: Triton required 704 columns, here 640; M128 N64 w4 allocated 512)."""
     rows = config.kwargs
     resident, streamed = (rows["BLOCK_N"], rows["BLOCK_M"]) if kernel == "dkdv" else (rows["BLOCK_M"], rows["BLOCK_N"])
     if resident < 64:
         return 0
-    widths = {"fwd": (streamed, head_dim), "dq": (streamed, streamed, head_dim),
-              "dkdv": (streamed, streamed, head_dim, head_dim)}[kernel]
-    columns = sum(max(32, width) for width in widths)
+    products, accumulators = {"fwd": ((streamed,), (head_dim,)), "dq": ((streamed, streamed), (head_dim,)),
+                              "dkdv": ((streamed, streamed), (head_dim, head_dim))}[kernel]
+    buffers = 2 if rows.get("WARP_SPECIALIZE") else 1
+    columns = sum(max(32, width) for width in products) * buffers + sum(max(32, width) for width in accumulators)
     return (columns + 1) // 2 if resident == 64 else columns
 
 

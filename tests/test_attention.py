@@ -265,12 +265,13 @@ def test_every_descriptor_launch_has_a_scratch_allocator(device, monkeypatch):
 
 @pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (True, (30, 0))],
                          ids=["full", "causal", "window"])
-def test_warp_specialized_forward_gives_the_same_bits(causal, window, device):
-    """Blackwell's warp-specialized tiles (kernels/attention_configs.py: WARP_SPECIALIZE under a
-    register cap) rescale the accumulator one column half at a time: the same products, so the
-    same bits as the plain loop. Warp specialization itself is Triton's (sm_100a only; the
-    interpreter runs the loop as written)."""
-    from fused_remat.kernels.attention import attention_fwd
+def test_warp_specialized_tiles_give_the_same_bits(causal, window, device):
+    """Blackwell's warp-specialized forward and dQ tiles (kernels/attention_configs.py:
+    WARP_SPECIALIZE under a register cap; the forward rescales its accumulator one column half at a
+    time) give the bits of the plain loops; a pinned warp-specialized dQ configuration reaches dK/dV
+    without it. Warp specialization itself is Triton's (sm_100a only; the interpreter runs the
+    loops as written)."""
+    from fused_remat.kernels.attention import attention_bwd, attention_fwd
     from fused_remat.kernels.attention_configs import target_family
 
     if device.type == "cuda" and target_family() != 100:
@@ -282,6 +283,11 @@ def test_warp_specialized_forward_gives_the_same_bits(causal, window, device):
     o, lse = attention_fwd(q, k, v, causal, 0.3, window=window, config=plain)
     o_ws, lse_ws = attention_fwd(q, k, v, causal, 0.3, window=window, config=specialized)
     assert torch.equal(o, o_ws) and torch.equal(lse, lse_ws)
+    do = torch.randn_like(o)
+    grads = attention_bwd(do, q, k, v, o, lse, causal, 0.3, window=window, config=plain)
+    grads_ws = attention_bwd(do, q, k, v, o, lse, causal, 0.3, window=window, config=specialized)
+    for name, ours, specialized_grad in zip(("dq", "dk", "dv"), grads, grads_ws):
+        assert torch.equal(ours, specialized_grad), name
 
 
 @pytest.mark.parametrize("block_m,block_n", [(16, 64), (64, 16)])

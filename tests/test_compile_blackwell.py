@@ -127,7 +127,7 @@ def test_yardstick_is_warp_specialized(yardstick_row):
 # Family 100's own picks (kernels/attention_configs.py, SHAPES[...][100]; dQ and dK/dV compile
 # together, one backward case each) and the tutorial's yardsticks at D=128 (bf16, MHA, not causal),
 # each pinned at its tile with the fewest warp instructions per useful multiply-add on sm_100a.
-BACKWARD_D128 = Case("attention_bwd", "bfloat16", 128, config=(128, 128, 8, 2), dkdv_config=(64, 128, 4, 2))
+BACKWARD_D128 = Case("attention_bwd", "bfloat16", 128, config=(128, 64, 4, 2, 168), dkdv_config=(64, 128, 4, 2))
 # With GQA at D=128 every 128-key dK/dV tile spills: the one the pruning leaves, 8 warps on 64 keys.
 BACKWARD_D128_GQA = Case("attention_bwd", "bfloat16", 128, causal=True, gqa=True, config=(128, 64, 8, 3),
                          dkdv_config=(64, 64, 8, 2))
@@ -144,8 +144,8 @@ NAMES = {"_attn_fwd": "fwd", "_attn_bwd_dq": "dq", "_attn_bwd_dkdv": "dkdv"}
 # 681 against the warp-specialized tutorial's 679 (681 against 682 causal): three integer instructions
 # more an iteration, address arithmetic of runtime strides where the tutorial's tensors are
 # contiguous, hence the 1.005; the forward without warp specialization 896 against the tutorial's
-# 900 without it; dQ 524 against 748 (M128 N128 w8 s2 at D=128) and 773 with a causal mask (the
-# causal yardstick 768); dK/dV 496 against 683; with causal GQA 1163, 1.7x: the price of no spills
+# 900 without it; dQ 396 against 748 (warp-specialized, M128 N64 w4 s2 at D=128; 524 at M128 N128
+# w8 s2 without) and 773 with causal GQA at M128 N64 w8 s3 (the causal yardstick 768); dK/dV 496 against 683; with causal GQA 1163, 1.7x: the price of no spills
 # (the 128-key tiles issue 489-711 there but spill 84-3376 B).
 PICKS = [
     (FORWARD, "_attn_fwd", (YARDSTICK, "_tutorial_ws_attn_fwd"), 1.005),
@@ -324,6 +324,9 @@ TMEM_FACTS = [
     ("dq", (64, 64, 4, 2), 256, True),
     ("fwd", (128, 128, 8, 3), 128, True),
     ("fwd", (128, 32, 8, 2), 256, True),
+    ("fwd", (128, 128, 4, 2, 168), 128, True),  # warp-specialized: S double-buffered
+    ("dq", (128, 64, 4, 2, 168), 128, True),  # 512 allocated
+    ("dq", (128, 128, 4, 2, 168), 128, False),  # Triton required 704
 ]
 
 
