@@ -191,31 +191,38 @@ SPILLS = {
 # constexprs: a window's bounds, the softcap's tanh factor, a document's bounds take registers),
 # from the same compiles of bench/static.py's VARIANTS (bf16, head dims 64 and 128, causal and not,
 # MHA and GQA on sm_90a, MHA on sm_80): (family, kernel, blocks) -> [(padded head dims, the variants
-# that spill)], and a third element, the Triton versions, where only some spill. On Triton 3.9 D 64
-# spilled under none; Triton 3.6's entries are from bench/results/static-triton3.6 (its bundled
-# ptxas 12.8 allocates the masked dK/dV loops worse). D 256 was not compiled for the variants.
+# that spill, GQA (True: only with it; None: either))], and a fourth element, the Triton versions,
+# where only some spill. On Triton 3.9 D 64 spilled under none; Triton 3.6's entries are from
+# bench/results/static-triton3.6 (its bundled ptxas 12.8 allocates the masked dK/dV loops worse).
+# D 256 was not compiled for the variants.
 VARIANT_SPILLS = {
-    (90, "dkdv", (64, 128, 8)): [((128,), {"window", "softcap", "varlen"}), ((64,), {"window", "varlen"}, "3.6")],
-    (90, "dkdv", (32, 64, 4)): [((128,), {"window", "varlen"}), ((64,), {"window", "softcap", "varlen"}, "3.6")],
-    (90, "dkdv", (32, 128, 8)): [((64,), {"varlen"}, "3.6"), ((128,), {"window", "softcap", "varlen"}, "3.6")],
-    (90, "dkdv", (16, 128, 8)): [((128,), {"window", "softcap", "varlen"}, "3.6")],
-    (90, "dq", (128, 128, 8)): [((128,), {"softcap"})],
-    (80, "fwd", (128, 64, 8)): [((128,), {"window"})],
-    (80, "fwd", (64, 64, 4)): [((128,), {"softcap"})],
-    (80, "dq", (64, 32, 4)): [((128,), {"varlen"})],
-    (80, "dkdv", (128, 32, 8)): [((128,), {"softcap"}), ((128,), {"varlen"}, "3.6")],
-    (80, "dkdv", (64, 32, 8)): [((64,), {"softcap"}, "3.6")],
+    (90, "dkdv", (64, 128, 8)): [((128,), {"window", "softcap", "varlen"}, None),
+                                 ((64,), {"window", "varlen"}, None, "3.6")],
+    # With GQA only: dK/dV's loop over the group's heads (M32 N64 w4 at D=128 under a window or
+    # documents, and M32/M16 N128 w8 on 3.6: 24-672 B); MHA compiled spill-free on 3.6 and 3.9. M16
+    # N128 w8 spills under documents only when causal too, which SPILLS' causal GQA entry covers.
+    (90, "dkdv", (32, 64, 4)): [((128,), {"window", "varlen"}, True),
+                                ((64,), {"window", "softcap", "varlen"}, None, "3.6")],
+    (90, "dkdv", (32, 128, 8)): [((64,), {"varlen"}, None, "3.6"), ((128,), {"window", "varlen"}, True, "3.6"),
+                                 ((128,), {"softcap"}, None, "3.6")],
+    (90, "dkdv", (16, 128, 8)): [((128,), {"window"}, True, "3.6"), ((128,), {"softcap"}, None, "3.6")],
+    (90, "dq", (128, 128, 8)): [((128,), {"softcap"}, None)],
+    (80, "fwd", (128, 64, 8)): [((128,), {"window"}, None)],
+    (80, "fwd", (64, 64, 4)): [((128,), {"softcap"}, None)],
+    (80, "dq", (64, 32, 4)): [((128,), {"varlen"}, None)],
+    (80, "dkdv", (128, 32, 8)): [((128,), {"softcap"}, None), ((128,), {"varlen"}, None, "3.6")],
+    (80, "dkdv", (64, 32, 8)): [((64,), {"softcap"}, None, "3.6")],
     # Blackwell (sm_100a, Triton 3.9): the D=128 picks compiled under each mask, causal (dK/dV's
     # M64 N64 w8 with GQA, its launch), and every configuration the pruning offered at D 64 and 128,
     # MHA, causal and not (bench/results/static): the forward spilled under none.
-    (100, "dkdv", (64, 128, 4)): [((64, 128), {"softcap"})],
-    (100, "dkdv", (32, 128, 4)): [((64,), {"window", "varlen"})],
-    (100, "dkdv", (64, 64, 8)): [((128,), {"window", "varlen"})],
-    (100, "dq", (128, 128, 8)): [((64, 128), {"softcap"})],
-    (100, "dq", (128, 64, 8)): [((128,), {"window", "softcap"})],
-    (100, "dq", (64, 64, 4)): [((128,), {"varlen"})],
-    (100, "fwd", (128, 32, 8)): [((64,), {"varlen"}, "3.6")],
-    (100, "fwd", (64, 64, 4)): [((128,), {"window"}, "3.6")],
+    (100, "dkdv", (64, 128, 4)): [((64, 128), {"softcap"}, None)],
+    (100, "dkdv", (32, 128, 4)): [((64,), {"window", "varlen"}, None)],
+    (100, "dkdv", (64, 64, 8)): [((128,), {"window", "varlen"}, None)],
+    (100, "dq", (128, 128, 8)): [((64, 128), {"softcap"}, None)],
+    (100, "dq", (128, 64, 8)): [((128,), {"window", "softcap"}, None)],
+    (100, "dq", (64, 64, 4)): [((128,), {"varlen"}, None)],
+    (100, "fwd", (128, 32, 8)): [((64,), {"varlen"}, None, "3.6")],
+    (100, "fwd", (64, 64, 4)): [((128,), {"window"}, None, "3.6")],
 }
 # The constexpr that turns each variant on.
 VARIANT_FLAGS = {"window": "WINDOW", "softcap": "SOFTCAP", "varlen": "VARLEN"}
@@ -351,12 +358,13 @@ def spills(family: int, kernel: str, config, head_dim: int, causal, gqa) -> bool
                for dims, c, g, *versions in SPILLS.get((family, kernel, blocks), ()))
 
 
-def variant_spills(family: int, kernel: str, config, head_dim: int, variants: set[str]) -> bool:
+def variant_spills(family: int, kernel: str, config, head_dim: int, variants: set[str], gqa) -> bool:
     """Whether VARIANT_SPILLS lists ``config`` as spilling under one of ``variants`` at this head dim
-    on the installed Triton version."""
+    and GQA (None: unknown, which matches any entry) on the installed Triton version."""
     blocks = (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps)
-    return any(head_dim in dims and variants & spilling and _on_installed_triton(versions)
-               for dims, spilling, *versions in VARIANT_SPILLS.get((family, kernel, blocks), ()))
+    return any(head_dim in dims and variants & spilling and (g is None or gqa is None or g == gqa)
+               and _on_installed_triton(versions)
+               for dims, spilling, g, *versions in VARIANT_SPILLS.get((family, kernel, blocks), ()))
 
 
 def offered_at(family: int, kernel: str, config, head_dim: int) -> bool:
@@ -433,7 +441,7 @@ def pruner(kernel: str):
         once = [c for c in fitting if family != 80 or mma_sync_work(kernel, c, head_dim) == 1.0]
         variants = {name for name, flag in VARIANT_FLAGS.items() if args.get(flag)}
         keep = [c for c in once if not spills(family, kernel, c, head_dim, causal, gqa)
-                and not variant_spills(family, kernel, c, head_dim, variants)]
+                and not variant_spills(family, kernel, c, head_dim, variants, gqa)]
         return keep or once or fitting or [fp32_config(kernel, head_dim)]
 
     return prune

@@ -618,13 +618,46 @@ def test_every_spilling_configuration_of_the_triton_36_tables_is_pruned_on_trito
         blocks = {k: row["config"][k] for k in ("BLOCK_M", "BLOCK_N")}
         config = triton.Config(blocks, num_warps=row["config"]["num_warps"], num_stages=row["config"]["num_stages"])
         args = (family[row["target"]], kernels[row["kernel"]], config, int(dim.removeprefix("D")))
-        return spills(*args, mask == "causal", heads == "gqa") or variant_spills(*args, set(variants))
+        return spills(*args, mask == "causal", heads == "gqa") or variant_spills(*args, set(variants), heads == "gqa")
 
     monkeypatch.setattr(triton, "__version__", "3.6.0")
     kept = [f"{r['target']} {r['kernel']} {r['case']} {_config_text(r['config'])}" for r in spilling if not dropped(r)]
     assert not kept, f"Triton 3.6 keeps spilling configurations: {kept}"
     monkeypatch.setattr(triton, "__version__", "3.9.0")
     assert not all(map(dropped, spilling)), "the 3.6 entries apply on 3.9 too"
+
+
+def test_triton_36_picks_are_spill_free_wherever_its_table_has_a_spill_free_tile(monkeypatch):
+    """On Triton 3.6, for each launch of bench/results/static-triton3.6 (target, kernel, head dim,
+    causality, GQA, mask) with at least one spill-free configuration compiled, the pruning offers
+    none of the spilling ones it compiled (e.g. sm_90a dK/dV at D=128 under a window: the tiles
+    that spill only with GQA stay offered to MHA). Where every one spills (GQA dK/dV at D=128 under
+    masks on sm_90a), the pruner falls back to the tiles that do their work once."""
+    import triton
+
+    payload = json.loads((DEFAULT_OUT.parent / "static-triton3.6" / "static.json").read_text())
+    kernels = {"_attn_fwd": "fwd", "_attn_bwd_dq": "dq", "_attn_bwd_dkdv": "dkdv"}
+    launches: dict = {}
+    for row in payload["rows"]:
+        if row["kernel"] in kernels and "error" not in row:
+            launches.setdefault((row["target"], row["kernel"], row["case"]), []).append(row)
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    checked = 0
+    for (target, kernel, case_id), rows in launches.items():
+        spilling = {_shape(r) for r in rows if r["spill_stores"] or r["spill_loads"]}
+        if not spilling or len(spilling) == len(rows):
+            continue
+        _, dtype, dim, mask, heads, *variant = case_id.split("-")
+        offered = set(picked_configs(kernels[kernel], target, dtype, int(dim.removeprefix("D")), mask == "causal",
+                                     heads == "gqa", variant[0] if variant else "dense"))
+        assert not offered & spilling, f"{target} {kernel} {case_id}: offers spilling {sorted(offered & spilling)}"
+        checked += 1
+    assert checked, "no launch of the 3.6 table mixes spilling and spill-free tiles"
+
+
+def _shape(row: dict) -> tuple:
+    c = row["config"]
+    return (c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"]) + ((c["maxnreg"],) if "maxnreg" in c else ())
 
 
 def test_every_attention_kernel_in_the_committed_tables_is_spill_free_and_does_its_work_once():
