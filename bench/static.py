@@ -285,12 +285,18 @@ def spill_free(row: dict) -> bool:
 
 
 def launch_config(shape: tuple) -> dict:
-    """A launcher's ``config`` from (BLOCK_M, BLOCK_N, num_warps, num_stages), and a fifth element,
-    the register cap of a warp-specialized forward (kernels/attention_configs.make_configs)."""
-    config = dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), shape))
-    if len(shape) > 4:
-        config.update(maxnreg=shape[4], WARP_SPECIALIZE=True)
-    return config
+    """A launcher's ``config`` from a shape as kernels/attention_configs.make_configs takes it."""
+    from fused_remat.kernels.attention_configs import make_configs
+
+    (config,) = make_configs([shape])
+    cap = {"maxnreg": config.maxnreg} if config.maxnreg else {}
+    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages, **cap}
+
+
+def row_shape(row: dict) -> tuple:
+    """A compiled attention row's configuration as the shape make_configs takes (and config_shape gives)."""
+    c = row["config"]
+    return (c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"]) + ((c["maxnreg"],) if "maxnreg" in c else ())
 
 
 def _run_case(case: Case) -> None:

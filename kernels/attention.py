@@ -63,7 +63,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .attention_configs import CONFIGS, INTERPRETER_CONFIG, PRUNERS, TUNE_KEY, target_family
+from .attention_configs import (CONFIGS, INTERPRETER_CONFIG, PRUNERS, TUNE_KEY, target_family,
+                                warp_specialization_compiles)
 from .launch import FP_FUSION, ensure_scratch_allocator, next_power_of_2
 from .limits import triton_interpreting
 from .precision import INTERPRETED, round_to
@@ -1042,6 +1043,7 @@ def attention_fwd(q, k, v, causal: bool, scale: float, *, window=(-1, -1), softc
     lse = torch.empty((p.batch, p.q_heads, p.q_len), device=q.device, dtype=torch.float32)
     if o.numel() == 0 or p.grid_batch == 0:
         return o, lse[0] if documents is not None else lse
+    _check_warp_specialization("config", config, kernel_has_it=True)
     use_tma = _use_tma(tma, {"k": k, "v": v})
     kernel, cfg = _pick(_attn_fwd, _attn_fwd_tuned, config)
     kernel[lambda meta: (triton.cdiv(p.grid_lengths[0], meta["BLOCK_M"]), p.q_heads, p.grid_batch)](
@@ -1062,9 +1064,11 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, window=(-1
     Returns dq, dk, dv in the shapes and dtypes of q, k, v: ``out`` = (dq, dk, dv) when given (any
     strides with a contiguous last dim, e.g. views of one packed dqkv buffer), else new contiguous
     tensors. ``config`` pins the dQ kernel's launch configuration and ``dkdv_config`` the dK/dV
-    kernel's (default: ``config`` without warp specialization, which only dQ takes). ``tma`` as in attention_fwd, for the streamed k, v (dQ) and
-    q, dO (dK/dV)."""
+    kernel's (default: ``config`` without warp specialization, which only dQ takes). ``tma`` as in
+    attention_fwd, for the streamed k, v (dQ) and q, dO (dK/dV)."""
     _require_contiguous_last_dim({"q": q, "k": k, "v": v, "o": o})
+    _check_warp_specialization("config", config, kernel_has_it=True)
+    _check_warp_specialization("dkdv_config", dkdv_config, kernel_has_it=False)
     if do.stride(-1) != 1:
         do = do.contiguous()
     grads = [_output(name, given, like) for name, given, like in zip(("dq", "dk", "dv"), out or (None,) * 3, (q, k, v))]
@@ -1111,6 +1115,20 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, window=(-1
         *scalars, **constexprs, **cfg,
     )
     return tuple(grads)
+
+
+def _check_warp_specialization(name: str, config: dict | None, kernel_has_it: bool) -> None:
+    """Refuse a pinned configuration asking for WARP_SPECIALIZE where it cannot compile: for the
+    dK/dV kernel, which has no such loop, and on a GPU other than datacenter Blackwell or a Triton
+    before 3.9 (Hopper's and Triton 3.6's warp-specialization passes fail on these kernels). The
+    interpreter runs the loop as written, whatever the flag."""
+    if not config or not config.get("WARP_SPECIALIZE"):
+        return
+    if not kernel_has_it:
+        raise ValueError(f"{name}: the dK/dV kernel is never warp-specialized (WARP_SPECIALIZE is dQ's and the forward's)")
+    if not triton_interpreting() and (target_family() != 100 or not warp_specialization_compiles()):
+        raise ValueError(f"{name}: WARP_SPECIALIZE needs a datacenter Blackwell GPU (sm_100 to 119) and Triton 3.9 "
+                         f"or later; this is GPU family {target_family()}, Triton {triton.__version__}")
 
 
 def _without_warp_specialization(config: dict | None) -> dict | None:

@@ -79,7 +79,7 @@ TUNE_KEY = ["N_CTX_Q_KEY", "N_CTX_K_KEY", "HEAD_DIM", "CAUSAL", "WINDOW", "SOFTC
 #   without spills at D 64 and 128 (M128 N128 w8 s3 at D=128: 896, the tutorial's pointer and TMA
 #   forwards 946 and 900 at that tile); at D=256 M64 N64 w4 s3 spills without a causal mask (SPILLS).
 #   dQ: first the warp-specialized M128 N64 w4 s2 and s3 (register cap 168; D 64 and 128, Triton 3.9
-#   on): 396 and 785 warp instructions per million useful multiply-adds at D 128 and 64, against 524
+#   on): 395 and 783 warp instructions per million useful multiply-adds at D 128 and 64, against 524
 #   and 997 for the tiles below, no spills under any mask (128-key tiles need more tensor memory than
 #   an SM has once specialized: 704 columns); then the Hopper list but M128 N128 w8 s3 (never fewer
 #   instructions than s2, and over the shared memory from D=128), no spills anywhere; at D=256 also M64 N64 w4 s2 and M128 N32 w8 s2

@@ -27,7 +27,7 @@ from __future__ import annotations
 import pytest
 
 from bench.static import (_MMA, ARCHS, Case, _idesc_shape, _loops, _partitions, _ptx_tcgen05, _sass_idesc,
-                          _ttgir_partitions, compiling_for, run_in_subprocess, spill_free)
+                          _ttgir_partitions, compiling_for, row_shape, run_in_subprocess, spill_free)
 
 # Family 100's warp-specialized forward tile at D=128 (M128 N128 w4 s2, register cap 168: the
 # fewest warp instructions per useful multiply-add), causal and not.
@@ -175,11 +175,6 @@ def _picks(kernel: str, head_dim: int, causal: bool, gqa: bool, dtype: str = "bf
     return [tuning.config_shape(c) for c in kept]
 
 
-def _shape(row: dict) -> tuple:
-    c = row["config"]
-    return (c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"]) + ((c["maxnreg"],) if "maxnreg" in c else ())
-
-
 @pytest.mark.parametrize("case, kernel, yardstick, bound", PICKS, ids=PICK_IDS)
 def test_blackwell_pick_meets_the_goals(compiled, case, kernel, yardstick, bound):
     """A family-100 pick compiled for sm_100a: offered by the pruning for its launch, no spills,
@@ -190,7 +185,7 @@ def test_blackwell_pick_meets_the_goals(compiled, case, kernel, yardstick, bound
 
     row = compiled(case, kernel)
     where = f"{kernel} {row['config']} on sm_100a ({case.id})"
-    name, shape = NAMES[kernel], _shape(row)
+    name, shape = NAMES[kernel], row_shape(row)
     assert shape in _picks(name, case.head_dim, case.causal, case.gqa), f"{where}: not among the picks"
     assert spill_free(row), f"{where}: spills {row['spill_stores']}/{row['spill_loads']} B at {row['registers']} registers"
     assert row["mma_kind"] == "tcgen05" and row["mma"] == "UTCHMMA", f"{where}: MMA {row['mma_kind']} ({row['mma']})"

@@ -49,7 +49,7 @@ from pathlib import Path
 import pytest
 
 from bench.static import (ATTENTION_KERNELS, DEFAULT_OUT, VARIANTS, Case, _config_text, markdown_document,
-                          overview_rows, run_in_subprocess, spill_free, write)
+                          overview_rows, row_shape, run_in_subprocess, spill_free, write)
 from bench.static import main as static_main
 
 FULL = os.environ.get("FUSED_REMAT_COMPILE_ALL") == "1"
@@ -396,8 +396,7 @@ def test_mma_sync_work_is_the_compiled_ratio(facts_cache):
         rows = [r for r in _facts(facts_cache, case, "sm_80") if r["kernel"] in names]
         assert rows and not any("error" in r for r in rows), f"{case.id}: {rows}"
         for row in rows:
-            c = row["config"]
-            config = make_configs([(c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"])])[0]
+            (config,) = make_configs([row_shape(row)])
             model = round(mma_sync_work(names[row["kernel"]], config, row["constexprs"]["HEAD_DIM"]), 3)
             compiled = row["hot_loop"]["mma_work_ratio"]
             assert row["mma"] == "HMMA" and compiled == model, \
@@ -644,7 +643,7 @@ def test_triton_36_picks_are_spill_free_wherever_its_table_has_a_spill_free_tile
     monkeypatch.setattr(triton, "__version__", "3.6.0")
     checked = 0
     for (target, kernel, case_id), rows in launches.items():
-        spilling = {_shape(r) for r in rows if r["spill_stores"] or r["spill_loads"]}
+        spilling = {row_shape(r) for r in rows if r["spill_stores"] or r["spill_loads"]}
         if not spilling or len(spilling) == len(rows):
             continue
         _, dtype, dim, mask, heads, *variant = case_id.split("-")
@@ -653,11 +652,6 @@ def test_triton_36_picks_are_spill_free_wherever_its_table_has_a_spill_free_tile
         assert not offered & spilling, f"{target} {kernel} {case_id}: offers spilling {sorted(offered & spilling)}"
         checked += 1
     assert checked, "no launch of the 3.6 table mixes spilling and spill-free tiles"
-
-
-def _shape(row: dict) -> tuple:
-    c = row["config"]
-    return (c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"]) + ((c["maxnreg"],) if "maxnreg" in c else ())
 
 
 def test_every_attention_kernel_in_the_committed_tables_is_spill_free_and_does_its_work_once():
