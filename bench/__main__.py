@@ -7,6 +7,8 @@
     python -m bench readme               # rebuild the README's results section from bench/results/
     python -m bench summary --out DIR    # one line per suite of the run in DIR
     python -m bench static               # no GPU: every kernel compiled for sm_90a and sm_80 (bench/static.py)
+    python -m bench host                 # no GPU: each op's and block's host time per call, launches stubbed,
+                                         # beside eager PyTorch (bench/host.py)
     python -m bench frontier             # torch.compile's memory/recompute frontier beside ours, one layer
                                          # (bench/frontier.py; runs on CPU too)
     python -m bench checkpoint           # no GPU: the trainer's checkpoint save/load time and bytes per rank,
@@ -35,7 +37,7 @@ from bench import harness, report
 SUITES = {"norms": "bench.bench_norms", "attention": "bench.bench_attention", "memory": "bench.bench_memory",
           "block": "bench.bench_block", "train": "bench.bench_train"}
 # Commands that are not timing suites and need no GPU: name -> module with main(argv).
-COMMANDS = {"static": "bench.static", "frontier": "bench.frontier", "checkpoint": "bench.checkpoint",
+COMMANDS = {"static": "bench.static", "host": "bench.host", "frontier": "bench.frontier", "checkpoint": "bench.checkpoint",
             "gpu_stage": "bench.gpu_check"}
 
 

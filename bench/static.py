@@ -178,11 +178,12 @@ class StandInDriver:
 
 
 @contextlib.contextmanager
-def compiling_for(arch: Arch):
-    """Within: Triton compiles for ``arch`` and launches nothing; yields the driver's record."""
+def compiling_for(arch: Arch, stand_in: StandInDriver | None = None):
+    """Within: Triton compiles for ``arch`` and launches nothing; yields the driver's record.
+    ``stand_in``: a StandInDriver (or subclass) for ``arch`` to use instead of a new one."""
     from triton.runtime import driver
 
-    stand_in = StandInDriver(arch)
+    stand_in = stand_in or StandInDriver(arch)
     driver.set_active(stand_in)
     _forget_autotuning()
     try:

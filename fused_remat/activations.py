@@ -17,7 +17,7 @@ from .kernels.limits import check_same_device, check_same_dtype, check_tensor
 class _Gelu(torch.autograd.Function):
     @staticmethod
     def forward(x, approximate: str):
-        return custom_ops.gelu_fwd(x, approximate)
+        return custom_ops.ops(x.device).gelu_fwd(x, approximate)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -28,7 +28,7 @@ class _Gelu(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
-        dx, _ = custom_ops.gelu_bwd(dy, x, ctx.approximate, False)
+        dx, _ = custom_ops.ops(dy.device).gelu_bwd(dy, x, ctx.approximate, False)
         return custom_ops.first_order_only("gelu", dx, None)
 
 
@@ -36,7 +36,7 @@ class _Gelu(torch.autograd.Function):
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(gate, up):
-        return custom_ops.swiglu_fwd(gate, up)
+        return custom_ops.ops(gate.device).swiglu_fwd(gate, up)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -45,7 +45,7 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
-        dgate, dup, _ = custom_ops.swiglu_bwd(dy, gate, up, False)
+        dgate, dup, _ = custom_ops.ops(dy.device).swiglu_bwd(dy, gate, up, False)
         return custom_ops.first_order_only("swiglu", dgate, dup)
 
 
@@ -57,7 +57,7 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
         raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
     if not use_triton("gelu", x.device):
         return reference.gelu(x, approximate)
-    return _Gelu.apply(x, approximate)
+    return custom_ops.apply(_Gelu, x.device, x, approximate)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -70,4 +70,4 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"swiglu: up has shape {tuple(up.shape)} but gate has {tuple(gate.shape)}; they must match")
     if not use_triton("swiglu", gate.device):
         return reference.swiglu(gate, up)
-    return _SwiGLU.apply(gate, up)
+    return custom_ops.apply(_SwiGLU, gate.device, gate, up)

@@ -23,7 +23,7 @@ _VARLEN_OP = "attention_varlen"
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(q, k, v, causal: bool, scale: float, window: list[int], softcap: float):
-        return custom_ops.attention_fwd(q, k, v, causal, scale, window, softcap)
+        return custom_ops.ops(q.device).attention_fwd(q, k, v, causal, scale, window, softcap)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -44,7 +44,7 @@ class _Attention(torch.autograd.Function):
             do = torch.zeros_like(o)
         # The kernels recompute P = exp(q k^T * scale - lse) per block from q, k and the saved lse.
         # A gradient reaching lse (return_lse=True) enters as dS += P * dlse, folded into delta.
-        dq, dk, dv = custom_ops.attention_bwd(do, q, k, v, o, lse, dlse, *ctx.mask)
+        dq, dk, dv = custom_ops.ops(q.device).attention_bwd(do, q, k, v, o, lse, dlse, *ctx.mask)
         return custom_ops.first_order_only(_OP, dq, dk, dv, None, None, None, None)
 
 
@@ -56,7 +56,7 @@ class _VarlenAttention(torch.autograd.Function):
     @staticmethod
     def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                 scale: float, window: list[int], softcap: float):
-        return custom_ops.attention_varlen_fwd(q, k, v, cu_seqlens_q, _key_offsets(cu_seqlens_q, cu_seqlens_k),
+        return custom_ops.ops(q.device).attention_varlen_fwd(q, k, v, cu_seqlens_q, _key_offsets(cu_seqlens_q, cu_seqlens_k),
                                                max_seqlen_q, max_seqlen_k, causal, scale, window, softcap)
 
     @staticmethod
@@ -77,7 +77,7 @@ class _VarlenAttention(torch.autograd.Function):
             return None, None, None, *nothing
         if do is None:
             do = torch.zeros_like(o)
-        dq, dk, dv = custom_ops.attention_varlen_bwd(do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k,
+        dq, dk, dv = custom_ops.ops(q.device).attention_varlen_bwd(do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k,
                                                      *ctx.mask)
         return custom_ops.first_order_only(_VARLEN_OP, dq, dk, dv, *nothing)
 
@@ -123,7 +123,7 @@ def attention(
     softcap = check_softcap(_OP, softcap)
     causal = bool(causal)
     if use_triton(_OP, q.device):
-        o, lse = _Attention.apply(q, k, v, causal, scale, list(window), softcap)
+        o, lse = custom_ops.apply(_Attention, q.device, q, k, v, causal, scale, list(window), softcap)
     else:
         o, lse = reference.attention(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
                                      return_lse=True)
@@ -168,8 +168,8 @@ def attention_varlen(
     causal = bool(causal)
     if use_triton(_VARLEN_OP, q.device):
         key_offsets = None if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k
-        o, lse = _VarlenAttention.apply(q, k, v, cu_seqlens_q, key_offsets, int(max_seqlen_q), int(max_seqlen_k),
-                                        causal, scale, list(window), softcap)
+        o, lse = custom_ops.apply(_VarlenAttention, q.device, q, k, v, cu_seqlens_q, key_offsets, int(max_seqlen_q),
+                                  int(max_seqlen_k), causal, scale, list(window), softcap)
     else:
         o, lse = reference.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                             causal=causal, scale=scale, window=window, softcap=softcap,

@@ -11,6 +11,7 @@ fused_remat never imports triton, so ``TRITON_INTERPRET=1`` set after ``import f
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 
@@ -33,12 +34,36 @@ def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+# The device type whose tensors take the kernels' path although Triton cannot launch there: set
+# only inside ``stubbed_launches_on``, which a host-cost measurement enters.
+_stubbed_device: str | None = None
+
+
+@contextlib.contextmanager
+def stubbed_launches_on(device_type: str):
+    """Within: tensors of ``device_type`` run the ops' real path down to Triton's launch, for a
+    host-cost measurement under a driver that launches nothing (``bench/host.py``)."""
+    global _stubbed_device
+    before, _stubbed_device = _stubbed_device, device_type
+    try:
+        yield
+    finally:
+        _stubbed_device = before
+
+
 def triton_can_run_on(device: torch.device) -> bool:
+    if device.type == _stubbed_device:
+        return True
     if not triton_installed():
         return False
     if device.type == "cuda":
         return not triton_interpreting()
     return device.type == "cpu" and triton_interpreting()
+
+
+def launches_kernels(device: torch.device) -> bool:
+    """Whether tensors on ``device`` reach the launchers (not meta's: the fake kernels answer)."""
+    return device.type != "meta" or _stubbed_device == "meta"
 
 
 def use_triton(op: str, device: torch.device) -> bool:

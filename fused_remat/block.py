@@ -14,6 +14,7 @@ Nothing of size N x N is ever kept.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,7 @@ from .backend import autocast_dtype, requested_backend, use_triton
 from .flops import attention_op_flops, document_pairs, flop_formula, matmul_flops, visible_pairs
 from .kernels.limits import SUPPORTED_DTYPES
 from .remat import (COMPUTE, FP32, KEPT_FOR_BACKWARD, RESIDUAL, Kept, Remat, budget_points, check_memory_budget,
-                    within_budget)
+                    search_budget, within_budget)
 
 _OP = "TransformerBlock"
 
@@ -151,7 +152,7 @@ class _Weights:
 
     def __init__(self, params, compute_dtype: torch.dtype, adapters=(), lora=()):
         named = dict(zip(_PARAMETERS, params))
-        cast = lambda t: None if t is None else t.to(compute_dtype)  # noqa: E731
+        cast = lambda t: t if t is None or t.dtype == compute_dtype else t.to(compute_dtype)  # noqa: E731
         self.norm1 = (named["norm1.weight"], named["norm1.bias"])
         self.norm2 = (named["norm2.weight"], named["norm2.bias"])
         self.qkv, self.qkv_bias = cast(named["qkv.weight"]), cast(named["qkv.bias"])
@@ -356,12 +357,16 @@ def _replay(x: torch.Tensor, kept: dict, w: _Weights, g: _BlockCall, seqs: _Sequ
     return _Activations(**acts)
 
 
+def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _weight_grad(needed: bool, grad_out: torch.Tensor, inputs: torch.Tensor, param: torch.Tensor | None):
-    return (grad_out.t() @ inputs).to(param.dtype) if needed else None
+    return _in_dtype(grad_out.t() @ inputs, param.dtype) if needed else None
 
 
 def _bias_grad(needed: bool, grad_out: torch.Tensor, param: torch.Tensor | None):
-    return grad_out.sum(dim=0, dtype=torch.float32).to(param.dtype) if needed else None
+    return _in_dtype(grad_out.sum(dim=0, dtype=torch.float32), param.dtype) if needed else None
 
 
 # The block as two custom operators, so that torch.compile sees each as one opaque node: traced
@@ -389,10 +394,23 @@ def _block_fwd(x: torch.Tensor, cu_seqlens: torch.Tensor | None, position_ids: t
     ``position_ids`` and ``rope_inv_freq`` as in _Sequences."""
     g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
                                 lora_scales)
-    with torch.autocast(x.device.type, enabled=False):
-        weights = _Weights(_with_absent(params, has_param), compute_dtype, g.adapters, lora)
-        acts, y = _forward_pass(x, weights, g, _Sequences(cu_seqlens, position_ids, rope_inv_freq))
+    return _block_forward(x, g, _Sequences(cu_seqlens, position_ids, rope_inv_freq), _with_absent(params, has_param),
+                          lora)
+
+
+def _block_forward(x: torch.Tensor, g: _BlockCall, seqs: _Sequences, params: list, lora: list) -> list[torch.Tensor]:
+    """block_fwd's implementation, for the operator and for eager calls, which come straight here."""
+    with _autocast_off(x.device.type):
+        weights = _Weights(params, g.compute_dtype, g.adapters, lora)
+        acts, y = _forward_pass(x, weights, g, seqs)
     return [y, *(getattr(acts, k.name) if keeps else x.new_empty(0) for k, keeps in zip(_SLOTS, _slots_kept(g.remat)))]
+
+
+def _autocast_off(device_type: str):
+    """A context with autocast off for ``device_type``: a no-op where it is off already."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 @_block_fwd.register_fake
@@ -427,11 +445,18 @@ def _block_bwd(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor | Non
     ``lora``] from dy (T, dim), x and the ``_SLOTS`` the forward returned."""
     g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
                                 lora_scales)
-    seqs = _Sequences(cu_seqlens, position_ids, rope_inv_freq)
-    named = dict(zip(_PARAMETERS, _with_absent(params, has_param)))
-    needed = _needed(has_param, needs)
-    with torch.autocast(dy.device.type, enabled=False):
-        w = _Weights(list(named.values()), compute_dtype, g.adapters, lora)
+    return _block_backward(dy, x, g, _Sequences(cu_seqlens, position_ids, rope_inv_freq), kept,
+                           _with_absent(params, has_param), _needed(has_param, needs), lora)
+
+
+def _block_backward(dy: torch.Tensor, x: torch.Tensor, g: _BlockCall, seqs: _Sequences, kept: list, params: list,
+                    needed: dict, lora: list) -> list[torch.Tensor]:
+    """block_bwd's implementation, for the operator and for eager calls, which come straight here.
+    ``params``: all of _PARAMETERS, None where absent; ``needed``: whether each present one needs
+    its gradient, by name."""
+    named = dict(zip(_PARAMETERS, params))
+    with _autocast_off(dy.device.type):
+        w = _Weights(params, g.compute_dtype, g.adapters, lora)
         kept_acts = {k.name: t for k, t, keeps in zip(_SLOTS, kept, _slots_kept(g.remat)) if keeps}
         acts = _replay(x, kept_acts, w, g, seqs)
         needs = {name: needed.get(name, False) for name in _PARAMETERS}
@@ -536,6 +561,8 @@ class _BlockFunction(torch.autograd.Function):
     def forward(x, g: _BlockCall, cu_seqlens, position_ids, rope_inv_freq, *tensors):
         """``tensors``: the block's _PARAMETERS (None where absent), then each adapter's A and B."""
         params, lora = tensors[:len(_PARAMETERS)], list(tensors[len(_PARAMETERS):])
+        if not custom_ops.traced(x.device):
+            return tuple(_block_forward(x, g, _Sequences(cu_seqlens, position_ids, rope_inv_freq), list(params), lora))
         has_param = [p is not None for p in params]
         return tuple(_block_fwd(x, cu_seqlens, position_ids, rope_inv_freq, [p for p in params if p is not None],
                                 has_param, lora, *g.op_args()))
@@ -575,8 +602,12 @@ class _BlockFunction(torch.autograd.Function):
         kept = [next(kept_tensors) if keeps else x.new_empty(0) for keeps in slots_kept]
         needs_params = ctx.needs_input_grad[5:5 + len(_PARAMETERS)]
         needs = [need for need, has in zip(needs_params, ctx.has_param) if has]
-        dx, *grads = _block_bwd(dy, x, cu_seqlens, position_ids, rope_inv_freq, kept, params, ctx.has_param, needs,
-                                lora, *g.op_args())
+        if custom_ops.traced(dy.device):
+            dx, *grads = _block_bwd(dy, x, cu_seqlens, position_ids, rope_inv_freq, kept, params, ctx.has_param, needs,
+                                    lora, *g.op_args())
+        else:
+            dx, *grads = _block_backward(dy, x, g, _Sequences(cu_seqlens, position_ids, rope_inv_freq), kept,
+                                         _with_absent(params, ctx.has_param), _needed(ctx.has_param, needs), lora)
         dparams = iter(d if need else None for d, need in zip(grads[:len(needs)], needs))
         dlora = [d if need else None for d, need in zip(grads[len(needs):], ctx.needs_input_grad[5 + len(_PARAMETERS):])]
         return custom_ops.first_order_only(_OP, dx, None, None, None, None,
@@ -741,8 +772,9 @@ class TransformerBlock(reference.TransformerBlock):
         widths = block_widths(self.dim, self.n_heads, self.n_kv_heads, self.ffn_dim, self.norm, self.activation,
                               self.head_dim)
         compute_dtype = compute_dtype or autocast_dtype(x.device.type) or x.dtype
-        return within_budget(self.memory_budget, widths, x.element_size(), compute_dtype.itemsize,
-                             visible_pairs(seq, seq, self.causal, self.window) / seq)
+        choose = search_budget if torch.compiler.is_compiling() else within_budget
+        return choose(self.memory_budget, widths, x.element_size(), compute_dtype.itemsize,
+                      visible_pairs(seq, seq, self.causal, self.window) / seq)
 
     @classmethod
     def from_reference(cls, block: reference.TransformerBlock, remat: Remat | str = Remat.CHEAP) -> TransformerBlock:
@@ -796,9 +828,12 @@ class TransformerBlock(reference.TransformerBlock):
             adapters=tuple((_LINEARS.index(a.linear), a.first_row, a.b.shape[0], a.seed, float(a.scale), float(a.dropout))
                            for a in adapters),
         )
-        apply = _eager_block_function() if call.remat.host_resident else _BlockFunction.apply
-        y, *_ = apply(x.reshape(call.tokens, self.dim).contiguous(), call, cu_seqlens, position_ids, rope_inv_freq,
-                      *params, *(t for a in adapters for t in (a.a, a.b)))
+        inputs = (x.reshape(call.tokens, self.dim).contiguous(), call, cu_seqlens, position_ids, rope_inv_freq, *params,
+                  *(t for a in adapters for t in (a.a, a.b)))
+        if call.remat.host_resident:
+            y, *_ = _eager_block_function()(*inputs)
+        else:
+            y, *_ = custom_ops.apply(_BlockFunction, x.device, *inputs)
         return y.view(x.shape)
 
     def _parameter(self, name: str) -> torch.nn.Parameter | None:

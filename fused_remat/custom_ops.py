@@ -3,7 +3,8 @@
 torch.compile treats a custom operator as one opaque node: it never traces into the Triton
 launch (which it cannot do through the interpreter) and learns output shapes from the fake
 implementation registered beside each op. The autograd Functions of the ops and the block call
-only these, so ``torch.compile(..., fullgraph=True)`` traces them without a graph break. (Ring
+only these where anything traces (``traced``), so ``torch.compile(..., fullgraph=True)`` traces
+them without a graph break; eager calls run the same implementations without the dispatcher. (Ring
 attention, ``fused_remat.context_parallel``, calls the attention launchers directly: it runs inside
 the block's own custom operators or under its own Function; see docs/design.md.)
 
@@ -22,22 +23,51 @@ import types
 import torch
 from torch import Tensor
 
+from .backend import launches_kernels
 from .flops import attention_op_flops, document_pairs, flop_formula, visible_pairs
 
 
-# Each operator's implementation as a plain function, for callers that are themselves inside a
-# custom operator's implementation (the block's): there a nested operator's dispatch buys nothing
-# (torch.compile and FlopCounterMode see the outer operator, never what its implementation calls)
-# and costs host time on every call (about 11 us on a 2-core CPU, a dozen calls a block step).
+# Each operator twice: its implementation as a plain function (``direct``), and the custom operator
+# (``dispatched``). An eager call on tensors that launch goes straight to the implementation: the
+# dispatcher would run the same function after tens of microseconds of host time. A call that
+# something records or transforms goes through the operator (``traced``). Inside an operator's
+# implementation (the block's) calls always take ``direct``: only the outer operator is seen.
 direct = types.SimpleNamespace()
+dispatched = types.SimpleNamespace()
 
 
 def _op(name: str, mutates_args=()):
     def register(fn):
+        op = torch.library.custom_op(f"fused_remat::{name}", mutates_args=mutates_args)(fn)
         setattr(direct, name, fn)
-        return torch.library.custom_op(f"fused_remat::{name}", mutates_args=mutates_args)(fn)
+        setattr(dispatched, name, op)
+        return op
 
     return register
+
+
+def traced(device: torch.device) -> bool:
+    """Whether a call on ``device`` must go through the custom operators: while torch.compile
+    traces (it must see one opaque node), under a dispatch or function mode (FlopCounterMode,
+    FakeTensorMode, a user's) or a functorch transform, and on meta tensors (whose fake kernels
+    give shapes and FLOP counts). Elsewhere calls go straight to the implementations."""
+    return (torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
+            or torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling()
+            or not launches_kernels(device))
+
+
+def ops(device: torch.device) -> types.SimpleNamespace:
+    """The operators a call on ``device`` runs: ``dispatched`` where it is ``traced``, else ``direct``."""
+    return dispatched if traced(device) else direct
+
+
+def apply(function: type[torch.autograd.Function], device: torch.device, *args):
+    """``function.apply(*args)``, every argument given. Untraced, without ``Function.apply``'s Python
+    layer: it binds the arguments to forward's signature for their defaults (there are none to fill)
+    and handles functorch transforms (``traced`` sends those, and torch.compile, the usual way)."""
+    if traced(device):
+        return function.apply(*args)
+    return function.apply_untraced(*args)
 
 
 def _absent(like: Tensor) -> Tensor:
@@ -61,10 +91,10 @@ def none_if_empty(t: Tensor) -> Tensor | None:
 def cached_forward_signature(function: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
     """Class decorator for a Function with ``setup_context``: ``Function.apply`` binds each call's
     arguments to ``forward``'s signature (for its defaults), and ``inspect.signature`` rebuilds that
-    on every call unless the function carries one. Built once here: about a third of a small op's
-    host time (an RMSNorm forward's, 125 -> 77 us on a 2-core CPU, its launch stubbed), and a
-    GPU waits on the host at short sequences."""
+    on every call unless the function carries one; it is built once here. ``apply_untraced``:
+    autograd's own apply beneath that layer, for ``apply``."""
     function.forward.__signature__ = inspect.signature(function.forward)
+    function.apply_untraced = super(torch.autograd.Function, function).apply
     return function
 
 

@@ -47,7 +47,7 @@ class _NormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(x, weight, bias, eps: float, rms: bool):
-        y, mean, rstd, _ = custom_ops.norm_fwd(_rows(x), weight.contiguous(), _contiguous(bias), None, eps, rms, None)
+        y, mean, rstd, _ = custom_ops.ops(x.device).norm_fwd(_rows(x), weight.contiguous(), _contiguous(bias), None, eps, rms, None)
         return y.view(x.shape), mean, rstd
 
     @staticmethod
@@ -63,7 +63,7 @@ class _NormFunction(torch.autograd.Function):
     def backward(ctx, dy, _dmean, _drstd):
         # The kernel rebuilds x_hat = (x - mean) * rstd in registers; it is never stored.
         x_rows, weight, mean, rstd = ctx.saved_tensors
-        dx, dweight, dbias, _ = custom_ops.norm_bwd(_rows(dy), x_rows, weight.contiguous(), None, mean, rstd, None,
+        dx, dweight, dbias, _ = custom_ops.ops(dy.device).norm_bwd(_rows(dy), x_rows, weight.contiguous(), None, mean, rstd, None,
                                                     ctx.rms, ctx.has_bias, False, None)
         return custom_ops.first_order_only("rms_norm" if ctx.rms else "layer_norm", dx.view(dy.shape), dweight,
                                            custom_ops.none_if_empty(dbias), None, None)
@@ -82,7 +82,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     _validate("layer_norm", x, weight, bias, eps)
     if not use_triton("layer_norm", x.device):
         return reference.layer_norm(x, weight, bias, eps)
-    return _NormFunction.apply(x, weight, bias, float(eps), False)[0]
+    return custom_ops.apply(_NormFunction, x.device, x, weight, bias, float(eps), False)[0]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -93,4 +93,4 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     _validate("rms_norm", x, weight, None, eps)
     if not use_triton("rms_norm", x.device):
         return reference.rms_norm(x, weight, eps)
-    return _NormFunction.apply(x, weight, None, float(eps), True)[0]
+    return custom_ops.apply(_NormFunction, x.device, x, weight, None, float(eps), True)[0]

@@ -37,6 +37,7 @@ tensors its point keeps, in this order, and the planner prices each point from t
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import numbers
@@ -296,7 +297,22 @@ def within_budget(fraction: float, widths: dict[str, int], residual_bytes: int, 
     """The point that keeps at most ``fraction`` of what ``none`` keeps per token with the least
     replay FLOPs (then the fewest norm passes, then the fewest bytes), torch.compile's
     ``activation_memory_budget`` in our terms: 1 gives ``cheap`` (no replay), and a fraction below
-    x's share, which every device point keeps, gives ``offload`` (x in host memory)."""
+    x's share, which every device point keeps, gives ``offload`` (x in host memory).
+
+    The answer is kept per argument set (a block asks on every call, with the same shape and
+    sequence length); ``search_budget`` searches every time, for torch.compile to trace."""
+    return _kept_budget_choice(fraction, tuple(widths.items()), residual_bytes, compute_bytes,
+                               attention_pairs_per_token)
+
+
+@functools.lru_cache(maxsize=1024)
+def _kept_budget_choice(fraction, width_items, residual_bytes, compute_bytes, attention_pairs_per_token) -> Remat:
+    return search_budget(fraction, dict(width_items), residual_bytes, compute_bytes, attention_pairs_per_token)
+
+
+def search_budget(fraction: float, widths: dict[str, int], residual_bytes: int, compute_bytes: int,
+                  attention_pairs_per_token: float) -> Remat:
+    """``within_budget``'s search."""
     # a fraction computed as bytes over none's bytes must admit those bytes, whatever its last bit
     limit = fraction * kept_bytes_per_token(Remat.NONE, widths, residual_bytes, compute_bytes) * (1 + 1e-12)
     best = None

@@ -1,0 +1,442 @@
+"""`python -m bench host`: the host's share of every call, with the GPU's launches stubbed, beside
+eager PyTorch doing the same job on the same machine. Runs without a GPU.
+
+At short sequences a GPU waits for the Python between a user's call and its kernels: the time a
+call costs the host is a fact of the CPU, measurable here. Every op and the block run their real
+path on CPU tensors under a stand-in driver that tells Triton the current device is an sm_90a
+(``bench.static``; ``backend.stubbed_launches_on("cpu")`` sends CPU tensors down the kernels' path
+without the interpreter): the checks, the autograd Function, our launchers, the autotuner's
+lookup, Triton's binder and its compiled-kernel cache all run; the driver's launcher, the last
+step before ``cuLaunchKernel``, is a no-op that counts. Compiles happen in a warm-up (the
+stand-in's autotuner compiles one configuration a kernel: tile choice is not host cost). The
+eager peers (``torch.nn.functional``'s norms, activations and SDPA; the plain-PyTorch reference
+block) run on the same tensors.
+
+Host cost does not depend on the sizes (a GPU call enqueues and returns), but a CPU tensor's
+arithmetic does: every case is tiny (8 tokens; the block configurations keep GPT-2-small's and
+Llama's structure, norms, activation, biases, GQA and RoPE, at widths of 32 and 64),
+so that the CPU kernels both sides run (PyTorch's matrix products, eager's norms and SDPA, which
+our side replaces with stubbed launches) cost little beside the dispatch. What they cost is in the
+eager figures, not in ours: the ratio leans our way by that much.
+
+Per case, forward + backward (``torch.autograd.grad`` of the output against a given gradient):
+
+- host_us: the median wall time of one call over ``--repeats`` (garbage collection off while timed);
+- launches: the stand-in launcher's calls (Triton kernels; cuBLAS and PyTorch's own kernels are
+  not counted, ours or eager's);
+- python_calls: Python function calls (``sys.setprofile``), Triton's own modules excluded and
+  counted apart (``triton_calls``): the launch path every Triton user pays;
+- dispatches: calls through a ``fused_remat::`` custom operator's dispatcher entry.
+
+Results: ``bench/results/host/host.json`` and ``host.md`` (or ``--out``), the machine named.
+Host time is not GPU time: these figures say what a call costs before the GPU sees it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "bench" / "results" / "host"
+TARGET = "sm_90a"
+DTYPE = "float32"  # a CPU without bf16 instructions takes milliseconds for a tiny bf16 matrix product
+
+DEVICE = "cpu"
+TOKENS = 8
+WIDTH = 32
+BLOCKS = {  # bench_block's configurations at tiny widths
+    "gpt2-small": dict(dim=WIDTH, n_heads=2, norm="layernorm", activation="gelu_tanh"),
+    "llama": dict(dim=2 * WIDTH, n_heads=4, n_kv_heads=1, norm="rmsnorm", activation="swiglu", rope_theta=10000.0,
+                  bias=False),
+}
+POLICIES = ("none", "cheap", "selective", "full")
+MEMORY_BUDGET = 0.5
+DOCUMENTS = 2  # packed documents of equal length in the documents case
+LORA_RANK = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class HostCase:
+    """One job, ours and eager's: each a builder that makes the inputs and returns the call to
+    measure (forward + backward)."""
+
+    name: str
+    kind: str  # "op" or "block"
+    ours: Callable[[], Callable[[], object]]
+    eager: Callable[[], Callable[[], object]]
+    eager_note: str = ""
+
+
+# --------------------------------------------------------------------------------------------
+# The stand-in driver: compiles for sm_90a, counts launches, runs nothing
+# --------------------------------------------------------------------------------------------
+
+
+def _counting_driver():
+    from bench.static import ARCHS, StandInDriver
+
+    class CountingDriver(StandInDriver):
+        """Every compiled kernel's launcher counts its calls; the autotuner "times" nothing (all
+        configurations tie, so it takes the first, which compiles at its launch)."""
+
+        def __init__(self, arch):
+            super().__init__(arch)
+            self.launches = 0
+            # a loaded module, as a GPU's driver gives: Triton then binds a kernel's launcher once,
+            # not at every launch as it does for the recording stand-in's module None
+            self.utils.load_binary = lambda name, binary, shared, device: (object(), binary, 0, 0, 1024)
+
+        def get_benchmarker(self):
+            return lambda kernel_call, quantiles=None, **_: [1.0] * len(quantiles) if quantiles else 1.0
+
+        def launcher_cls(self, src, metadata):
+            super().launcher_cls(src, metadata)
+            driver = self
+
+            def launch(*args, **kwargs):
+                driver.launches += 1
+
+            return launch
+
+    return CountingDriver(ARCHS[TARGET])
+
+
+@contextlib.contextmanager
+def stubbed_launches():
+    """Within: the ops' real path runs on DEVICE tensors down to a launcher that counts; yields the driver."""
+    from bench.static import ARCHS, compiling_for
+    from fused_remat.backend import stubbed_launches_on
+
+    stand_in = _counting_driver()
+    with compiling_for(ARCHS[TARGET], stand_in), stubbed_launches_on(DEVICE):
+        yield stand_in
+
+
+# --------------------------------------------------------------------------------------------
+# Measuring one call
+# --------------------------------------------------------------------------------------------
+
+
+def host_us(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """The median wall time of each call in microseconds, the calls taking turns (a noisy machine
+    slows both alike), garbage collection off while timed."""
+    times = {name: [] for name in calls}
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            for name, call in calls.items():
+                start = time.perf_counter_ns()
+                call()
+                times[name].append(time.perf_counter_ns() - start)
+    finally:
+        gc.enable()
+    return {name: statistics.median(t) / 1e3 for name, t in times.items()}
+
+
+def _triton_root() -> str:
+    import triton
+
+    return os.path.dirname(triton.__file__)
+
+
+def counts(call: Callable[[], object], driver) -> dict:
+    """One call's launches, Python calls (Triton's apart) and custom-operator dispatches."""
+    from torch._ops import OpOverload
+
+    triton_root, here = _triton_root(), __file__
+    overload_call = OpOverload.__call__.__code__
+    tally = collections.Counter()
+
+    def profile(frame, event, arg):
+        if event != "call":
+            return
+        code = frame.f_code
+        if code.co_filename == here:
+            return
+        if code.co_filename.startswith(triton_root):
+            tally["triton_calls"] += 1
+            return
+        tally["python_calls"] += 1
+        if code is overload_call and frame.f_locals["self"].namespace == "fused_remat":
+            tally["dispatches"] += 1
+
+    launches = driver.launches
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return {"launches": driver.launches - launches, "python_calls": tally["python_calls"],
+            "triton_calls": tally["triton_calls"], "dispatches": tally["dispatches"]}
+
+
+def measure(case: HostCase, driver, repeats: int, warmup: int = 3) -> dict:
+    calls = {side: getattr(case, side)() for side in ("ours", "eager")}
+    for call in calls.values():
+        for _ in range(warmup):
+            call()
+    row = {"case": case.name, "kind": case.kind, "eager_note": case.eager_note}
+    for side, us in host_us(calls, repeats).items():
+        row[side] = {"host_us": us, **counts(calls[side], driver)}
+    row["ratio"] = row["ours"]["host_us"] / row["eager"]["host_us"]
+    return row
+
+
+# --------------------------------------------------------------------------------------------
+# Cases
+# --------------------------------------------------------------------------------------------
+
+
+def _tensor(*shape, dtype=None, grad=True):
+    import torch
+
+    t = torch.randn(*shape, device=DEVICE, dtype=dtype or getattr(torch, DTYPE))
+    return t.requires_grad_(grad)
+
+
+def _offsets():
+    """DOCUMENTS equal documents in TOKENS tokens, int32."""
+    import torch
+
+    return torch.arange(0, TOKENS + 1, TOKENS // DOCUMENTS, device=DEVICE, dtype=torch.int32)
+
+
+def _step(fn, inputs: list, grad_out=None):
+    """forward + backward: the gradients of ``fn(*inputs)`` with respect to those that need them."""
+    import torch
+
+    wrt = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def call():
+        out = fn(*inputs)
+        return torch.autograd.grad(out, wrt, grad_out if grad_out is not None else torch.empty_like(out))
+
+    return call
+
+
+def op_cases() -> list[HostCase]:
+    import torch
+    import torch.nn.functional as F
+
+    import fused_remat
+    from fused_remat import custom_ops, reference
+
+    rows, dim = TOKENS, WIDTH
+    cases = []
+
+    def norm_inputs(bias):
+        return [_tensor(rows, dim), _tensor(dim, dtype=torch.float32), _tensor(dim, dtype=torch.float32) if bias else None]
+
+    cases.append(HostCase(
+        "layer_norm", "op",
+        ours=lambda: _step(lambda x, w, b: fused_remat.layer_norm(x, w, b), norm_inputs(True)),
+        eager=lambda: _step(lambda x, w, b: F.layer_norm(x, (dim,), w.to(x.dtype), b.to(x.dtype)), norm_inputs(True))))
+    cases.append(HostCase(
+        "rms_norm", "op",
+        ours=lambda: _step(lambda x, w: fused_remat.rms_norm(x, w), norm_inputs(False)[:2]),
+        eager=lambda: _step(lambda x, w: F.rms_norm(x, (dim,), w.to(x.dtype), 1e-6), norm_inputs(False)[:2])))
+    cases.append(HostCase(
+        "gelu", "op",
+        ours=lambda: _step(lambda x: fused_remat.gelu(x, "tanh"), [_tensor(rows, 4 * dim)]),
+        eager=lambda: _step(lambda x: F.gelu(x, approximate="tanh"), [_tensor(rows, 4 * dim)])))
+    cases.append(HostCase(
+        "swiglu", "op",
+        ours=lambda: _step(fused_remat.swiglu, [_tensor(rows, 4 * dim), _tensor(rows, 4 * dim)]),
+        eager=lambda: _step(lambda g, u: F.silu(g) * u, [_tensor(rows, 4 * dim), _tensor(rows, 4 * dim)])))
+
+    heads, seq, head_dim = 2, TOKENS, 16
+
+    def qkv(batch=1):
+        return [_tensor(batch, heads, seq, head_dim) for _ in range(3)]
+
+    cases.append(HostCase(
+        "attention", "op",
+        ours=lambda: _step(lambda q, k, v: fused_remat.attention(q, k, v, causal=True), qkv()),
+        eager=lambda: _step(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), qkv())))
+
+    def packed():
+        return [_tensor(seq, heads, head_dim) for _ in range(3)] + [_offsets()]
+
+    cases.append(HostCase(
+        "attention_varlen", "op",
+        ours=lambda: _step(lambda q, k, v, cu: fused_remat.attention_varlen(
+            q, k, v, cu, cu, seq // DOCUMENTS, seq // DOCUMENTS, causal=True), packed()),
+        eager=lambda: _step(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                            [t.view(1, DOCUMENTS * heads, seq // DOCUMENTS, head_dim).detach().requires_grad_()
+                             for t in packed()[:3]]),
+        eager_note=f"SDPA over the {DOCUMENTS} documents as one batch of equal lengths"))
+
+    def rope_case(inverse_too: bool):
+        theta = 10000.0
+        q_heads, kv_heads = 4, 1
+        x = _tensor(seq, (q_heads + 2 * kv_heads) * head_dim, grad=False)
+        inv_freq = reference.rope_inverse_frequencies(head_dim, theta, DEVICE)
+
+        def call():
+            custom_ops.direct.rope_qk_(x, inv_freq, 1, q_heads, kv_heads, False)
+            custom_ops.direct.rope_qk_(x, inv_freq, 1, q_heads, kv_heads, True)
+
+        return call
+
+    def eager_rope():
+        q, k = _tensor(1, seq, 4, head_dim, grad=False), _tensor(1, seq, 1, head_dim, grad=False)
+
+        def call():
+            for inverse in (False, True):
+                reference.rope(q, 10000.0, inverse=inverse)
+                reference.rope(k, 10000.0, inverse=inverse)
+
+        return call
+
+    cases.append(HostCase("rope (forward and inverse)", "op", ours=lambda: rope_case(True), eager=eager_rope,
+                          eager_note="the reference's rotate-half RoPE of q and k"))
+    return cases
+
+
+def _block_pair(config: dict, seq: int, policy: str | None, budget: float | None = None, documents: bool = False,
+                lora: bool = False):
+    """(ours, eager) builders for one block step."""
+    import torch
+
+    from fused_remat import TransformerBlock, reference
+
+    def build(fused: bool):
+        dtype = getattr(torch, DTYPE)
+        block = reference.TransformerBlock(**config, device=DEVICE, dtype=dtype)
+        if fused:
+            block = TransformerBlock.from_reference(block, remat=policy or "cheap")
+            block.memory_budget = budget
+        x = _tensor(1, seq, config["dim"])
+        kwargs = {}
+        if documents and fused:
+            kwargs = dict(cu_seqlens=_offsets(), max_seqlen=seq // DOCUMENTS)
+        adapters = []
+        if lora:
+            for name in ("qkv", "out_proj"):
+                layer = getattr(block, name)
+                adapters.append(reference.LowRankAdapter(
+                    name, _tensor(LORA_RANK, layer.in_features), _tensor(layer.out_features, LORA_RANK), 2.0))
+            for p in block.parameters():
+                p.requires_grad_(False)
+            kwargs["adapters"] = adapters
+        inputs = [x, *(t for a in adapters for t in (a.a, a.b)), *(p for p in block.parameters() if p.requires_grad)]
+        return _step(lambda x, *_: block(x, **kwargs), inputs)
+
+    return (lambda: build(True)), (lambda: build(False))
+
+
+def block_cases() -> list[HostCase]:
+    cases = []
+    seq = TOKENS
+    for shape, config in BLOCKS.items():
+        for policy in POLICIES:
+            ours, eager = _block_pair(config, seq, policy)
+            cases.append(HostCase(f"block {shape} {policy}", "block", ours, eager))
+        ours, eager = _block_pair(config, seq, None, budget=MEMORY_BUDGET)
+        cases.append(HostCase(f"block {shape} memory_budget={MEMORY_BUDGET}", "block", ours, eager))
+        ours, eager = _block_pair(config, seq, "cheap", lora=True)
+        cases.append(HostCase(f"block {shape} cheap, LoRA r{LORA_RANK} on qkv and out_proj", "block", ours,
+                              eager))
+        ours, eager = _block_pair(config, seq, "cheap", documents=True)
+        cases.append(HostCase(f"block {shape} cheap, {DOCUMENTS} packed documents", "block", ours, eager,
+                              eager_note="eager has no packed-document attention: its dense causal step"))
+    return cases
+
+
+def all_cases() -> list[HostCase]:
+    return op_cases() + block_cases()
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------
+
+
+def machine() -> dict:
+    import torch
+    import triton
+
+    from bench.harness import _git_commit
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "triton": triton.__version__, "target": TARGET, "dtype": DTYPE, "commit": _git_commit(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def markdown(rows: list[dict], env: dict) -> str:
+    lines = [
+        "# Host time per call, launches stubbed",
+        "",
+        f"{env['cpu']}, {env['cores']} cores; Python {env['python']}, torch {env['torch']}, Triton "
+        f"{env['triton']} (compiling for {env['target']}), {env['dtype']}; commit {env['commit']}, {env['date']}.",
+        "",
+        f"Forward + backward of each op and block on {DEVICE} tensors of {TOKENS} tokens, Triton's launcher a no-op "
+        "(`python -m bench host`, bench/host.py): what a call costs the host before a GPU sees it, never GPU time. "
+        "Python calls exclude Triton's own (in brackets).",
+        "",
+        "| case | ours us | eager us | ours / eager | launches | Python calls (Triton) | dispatches | eager Python calls |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        ours, eager = row["ours"], row["eager"]
+        lines.append(f"| {row['case']} | {ours['host_us']:.0f} | {eager['host_us']:.0f} | {row['ratio']:.2f} | "
+                     f"{ours['launches']} | {ours['python_calls']} ({ours['triton_calls']}) | {ours['dispatches']} | "
+                     f"{eager['python_calls']} |")
+    notes = [f"- {row['case']}: eager is {row['eager_note']}." for row in rows if row["eager_note"]]
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench host", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT})")
+    parser.add_argument("--repeats", type=int, default=200, help="timed calls per case and side (median)")
+    parser.add_argument("--case", action="append", help="run this case (by its exact name; repeatable)")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        parser.error("TRITON_INTERPRET is set: the host path must be the compiled one (unset it)")
+    cases = all_cases()
+    if args.case:
+        unknown = set(args.case) - {case.name for case in cases}
+        if unknown:
+            parser.error(f"--case: no case named {', '.join(sorted(unknown))}; the cases: "
+                         f"{', '.join(case.name for case in cases)}")
+        cases = [case for case in cases if case.name in args.case]
+    rows = []
+    with stubbed_launches() as driver:
+        for case in cases:
+            row = measure(case, driver, args.repeats)
+            rows.append(row)
+            print(f"{row['case']}: ours {row['ours']['host_us']:.0f} us, eager {row['eager']['host_us']:.0f} us "
+                  f"({row['ratio']:.2f}x), {row['ours']['launches']} launches, {row['ours']['python_calls']} "
+                  f"Python calls (+{row['ours']['triton_calls']} Triton's), {row['ours']['dispatches']} dispatches",
+                  flush=True)
+    env = machine()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "host.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1) + "\n")
+    (args.out / "host.md").write_text(markdown(rows, env))
+    print(f"results in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""The host path: what a call runs between the user and its launches (``python -m bench host``).
+
+The counts are facts of the code, the same on every machine: the launches each call makes, the
+Python calls on the way (Triton's own launch path apart) and the custom-operator dispatches, which
+an eager call skips. Each case's ceiling is what the code runs today: a change that adds per-call
+Python fails here. Times are the benchmark's business (bench/results/host), not a test's.
+
+The measurement compiles for sm_90a (ptxas) outside the interpreter, so it runs in a subprocess
+without TRITON_INTERPRET, as the compile-target tests do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fused_remat
+from fused_remat import custom_ops
+from fused_remat.backend import stubbed_launches_on
+
+REPO = Path(__file__).resolve().parent.parent
+
+# case: (Triton launches, most Python calls outside Triton) for one forward + backward; the ceilings
+# are today's counts plus 3%
+EXPECTED = {
+    "rms_norm": (2, 93),
+    "swiglu": (2, 112),
+    "attention": (4, 262),
+    "attention_varlen": (4, 315),
+    "block gpt2-small cheap": (10, 660),
+    "block gpt2-small full": (13, 756),
+    "block llama cheap": (12, 665),
+    "block llama memory_budget=0.5": (16, 785),
+    "block llama cheap, 2 packed documents": (12, 716),
+}
+
+
+@pytest.fixture(scope="module")
+def host_rows(tmp_path_factory):
+    out = tmp_path_factory.mktemp("host")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cases = [arg for name in EXPECTED for arg in ("--case", name)]
+    subprocess.run([sys.executable, "-m", "bench", "host", "--out", str(out), "--repeats", "2", *cases], cwd=REPO,
+                   env=env, check=True, capture_output=True, timeout=1200)
+    return {row["case"]: row for row in json.loads((out / "host.json").read_text())["rows"]}
+
+
+@pytest.mark.parametrize("case", EXPECTED)
+def test_a_call_launches_what_it_should_and_runs_no_more_python_than_today(host_rows, case):
+    launches, most_calls = EXPECTED[case]
+    ours = host_rows[case]["ours"]
+    assert ours["launches"] == launches
+    assert ours["dispatches"] == 0, "an eager call goes straight to the operators' implementations"
+    assert ours["python_calls"] <= most_calls
+    assert host_rows[case]["eager"]["host_us"] > 0
+
+
+def test_host_results_name_the_machine(host_rows, tmp_path):
+    from bench import host
+
+    env = host.machine()
+    assert env["cores"] and env["torch"] == torch.__version__ and env["target"] == host.TARGET
+    text = host.markdown(list(host_rows.values()), env)
+    assert env["cpu"] in text and "block llama cheap, 2 packed documents" in text
+
+
+def test_traced_calls_go_through_the_operators():
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    assert custom_ops.ops(meta) is custom_ops.dispatched
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False):
+        assert custom_ops.traced(cpu)
+    with stubbed_launches_on("meta"):
+        assert not custom_ops.traced(meta)
+
+
+def test_an_eager_op_and_the_dispatched_one_agree():
+    x = torch.randn(5, 24, dtype=torch.float32, requires_grad=True)
+    w = torch.randn(24, requires_grad=True)
+    y = fused_remat.rms_norm(x, w)
+    y.backward(torch.ones_like(y))
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    with FlopCounterMode(display=False):  # a dispatch mode: the custom operators run
+        y2 = fused_remat.rms_norm(x2, w2)
+        y2.backward(torch.ones_like(y2))
+    assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad) and torch.equal(w.grad, w2.grad)
