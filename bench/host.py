@@ -29,6 +29,10 @@ Per case, forward + backward (``torch.autograd.grad`` of the output against a gi
 - dispatches: calls through a ``fused_remat::`` custom operator's dispatcher entry.
 
 Results: ``bench/results/host/host.json`` and ``host.md`` (or ``--out``), the machine named.
+
+``--capture-check`` instead runs each case's call once, then again under ``host_read_guard`` (no
+``.item()``, ``.tolist()``, device-to-host copy or shape made from values, inside our operators
+too): what CUDA graph capture needs after its warm-up. It writes ``capture.json``.
 Host time is not GPU time: these figures say what a call costs before the GPU sees it.
 """
 
@@ -303,6 +307,16 @@ def op_cases() -> list[HostCase]:
 
     cases.append(HostCase("rope (forward and inverse)", "op", ours=lambda: rope_case(True), eager=eager_rope,
                           eager_note="the reference's rotate-half RoPE of q and k"))
+
+    vocab = 256
+
+    def loss_inputs():
+        return [_tensor(rows, dim), _tensor(vocab, dim), torch.randint(0, vocab, (rows,), device=DEVICE)]
+
+    cases.append(HostCase(
+        "linear_cross_entropy", "op",
+        ours=lambda: _step(fused_remat.linear_cross_entropy, loss_inputs()),
+        eager=lambda: _step(lambda h, w, t: F.cross_entropy(F.linear(h, w).float(), t), loss_inputs())))
     return cases
 
 
@@ -361,6 +375,86 @@ def all_cases() -> list[HostCase]:
 
 
 # --------------------------------------------------------------------------------------------
+# Capture safety: what a CUDA graph cannot hold
+# --------------------------------------------------------------------------------------------
+
+
+def host_read_guard():
+    """A dispatch mode that raises where a call needs a tensor's values on the host (``.item()``,
+    ``int()``/``bool()`` of a tensor, ``.tolist()``, ``.numpy()``, ``.cpu()``: a device-to-host copy
+    and a sync on a GPU, an error during CUDA graph capture) or makes a shape from them (nonzero,
+    masked_select, unique, repeat_interleave without output_size). It looks inside our custom
+    operators too: a ``fused_remat::`` operator runs its implementation under the guard."""
+    import torch
+    from torch._library.custom_ops import OPDEFS
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    value_reads = {aten._local_scalar_dense.default, aten.item.default, aten.nonzero.default, aten.masked_select.default,
+                   aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default}
+
+    def refuse(what):
+        def method(*args, **kwargs):
+            raise HostRead(f"{what} reads a tensor's values on the host")
+
+        return method
+
+    class HostReadGuard(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in value_reads or (func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None):
+                raise HostRead(f"{func} reads a tensor's values on the host")
+            if func.namespace == "fused_remat":
+                with self:
+                    return OPDEFS[func.name()]._init_fn(*args, **kwargs)
+            return func(*args, **kwargs)
+
+        depth = 0  # entered again inside __torch_dispatch__: the methods are swapped at the outermost level
+
+        def __enter__(self):
+            if self.depth == 0:
+                self.methods = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "cpu")}
+                for name in self.methods:
+                    setattr(torch.Tensor, name, refuse(f"Tensor.{name}"))
+            self.depth += 1
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            self.depth -= 1
+            if self.depth == 0:
+                for name, method in self.methods.items():
+                    setattr(torch.Tensor, name, method)
+            return super().__exit__(*exc)
+
+    return HostReadGuard()
+
+
+class HostRead(RuntimeError):
+    """A call read a tensor's values on the host."""
+
+
+def capture_check(cases: list[HostCase]) -> dict[str, str]:
+    """Per case, "" where our forward + backward runs under ``host_read_guard`` after one warm-up
+    call outside it (as a CUDA graph's capture follows its warm-up), else the first host read."""
+    import traceback
+
+    results = {}
+    for case in cases:
+        call = case.ours()
+        call()
+        try:
+            with host_read_guard():
+                call()
+            results[case.name] = ""
+        except HostRead as error:
+            where = next((f"{frame.filename}:{frame.lineno} {frame.name}"
+                          for frame in reversed(traceback.extract_tb(error.__traceback__))
+                          if "fused_remat" in frame.filename or "/kernels/" in frame.filename), "")
+            results[case.name] = f"{error} ({where})"
+    return results
+
+
+# --------------------------------------------------------------------------------------------
 # Report
 # --------------------------------------------------------------------------------------------
 
@@ -411,6 +505,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT})")
     parser.add_argument("--repeats", type=int, default=200, help="timed calls per case and side (median)")
     parser.add_argument("--case", action="append", help="run this case (by its exact name; repeatable)")
+    parser.add_argument("--capture-check", action="store_true",
+                        help="instead of timing: run each case's call under a guard that fails on host reads "
+                        "(what CUDA graph capture cannot hold), after one warm-up; writes capture.json")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         parser.error("TRITON_INTERPRET is set: the host path must be the compiled one (unset it)")
@@ -421,6 +518,14 @@ def main(argv=None) -> int:
             parser.error(f"--case: no case named {', '.join(sorted(unknown))}; the cases: "
                          f"{', '.join(case.name for case in cases)}")
         cases = [case for case in cases if case.name in args.case]
+    if args.capture_check:
+        with stubbed_launches():
+            results = capture_check(cases)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "capture.json").write_text(json.dumps(results, indent=1) + "\n")
+        for name, error in results.items():
+            print(f"{name}: {error or 'capture-safe'}")
+        return 0
     rows = []
     with stubbed_launches() as driver:
         for case in cases:

@@ -160,7 +160,8 @@ def attention_varlen(
 
     ``causal``, ``window`` and ``softcap`` as in ``attention``, aligned to each document's own
     bottom-right corner (its query and key lengths may differ). The offsets are checked on the host
-    (one device-to-host copy per call; skipped under torch.compile).
+    (one device-to-host copy per tensor version, so the same offsets are read once; skipped under
+    torch.compile).
     """
     scale = check_varlen_args(_VARLEN_OP, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
     window = check_window(_VARLEN_OP, window)

@@ -181,9 +181,9 @@ def check_varlen_args(op: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     cu_seqlens_k[i]:cu_seqlens_k[i + 1] of k and v; both offsets are 1-D int32 tensors on q's device
     of one length (documents + 1), starting at 0, non-decreasing (a document may be empty) and
     ending at total_q and total_k. ``max_seqlen_q``/``max_seqlen_k`` are ints bounding every
-    document's length. The offsets' values are read on the host (one sync on a GPU), except under
-    torch.compile (reading them would break the graph) and on the meta device (no values), where
-    only their type, shape and device are checked. Every error starts with ``op`` and names the
+    document's length. The offsets' values are read on the host (a sync on a GPU) once per tensor
+    version and bounds, except under torch.compile (reading them would break the graph) and on the
+    meta device (no values), where only their type, shape and device are checked. Every error starts with ``op`` and names the
     argument."""
     _check_qkv_tensors(op, q, k, v, dims=("total_q", "H", "D"), kv_dims=("total_k", "Hkv", "D"))
     scale = _check_heads_strides_scale(op, q, k, v, scale)
@@ -198,10 +198,20 @@ def check_varlen_args(op: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
             raise ValueError(f"{op}: {name} must be an int >= 0, got {value!r}")
     if torch.compiler.is_compiling() or q.device.type == "meta":
         return scale
-    q_offsets, k_offsets = torch.stack([cu_seqlens_q, cu_seqlens_k]).tolist()
-    _check_offsets(op, "cu_seqlens_q", q_offsets, "q", q.shape[0], "max_seqlen_q", max_seqlen_q)
-    _check_offsets(op, "cu_seqlens_k", k_offsets, "k and v", k.shape[0], "max_seqlen_k", max_seqlen_k)
+    _check_offsets_once(op, "cu_seqlens_q", cu_seqlens_q, "q", q.shape[0], "max_seqlen_q", max_seqlen_q)
+    _check_offsets_once(op, "cu_seqlens_k", cu_seqlens_k, "k and v", k.shape[0], "max_seqlen_k", max_seqlen_k)
     return scale
+
+
+def _check_offsets_once(op: str, name: str, cu_seqlens, packed: str, total: int, max_name: str, max_len: int) -> None:
+    """``_check_offsets`` on the values of ``cu_seqlens``, read on the host once per tensor version
+    and bounds (kept on the tensor, as check_documents keeps its reading): the same offsets handed
+    to every layer, or to a step captured in a CUDA graph after its warm-up, are not read again."""
+    key = (cu_seqlens._version, total, max_len)
+    if getattr(cu_seqlens, "_fused_remat_offsets_checked", None) == key:
+        return
+    _check_offsets(op, name, cu_seqlens.tolist(), packed, total, max_name, max_len)
+    cu_seqlens._fused_remat_offsets_checked = key
 
 
 def _check_offsets_tensor(op: str, name: str, cu_seqlens) -> None:
