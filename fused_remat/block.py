@@ -602,7 +602,7 @@ class _BlockFunction(torch.autograd.Function):
         kept = [next(kept_tensors) if keeps else x.new_empty(0) for keeps in slots_kept]
         needs_params = ctx.needs_input_grad[5:5 + len(_PARAMETERS)]
         needs = [need for need, has in zip(needs_params, ctx.has_param) if has]
-        if custom_ops.traced(dy.device):
+        if torch.is_grad_enabled() or custom_ops.traced(dy.device):  # as custom_ops.ops decides
             dx, *grads = _block_bwd(dy, x, cu_seqlens, position_ids, rope_inv_freq, kept, params, ctx.has_param, needs,
                                     lora, *g.op_args())
         else:

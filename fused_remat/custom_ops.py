@@ -51,14 +51,17 @@ def traced(device: torch.device) -> bool:
     traces (it must see one opaque node), under a dispatch or function mode (FlopCounterMode,
     FakeTensorMode, a user's) or a functorch transform, and on meta tensors (whose fake kernels
     give shapes and FLOP counts). Elsewhere calls go straight to the implementations."""
-    return (torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
-            or torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling()
+    # is_compiling first: torch.compile traces this function, and sees a constant there
+    return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+            or torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active()
             or not launches_kernels(device))
 
 
 def ops(device: torch.device) -> types.SimpleNamespace:
-    """The operators a call on ``device`` runs: ``dispatched`` where it is ``traced``, else ``direct``."""
-    return dispatched if traced(device) else direct
+    """The operators a Function's forward or backward runs on ``device``: ``dispatched`` where it is
+    ``traced`` or records a graph (a backward under create_graph=True: the operators' outputs carry
+    the node that refuses a second derivative), else ``direct``."""
+    return dispatched if torch.is_grad_enabled() or traced(device) else direct
 
 
 def apply(function: type[torch.autograd.Function], device: torch.device, *args):
