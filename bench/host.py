@@ -283,7 +283,7 @@ def op_cases() -> list[HostCase]:
                              for t in packed()[:3]]),
         eager_note=f"SDPA over the {DOCUMENTS} documents as one batch of equal lengths"))
 
-    def rope_case(inverse_too: bool):
+    def rope_case():
         theta = 10000.0
         q_heads, kv_heads = 4, 1
         x = _tensor(seq, (q_heads + 2 * kv_heads) * head_dim, grad=False)
@@ -305,7 +305,7 @@ def op_cases() -> list[HostCase]:
 
         return call
 
-    cases.append(HostCase("rope (forward and inverse)", "op", ours=lambda: rope_case(True), eager=eager_rope,
+    cases.append(HostCase("rope (forward and inverse)", "op", ours=rope_case, eager=eager_rope,
                           eager_note="the reference's rotate-half RoPE of q and k"))
 
     vocab = 256

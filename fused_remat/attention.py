@@ -56,8 +56,9 @@ class _VarlenAttention(torch.autograd.Function):
     @staticmethod
     def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                 scale: float, window: list[int], softcap: float):
-        return custom_ops.ops(q.device).attention_varlen_fwd(q, k, v, cu_seqlens_q, _key_offsets(cu_seqlens_q, cu_seqlens_k),
-                                               max_seqlen_q, max_seqlen_k, causal, scale, window, softcap)
+        return custom_ops.ops(q.device).attention_varlen_fwd(q, k, v, cu_seqlens_q,
+                                                             _key_offsets(cu_seqlens_q, cu_seqlens_k), max_seqlen_q,
+                                                             max_seqlen_k, causal, scale, window, softcap)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -77,8 +78,8 @@ class _VarlenAttention(torch.autograd.Function):
             return None, None, None, *nothing
         if do is None:
             do = torch.zeros_like(o)
-        dq, dk, dv = custom_ops.ops(q.device).attention_varlen_bwd(do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k,
-                                                     *ctx.mask)
+        dq, dk, dv = custom_ops.ops(q.device).attention_varlen_bwd(do, q, k, v, o, lse, dlse, cu_seqlens_q,
+                                                                   cu_seqlens_k, *ctx.mask)
         return custom_ops.first_order_only(_VARLEN_OP, dq, dk, dv, *nothing)
 
 

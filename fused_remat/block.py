@@ -561,7 +561,7 @@ class _BlockFunction(torch.autograd.Function):
     def forward(x, g: _BlockCall, cu_seqlens, position_ids, rope_inv_freq, *tensors):
         """``tensors``: the block's _PARAMETERS (None where absent), then each adapter's A and B."""
         params, lora = tensors[:len(_PARAMETERS)], list(tensors[len(_PARAMETERS):])
-        if not custom_ops.traced(x.device):
+        if not custom_ops.through_operators(x.device):
             return tuple(_block_forward(x, g, _Sequences(cu_seqlens, position_ids, rope_inv_freq), list(params), lora))
         has_param = [p is not None for p in params]
         return tuple(_block_fwd(x, cu_seqlens, position_ids, rope_inv_freq, [p for p in params if p is not None],
@@ -602,7 +602,7 @@ class _BlockFunction(torch.autograd.Function):
         kept = [next(kept_tensors) if keeps else x.new_empty(0) for keeps in slots_kept]
         needs_params = ctx.needs_input_grad[5:5 + len(_PARAMETERS)]
         needs = [need for need, has in zip(needs_params, ctx.has_param) if has]
-        if torch.is_grad_enabled() or custom_ops.traced(dy.device):  # as custom_ops.ops decides
+        if custom_ops.through_operators(dy.device):
             dx, *grads = _block_bwd(dy, x, cu_seqlens, position_ids, rope_inv_freq, kept, params, ctx.has_param, needs,
                                     lora, *g.op_args())
         else:

@@ -57,11 +57,16 @@ def traced(device: torch.device) -> bool:
             or not launches_kernels(device))
 
 
+def through_operators(device: torch.device) -> bool:
+    """Whether a Function's forward or backward on ``device`` calls the custom operators: where it
+    is ``traced``, or records a graph (a backward under create_graph=True: the operators' outputs
+    carry the node that refuses a second derivative). A forward runs with grad off."""
+    return torch.is_grad_enabled() or traced(device)
+
+
 def ops(device: torch.device) -> types.SimpleNamespace:
-    """The operators a Function's forward or backward runs on ``device``: ``dispatched`` where it is
-    ``traced`` or records a graph (a backward under create_graph=True: the operators' outputs carry
-    the node that refuses a second derivative), else ``direct``."""
-    return dispatched if torch.is_grad_enabled() or traced(device) else direct
+    """The operators a Function's forward or backward runs on ``device`` (``through_operators``)."""
+    return dispatched if through_operators(device) else direct
 
 
 def apply(function: type[torch.autograd.Function], device: torch.device, *args):

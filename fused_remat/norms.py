@@ -47,7 +47,8 @@ class _NormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(x, weight, bias, eps: float, rms: bool):
-        y, mean, rstd, _ = custom_ops.ops(x.device).norm_fwd(_rows(x), weight.contiguous(), _contiguous(bias), None, eps, rms, None)
+        y, mean, rstd, _ = custom_ops.ops(x.device).norm_fwd(_rows(x), weight.contiguous(), _contiguous(bias), None,
+                                                             eps, rms, None)
         return y.view(x.shape), mean, rstd
 
     @staticmethod
@@ -63,8 +64,8 @@ class _NormFunction(torch.autograd.Function):
     def backward(ctx, dy, _dmean, _drstd):
         # The kernel rebuilds x_hat = (x - mean) * rstd in registers; it is never stored.
         x_rows, weight, mean, rstd = ctx.saved_tensors
-        dx, dweight, dbias, _ = custom_ops.ops(dy.device).norm_bwd(_rows(dy), x_rows, weight.contiguous(), None, mean, rstd, None,
-                                                    ctx.rms, ctx.has_bias, False, None)
+        dx, dweight, dbias, _ = custom_ops.ops(dy.device).norm_bwd(_rows(dy), x_rows, weight.contiguous(), None, mean,
+                                                                   rstd, None, ctx.rms, ctx.has_bias, False, None)
         return custom_ops.first_order_only("rms_norm" if ctx.rms else "layer_norm", dx.view(dy.shape), dweight,
                                            custom_ops.none_if_empty(dbias), None, None)
 

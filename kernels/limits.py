@@ -183,8 +183,8 @@ def check_varlen_args(op: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     ending at total_q and total_k. ``max_seqlen_q``/``max_seqlen_k`` are ints bounding every
     document's length. The offsets' values are read on the host (a sync on a GPU) once per tensor
     version and bounds, except under torch.compile (reading them would break the graph) and on the
-    meta device (no values), where only their type, shape and device are checked. Every error starts with ``op`` and names the
-    argument."""
+    meta device (no values), where only their type, shape and device are checked. Every error
+    starts with ``op`` and names the argument."""
     _check_qkv_tensors(op, q, k, v, dims=("total_q", "H", "D"), kv_dims=("total_k", "Hkv", "D"))
     scale = _check_heads_strides_scale(op, q, k, v, scale)
     for name, cu_seqlens in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
