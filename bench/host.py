@@ -98,6 +98,7 @@ def _counting_driver():
         def __init__(self, arch):
             super().__init__(arch)
             self.launches = 0
+            self.recorded = None  # a list: every launch's launcher arguments are appended to it
             # a loaded module, as a GPU's driver gives: Triton then binds a kernel's launcher once,
             # not at every launch as it does for the recording stand-in's module None
             self.utils.load_binary = lambda name, binary, shared, device: (object(), binary, 0, 0, 1024)
@@ -111,6 +112,8 @@ def _counting_driver():
 
             def launch(*args, **kwargs):
                 driver.launches += 1
+                if driver.recorded is not None:
+                    driver.recorded.append(args)
 
             return launch
 
@@ -454,6 +457,56 @@ def capture_check(cases: list[HostCase]) -> dict[str, str]:
     return results
 
 
+def _launch_summary(launcher_args: tuple) -> tuple:
+    """What a launch hands the driver's launcher, comparable across calls: the grid, the stream,
+    the kernel's function handle and metadata, the hooks, then each argument (a tensor as its dtype,
+    shape, strides and whether its address is 16-byte aligned; anything else as itself). The launch
+    metadata (a profiler's description, rebuilt at every launch) is left out."""
+    import torch
+
+    grid_stream_function = launcher_args[:6]
+    hooks = launcher_args[7:9]
+    arguments = tuple((t.dtype, tuple(t.shape), t.stride(), t.data_ptr() % 16 == 0) if isinstance(t, torch.Tensor)
+                      else t for t in launcher_args[9:])
+    return (*grid_stream_function, *hooks, arguments)
+
+
+def kept_launch_check(cases: list[HostCase], driver) -> dict[str, str]:
+    """Per case, "" where the launches of a second call (each through its kept compiled kernel,
+    ``launch.KeptKernel``) hand the driver exactly what the first call's launches did (each the
+    first of its signature, through Triton's own path: every kept kernel is forgotten before it),
+    else the first difference."""
+    from fused_remat.kernels.launch import KeptKernel
+
+    results = {}
+    for case in cases:
+        call = case.ours()
+        summaries = []
+        for forget in (True, False):
+            if forget:
+                KeptKernel.forget_all()
+            driver.recorded = []
+            call()
+            summaries.append([_launch_summary(args) for args in driver.recorded])
+            driver.recorded = None
+        first, kept = summaries
+        if len(first) != len(kept):
+            results[case.name] = f"{len(first)} launches through Triton's path, {len(kept)} kept"
+            continue
+        results[case.name] = next((_difference(i, a, b) for i, (a, b) in enumerate(zip(first, kept)) if a != b), "")
+    return results
+
+
+def _difference(launch: int, first: tuple, kept: tuple) -> str:
+    if first[:-1] != kept[:-1]:
+        return f"launch {launch}: the grid, stream, function, metadata or hooks differ"
+    argument = next(j for j, (a, b) in enumerate(zip(first[-1], kept[-1])) if a != b) if len(first[-1]) == len(kept[-1]) else None
+    if argument is None:
+        return f"launch {launch}: {len(first[-1])} arguments through Triton's path, {len(kept[-1])} kept"
+    return (f"launch {launch}: argument {argument} is {first[-1][argument]!r} through Triton's path, "
+            f"{kept[-1][argument]!r} kept")
+
+
 # --------------------------------------------------------------------------------------------
 # Report
 # --------------------------------------------------------------------------------------------
@@ -507,7 +560,9 @@ def main(argv=None) -> int:
     parser.add_argument("--case", action="append", help="run this case (by its exact name; repeatable)")
     parser.add_argument("--capture-check", action="store_true",
                         help="instead of timing: run each case's call under a guard that fails on host reads "
-                        "(what CUDA graph capture cannot hold), after one warm-up; writes capture.json")
+                        "(what CUDA graph capture cannot hold), after one warm-up, and check that kept "
+                        "launches hand the driver what Triton's own launch path does; writes capture.json and "
+                        "kept.json")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         parser.error("TRITON_INTERPRET is set: the host path must be the compiled one (unset it)")
@@ -519,12 +574,14 @@ def main(argv=None) -> int:
                          f"{', '.join(case.name for case in cases)}")
         cases = [case for case in cases if case.name in args.case]
     if args.capture_check:
-        with stubbed_launches():
+        with stubbed_launches() as driver:
             results = capture_check(cases)
+            kept = kept_launch_check(cases, driver)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "capture.json").write_text(json.dumps(results, indent=1) + "\n")
+        (args.out / "kept.json").write_text(json.dumps(kept, indent=1) + "\n")
         for name, error in results.items():
-            print(f"{name}: {error or 'capture-safe'}")
+            print(f"{name}: {error or 'capture-safe'}; {kept[name] or 'kept launches as Triton launches'}")
         return 0
     rows = []
     with stubbed_launches() as driver:

@@ -109,7 +109,11 @@ _PARAMETERS = (
 )
 
 
+_PARAMETER_PATHS = tuple(tuple(name.split(".")) for name in _PARAMETERS)  # (module, attribute)
 _LINEARS = reference.LINEARS
+# The parameters a pass casts to the compute dtype (the linear layers'), in _Weights' order.
+_MATMUL_OPERANDS = ("qkv.weight", "qkv.bias", "out_proj.weight", "out_proj.bias", "fc1.weight", "fc1.bias",
+                    "fc2.weight", "fc2.bias")
 
 
 @dataclass(frozen=True)
@@ -152,18 +156,16 @@ class _Weights:
 
     def __init__(self, params, compute_dtype: torch.dtype, adapters=(), lora=()):
         named = dict(zip(_PARAMETERS, params))
-        cast = lambda t: t if t is None or t.dtype == compute_dtype else t.to(compute_dtype)  # noqa: E731
         self.norm1 = (named["norm1.weight"], named["norm1.bias"])
         self.norm2 = (named["norm2.weight"], named["norm2.bias"])
-        self.qkv, self.qkv_bias = cast(named["qkv.weight"]), cast(named["qkv.bias"])
-        self.out, self.out_bias = cast(named["out_proj.weight"]), cast(named["out_proj.bias"])
-        self.fc1, self.fc1_bias = cast(named["fc1.weight"]), cast(named["fc1.bias"])
-        self.fc2, self.fc2_bias = cast(named["fc2.weight"]), cast(named["fc2.bias"])
+        (self.qkv, self.qkv_bias, self.out, self.out_bias, self.fc1, self.fc1_bias, self.fc2,
+         self.fc2_bias) = [t if t is None or t.dtype == compute_dtype else t.to(compute_dtype)
+                           for t in map(named.get, _MATMUL_OPERANDS)]
         self.q_norm, self.k_norm = named["q_norm.weight"], named["k_norm.weight"]
         self.adapters = {name: [] for name in _LINEARS}
         for index, ((linear, first, rows, seed, scale, dropout), a, b) in enumerate(zip(adapters, lora[0::2], lora[1::2])):
             self.adapters[_LINEARS[linear]].append(
-                _LowRank(cast(a), cast(b), scale, slice(first, first + rows), index, a.dtype, dropout, seed))
+                _LowRank(_in_dtype(a, compute_dtype), _in_dtype(b, compute_dtype), scale, slice(first, first + rows), index, a.dtype, dropout, seed))
 
     def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
         """x W^T + b, plus the layer's adapters."""
@@ -344,7 +346,7 @@ def _replay(x: torch.Tensor, kept: dict, w: _Weights, g: _BlockCall, seqs: _Sequ
         attended = _attention_input(acts["qkv"], w, g, seqs) if g.qk_norm else acts["qkv"]
         acts["o"], acts["lse"] = _attend(attended, g, seqs)
         del attended
-    if any(g.remat.rebuilds(name) for name in ("h", "u", "rstd2")):
+    if g.remat.rebuilds("h") or g.remat.rebuilds("u") or g.remat.rebuilds("rstd2"):
         if g.remat.rebuilds("h"):
             y2, acts["mean2"], acts["rstd2"], acts["h"] = _norm_forward(
                 x, w.norm2, g, residual=w.linear("out_proj", acts["o"], w.out, w.out_bias))
@@ -403,7 +405,7 @@ def _block_forward(x: torch.Tensor, g: _BlockCall, seqs: _Sequences, params: lis
     with _autocast_off(x.device.type):
         weights = _Weights(params, g.compute_dtype, g.adapters, lora)
         acts, y = _forward_pass(x, weights, g, seqs)
-    return [y, *(getattr(acts, k.name) if keeps else x.new_empty(0) for k, keeps in zip(_SLOTS, _slots_kept(g.remat)))]
+    return [y, *[getattr(acts, k.name) if keeps else x.new_empty(0) for k, keeps in zip(_SLOTS, _slots_kept(g.remat))]]
 
 
 def _autocast_off(device_type: str):
@@ -461,7 +463,7 @@ def _block_backward(dy: torch.Tensor, x: torch.Tensor, g: _BlockCall, seqs: _Seq
         acts = _replay(x, kept_acts, w, g, seqs)
         needs = {name: needed.get(name, False) for name in _PARAMETERS}
         grads = _backward_pass(dy.contiguous(), x, acts, w, g, seqs, needs, named)
-    return [grads["x"], *(grads.get(name, x.new_empty(0)) for name in needed), *grads["lora"]]
+    return [grads["x"], *[grads.get(name, x.new_empty(0)) for name in needed], *grads["lora"]]
 
 
 @_block_bwd.register_fake
@@ -544,7 +546,7 @@ def _(dy, x, cu_seqlens, position_ids, rope_inv_freq, kept, params, has_param, n
 
 def _needed(has_param, needs) -> dict[str, bool]:
     """Whether each parameter the block has needs its gradient, by name."""
-    return dict(zip((name for name, has in zip(_PARAMETERS, has_param) if has), needs))
+    return dict(zip([name for name, has in zip(_PARAMETERS, has_param) if has], needs))
 
 
 def _with_absent(params, has_param) -> list[torch.Tensor | None]:
@@ -580,9 +582,9 @@ class _BlockFunction(torch.autograd.Function):
         sequences = (cu_seqlens, position_ids, rope_inv_freq)
         ctx.sequences = [t is not None for t in sequences]
         ctx.save_for_backward(x if ctx.host_copy is None else ctx.host_copy.host,
-                              *(t for t in sequences if t is not None),
-                              *(t for t, keeps in zip(output[1:], _slots_kept(g.remat)) if keeps),
-                              *(p for p in params if p is not None), *lora)
+                              *[t for t in sequences if t is not None],
+                              *[t for t, keeps in zip(output[1:], _slots_kept(g.remat)) if keeps],
+                              *[p for p in params if p is not None], *lora)
         ctx.call, ctx.has_param = g, [p is not None for p in params]
         ctx.mark_non_differentiable(*output[1:])
 
@@ -593,7 +595,7 @@ class _BlockFunction(torch.autograd.Function):
         if ctx.host_copy is not None:
             x = ctx.host_copy.fetch()
         saved = iter(saved)
-        cu_seqlens, position_ids, rope_inv_freq = (next(saved) if given else None for given in ctx.sequences)
+        cu_seqlens, position_ids, rope_inv_freq = [next(saved) if given else None for given in ctx.sequences]
         saved = list(saved)
         slots_kept = _slots_kept(g.remat)
         n_lora = 2 * len(g.adapters)
@@ -608,10 +610,10 @@ class _BlockFunction(torch.autograd.Function):
         else:
             dx, *grads = _block_backward(dy, x, g, _Sequences(cu_seqlens, position_ids, rope_inv_freq), kept,
                                          _with_absent(params, ctx.has_param), _needed(ctx.has_param, needs), lora)
-        dparams = iter(d if need else None for d, need in zip(grads[:len(needs)], needs))
+        dparams = iter([d if need else None for d, need in zip(grads[:len(needs)], needs)])
         dlora = [d if need else None for d, need in zip(grads[len(needs):], ctx.needs_input_grad[5 + len(_PARAMETERS):])]
         return custom_ops.first_order_only(_OP, dx, None, None, None, None,
-                                           *(next(dparams) if has else None for has in ctx.has_param), *dlora)
+                                           *[next(dparams) if has else None for has in ctx.has_param], *dlora)
 
 
 def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, seqs: _Sequences, needs: dict,
@@ -809,7 +811,8 @@ class TransformerBlock(reference.TransformerBlock):
             if not use_triton(_OP, x.device):
                 raise RuntimeError(f"{_OP}: context parallelism runs the Triton kernels only (CUDA, or the interpreter "
                                    f"with TRITON_INTERPRET=1 on CPU); this call would use the reference block")
-        params = [self._parameter(name) for name in _PARAMETERS]
+        # by attribute, not ``get_parameter``: torch.func.functional_call swaps attributes
+        params = [getattr(getattr(self, module), attr, None) for module, attr in _PARAMETER_PATHS]
         compute_dtype = self._compute_dtype(x, params)  # the same dtype check on both paths
         # Meta tensors (a model sized before it is allocated) take the custom operators too: their fake
         # kernels give the fused block's shapes, their FLOP formulas its counts.
@@ -829,17 +832,12 @@ class TransformerBlock(reference.TransformerBlock):
                            for a in adapters),
         )
         inputs = (x.reshape(call.tokens, self.dim).contiguous(), call, cu_seqlens, position_ids, rope_inv_freq, *params,
-                  *(t for a in adapters for t in (a.a, a.b)))
+                  *[t for a in adapters for t in (a.a, a.b)])
         if call.remat.host_resident:
             y, *_ = _eager_block_function()(*inputs)
         else:
             y, *_ = custom_ops.apply(_BlockFunction, x.device, *inputs)
         return y.view(x.shape)
-
-    def _parameter(self, name: str) -> torch.nn.Parameter | None:
-        """By attribute, not ``get_parameter``: torch.func.functional_call swaps attributes."""
-        module, attr = name.split(".")
-        return getattr(getattr(self, module), attr, None)
 
     def _check_input(self, x) -> None:
         if not isinstance(x, torch.Tensor):

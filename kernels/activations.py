@@ -15,11 +15,13 @@ of BLOCK_M x BLOCK_N elements.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from .launch import SEPARATE_ROUNDING, next_power_of_2
+from .launch import SEPARATE_ROUNDING, KeptKernel, cdiv, next_power_of_2
 from .precision import load_tile, store_tile
 
 MAX_BLOCK_N = 1024
@@ -100,12 +102,16 @@ def _swiglu(
         store_tile(Y, stride_y, rows, cols, mask, silu * up)
 
 
+_GELU, _SWIGLU = KeptKernel(_gelu), KeptKernel(_swiglu)
+
+
+@functools.lru_cache(maxsize=4096)  # asked at every launch, the same few shapes over and over
 def _tiling(rows: int, cols: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, programs) for an (rows, cols) tensor: ~TILE_ELEMENTS a program."""
     block_n = min(next_power_of_2(cols), MAX_BLOCK_N)
     block_m = min(max(1, TILE_ELEMENTS // block_n), next_power_of_2(rows))
     num_warps = max(1, min(8, block_m * block_n // 512))
-    return block_m, block_n, num_warps, triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n)
+    return block_m, block_n, num_warps, cdiv(rows, block_m) * cdiv(cols, block_n)
 
 
 def _launch(kernel, tensors: list[torch.Tensor], **constexprs) -> None:
@@ -113,7 +119,7 @@ def _launch(kernel, tensors: list[torch.Tensor], **constexprs) -> None:
     rows, cols = tensors[0].shape
     block_m, block_n, num_warps, programs = _tiling(rows, cols)
     kernel[(programs,)](
-        *tensors, rows, cols, *(t.stride(0) for t in tensors),
+        *tensors, rows, cols, *[t.stride(0) for t in tensors],
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **constexprs, **SEPARATE_ROUNDING,
     )
 
@@ -180,7 +186,7 @@ def gelu_fwd(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     y, y_rows = _output("gelu_fwd", "y", None, x)
     if x.numel():
         x_rows = _input_rows(x)
-        _launch(_gelu, [x_rows, x_rows, y_rows, y_rows], APPROXIMATE_TANH=tanh, BACKWARD=False, REBUILD_OUTPUT=False)
+        _launch(_GELU, [x_rows, x_rows, y_rows, y_rows], APPROXIMATE_TANH=tanh, BACKWARD=False, REBUILD_OUTPUT=False)
     return y
 
 
@@ -195,7 +201,7 @@ def gelu_bwd(
     y, y_rows = _output("gelu_bwd", "y", None, x) if rebuild_output else (None, dx_rows)
     if x.numel():
         _launch(
-            _gelu, [_input_rows(x), _input_rows(dy), dx_rows, y_rows],
+            _GELU, [_input_rows(x), _input_rows(dy), dx_rows, y_rows],
             APPROXIMATE_TANH=tanh, BACKWARD=True, REBUILD_OUTPUT=rebuild_output,
         )
     return dx, y
@@ -207,7 +213,7 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     y, y_rows = _output("swiglu_fwd", "y", None, gate)
     if gate.numel():
         gate_rows, up_rows = _input_rows(gate), _input_rows(up)
-        _launch(_swiglu, [gate_rows, up_rows, gate_rows, y_rows, y_rows, y_rows], BACKWARD=False, REBUILD_OUTPUT=False)
+        _launch(_SWIGLU, [gate_rows, up_rows, gate_rows, y_rows, y_rows, y_rows], BACKWARD=False, REBUILD_OUTPUT=False)
     return y
 
 
@@ -233,7 +239,7 @@ def swiglu_bwd(
     y, y_rows = _output("swiglu_bwd", "y", None, gate) if rebuild_output else (None, dgate_rows)
     if gate.numel():
         _launch(
-            _swiglu, [_input_rows(gate), _input_rows(up), _input_rows(dy), dgate_rows, dup_rows, y_rows],
+            _SWIGLU, [_input_rows(gate), _input_rows(up), _input_rows(dy), dgate_rows, dup_rows, y_rows],
             BACKWARD=True, REBUILD_OUTPUT=rebuild_output,
         )
     return dgate, dup, y

@@ -57,6 +57,7 @@ problem's (CAUSAL, EVEN_D, USE_TMA, NEGATIVE_SCALE, NATURAL_EXP, DOT_PRECISION),
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -65,8 +66,7 @@ from triton.language.extra import libdevice
 
 from .attention_configs import (CONFIGS, INTERPRETER_CONFIG, PRUNERS, TUNE_KEY, target_family,
                                 warp_specialization_compiles)
-from .launch import FP_FUSION, ensure_scratch_allocator, next_power_of_2
-from .limits import triton_interpreting
+from .launch import FP_FUSION, KeptKernel, cdiv, ensure_scratch_allocator, next_power_of_2
 from .precision import INTERPRETED, round_to
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
@@ -816,6 +816,16 @@ _attn_bwd_dkdv_tuned = triton.autotune(
     configs=CONFIGS["dkdv"], key=TUNE_KEY + ["GROUP"], prune_configs_by={"early_config_prune": PRUNERS["dkdv"]}
 )(_attn_bwd_dkdv)
 
+# Each launched through its kept compiled form (launch.KeptKernel): the plain kernels for a pinned
+# configuration and the interpreter, the autotuned ones otherwise.
+_ATTN_FWD, _ATTN_FWD_TUNED = KeptKernel(_attn_fwd), KeptKernel(_attn_fwd_tuned)
+_ATTN_DQ, _ATTN_DQ_TUNED = KeptKernel(_attn_bwd_dq), KeptKernel(_attn_bwd_dq_tuned)
+_ATTN_DKDV, _ATTN_DKDV_TUNED = KeptKernel(_attn_bwd_dkdv), KeptKernel(_attn_bwd_dkdv_tuned)
+_ATTN_BWD_PREPROCESS = KeptKernel(_attn_bwd_preprocess)
+# Whether Triton interprets, as it decided when it wrapped these kernels.
+_INTERPRETING = not _ATTN_FWD.compiled
+_INTERPRETER_LAUNCH = {**INTERPRETER_CONFIG, **FP_FUSION}
+
 
 # --------------------------------------------------------------------------------------------
 # Launchers
@@ -854,8 +864,10 @@ def _heads_view(t: torch.Tensor) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class _Problem:
-    """One attention call's sizes and options, as every launch needs them. With documents, the
-    lengths are the packed totals and the longest document's (the grid's extent)."""
+    """One attention call's sizes and options, as every launch needs them: made once per distinct
+    call (``of``) and kept, with what the launches derive from it (``scalars``, ``constexprs``), so
+    that a training step's repeated calls only look it up. With documents, the lengths are the
+    packed totals, and the grid's extent the longest document's."""
 
     batch: int
     q_heads: int
@@ -868,31 +880,29 @@ class _Problem:
     fp32: bool  # fp32 inputs: IEEE dots and the softmax in natural units
     window: tuple[int, int]  # (left, right), -1 unbounded, causal's right bound 0 folded in
     softcap: float
-    documents: Documents | None
+    documents: int  # how many documents are packed; 0 in the dense layout
+    grid_lengths: tuple[int, int]  # the longest query and key sequence one program may see
 
-    @classmethod
-    def of(cls, q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, window=(-1, -1), softcap: float = 0.0,
+    @staticmethod
+    def of(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, window=(-1, -1), softcap: float = 0.0,
            documents: Documents | None = None) -> _Problem:
         """q, k as the kernels see them: (B, H, N, D), or (1, H, total, D) views with documents."""
-        batch, q_heads, q_len, head_dim = q.shape
         left, right = window
         if causal:
             right = 0  # FlashAttention 2: causal is the window's right bound 0
-        return cls(batch, q_heads, k.shape[1], q_len, k.shape[2], head_dim, bool(causal), float(scale),
-                   q.dtype == torch.float32, (int(left), int(right)), float(softcap), documents)
+        if documents is None:
+            count, lengths = 0, (q.shape[2], k.shape[2])
+        else:
+            count, lengths = documents.count, (documents.max_seqlen_q, documents.max_seqlen_k)
+        return _problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], bool(causal),
+                        float(scale), q.dtype == torch.float32, (int(left), int(right)), float(softcap), count,
+                        lengths)
 
     @property
     def grid_batch(self) -> int:
-        return self.documents.count if self.documents else self.batch
+        return self.documents or self.batch
 
-    @property
-    def grid_lengths(self) -> tuple[int, int]:
-        """The longest query and key sequence one program may see."""
-        if self.documents:
-            return self.documents.max_seqlen_q, self.documents.max_seqlen_k
-        return self.q_len, self.k_len
-
-    @property
+    @functools.cached_property
     def padded_head_dim(self) -> int:
         return max(16, next_power_of_2(self.head_dim))
 
@@ -915,19 +925,24 @@ class _Problem:
         unbounded = sum(self.grid_lengths) + 1
         return tuple(unbounded if side < 0 else side for side in self.window)
 
-    def scalars(self, *extra) -> tuple:
-        """The kernels' arguments after the strides: Hq, Nq, Nk, D, GROUP, the scales, the window,
-        the softcap, ``extra``, and the autotuner's length buckets (N_CTX_Q_KEY, N_CTX_K_KEY)."""
+    @functools.cached_property
+    def scalars(self) -> tuple:
+        """The kernels' arguments after the strides: Hq, Nq, Nk, D, GROUP, the scales, the window
+        and the softcap. The backward kernels take the padded query length next; all take the
+        autotuner's length buckets (``length_buckets``: N_CTX_Q_KEY, N_CTX_K_KEY) last."""
         cap_scale = self.sm_scale / self.softcap if self.softcap else 0.0
         return (self.q_heads, self.q_len, self.k_len, self.head_dim, self.q_heads // self.kv_heads, self.sm_scale,
-                self.qk_scale, *self.window_bounds, self.softcap, cap_scale, *extra,
-                *(next_power_of_2(n) for n in self.grid_lengths))
+                self.qk_scale, *self.window_bounds, self.softcap, cap_scale)
 
-    def sequence_args(self, placeholder: torch.Tensor) -> tuple:
-        """CU_SEQLENS_Q, CU_SEQLENS_K (any tensor in the dense layout, where they are not read)."""
-        if self.documents:
-            return self.documents.cu_seqlens_q, self.documents.cu_seqlens_k
-        return placeholder, placeholder
+    @functools.cached_property
+    def length_buckets(self) -> tuple[int, int]:
+        return next_power_of_2(self.grid_lengths[0]), next_power_of_2(self.grid_lengths[1])
+
+    def grid(self, lengths: int, block: str, heads: int):
+        """The launch grid over ``lengths`` (0: queries, 1: keys) in tiles of the configuration's
+        ``block`` (BLOCK_M or BLOCK_N), ``heads``, and the batch or the documents."""
+        extent, batch = self.grid_lengths[lengths], self.grid_batch
+        return lambda meta: (cdiv(extent, meta[block]), heads, batch)
 
     @property
     def dot_precision(self) -> str:
@@ -943,14 +958,30 @@ class _Problem:
         bits but not at fp32's accuracy."""
         return self.fp32
 
-    def constexprs(self, use_tma: bool) -> dict:
+    @functools.cached_property
+    def _constexprs(self) -> dict[bool, dict]:
         mask = self.mask_kind
-        return dict(
-            CAUSAL=mask == "causal", WINDOW=mask == "window", SOFTCAP=self.softcap > 0,
-            VARLEN=self.documents is not None,
-            EVEN_D=self.head_dim == self.padded_head_dim, USE_TMA=use_tma,
-            NATURAL_EXP=self.natural_exp, DOT_PRECISION=self.dot_precision, HEAD_DIM=self.padded_head_dim,
+        common = dict(
+            CAUSAL=mask == "causal", WINDOW=mask == "window", SOFTCAP=self.softcap > 0, VARLEN=self.documents > 0,
+            EVEN_D=self.head_dim == self.padded_head_dim, NATURAL_EXP=self.natural_exp,
+            DOT_PRECISION=self.dot_precision, HEAD_DIM=self.padded_head_dim,
         )
+        return {use_tma: {**common, "USE_TMA": use_tma} for use_tma in (False, True)}
+
+    def constexprs(self, use_tma: bool) -> dict:
+        return self._constexprs[use_tma]
+
+
+# Distinct calls of a run are few (a training step repeats the same shapes); the bound keeps a run
+# whose shapes vary from batch to batch from growing it without end.
+_problem = functools.lru_cache(maxsize=4096)(_Problem)
+
+
+def _sequence_args(documents: Documents | None, placeholder: torch.Tensor) -> tuple:
+    """CU_SEQLENS_Q, CU_SEQLENS_K (any tensor in the dense layout, where they are not read)."""
+    if documents is not None:
+        return documents.cu_seqlens_q, documents.cu_seqlens_k
+    return placeholder, placeholder
 
 
 def _require_contiguous_last_dim(named: dict) -> None:
@@ -967,17 +998,23 @@ def _tma_refusal(named: dict) -> str | None:
     (batch, head) matrix starts at a batch and head stride from the base, so those must be too where
     the dimension has more than one entry. Descriptors run on Hopper and newer and in the interpreter;
     A100s read through pointers."""
-    if not triton_interpreting() and target_family() < 90:
+    if not _INTERPRETING and target_family() < 90:
         return "the GPU has no TMA (compute capability below 9.0)"
     for name, t in named.items():
-        elem = t.element_size()
         if t.data_ptr() % 16:
             return f"{name}'s data pointer is not 16-byte aligned"
-        batch, heads = t.shape[:2]
-        strides = [t.stride(2)] + [st for st, size in ((t.stride(0), batch), (t.stride(1), heads)) if size > 1]
-        if any(st * elem % 16 for st in strides):
+        if not _tma_strides(t.shape, t.stride(), t.element_size()):
             return f"{name}'s strides {t.stride()} are not all multiples of 16 bytes"
     return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _tma_strides(shape, strides, elem: int) -> bool:
+    """Whether a (B, H, N, D) tensor's row stride, and its batch and head strides where that
+    dimension has more than one entry, are multiples of 16 bytes (asked once per layout)."""
+    batch, heads = shape[:2]
+    checked = [strides[2]] + [st for st, size in ((strides[0], batch), (strides[1], heads)) if size > 1]
+    return not any(st * elem % 16 for st in checked)
 
 
 def _use_tma(tma: bool | None, named: dict) -> bool:
@@ -990,10 +1027,6 @@ def _use_tma(tma: bool | None, named: dict) -> bool:
     if use:
         ensure_scratch_allocator()
     return use
-
-
-def _strides(t):
-    return t.stride(0), t.stride(1), t.stride(2)
 
 
 def _output(name: str, given, like: torch.Tensor) -> torch.Tensor:
@@ -1043,12 +1076,13 @@ def attention_fwd(q, k, v, causal: bool, scale: float, *, window=(-1, -1), softc
     lse = torch.empty((p.batch, p.q_heads, p.q_len), device=q.device, dtype=torch.float32)
     if o.numel() == 0 or p.grid_batch == 0:
         return o, lse[0] if documents is not None else lse
-    _check_warp_specialization("config", config, kernel_has_it=True)
+    if config:
+        _check_warp_specialization("config", config, kernel_has_it=True)
     use_tma = _use_tma(tma, {"k": k, "v": v})
-    kernel, cfg = _pick(_attn_fwd, _attn_fwd_tuned, config)
-    kernel[lambda meta: (triton.cdiv(p.grid_lengths[0], meta["BLOCK_M"]), p.q_heads, p.grid_batch)](
-        q, k, v, o_heads, lse, *p.sequence_args(lse), *_strides(q), *_strides(k), *_strides(v), *_strides(o_heads),
-        lse.stride(0), lse.stride(1), *p.scalars(), **p.constexprs(use_tma),
+    kernel, cfg = _pick(_ATTN_FWD, _ATTN_FWD_TUNED, config)
+    kernel[p.grid(0, "BLOCK_M", p.q_heads)](
+        q, k, v, o_heads, lse, *_sequence_args(documents, lse), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *o_heads.stride()[:3], *lse.stride()[:2], *p.scalars, *p.length_buckets, **p.constexprs(use_tma),
         NEGATIVE_SCALE=p.sm_scale < 0 and not p.softcap, **cfg,
     )
     return o, lse[0] if documents is not None else lse
@@ -1067,8 +1101,9 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, window=(-1
     kernel's (default: ``config`` without warp specialization, which only dQ takes). ``tma`` as in
     attention_fwd, for the streamed k, v (dQ) and q, dO (dK/dV)."""
     _require_contiguous_last_dim({"q": q, "k": k, "v": v, "o": o})
-    _check_warp_specialization("config", config, kernel_has_it=True)
-    _check_warp_specialization("dkdv_config", dkdv_config, kernel_has_it=False)
+    if config or dkdv_config:
+        _check_warp_specialization("config", config, kernel_has_it=True)
+        _check_warp_specialization("dkdv_config", dkdv_config, kernel_has_it=False)
     if do.stride(-1) != 1:
         do = do.contiguous()
     grads = [_output(name, given, like) for name, given, like in zip(("dq", "dk", "dv"), out or (None,) * 3, (q, k, v))]
@@ -1086,33 +1121,29 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, window=(-1
     if dlse is not None:
         dlse = dlse.contiguous()
     # delta and the exponent biases, padded to a multiple of every BLOCK_M (see _attn_bwd_preprocess)
-    row_multiple = max([128] + [c["BLOCK_M"] for c in (config, dkdv_config) if c])
-    nq_rounded = triton.cdiv(p.q_len, row_multiple) * row_multiple
+    row_multiple = max([128] + [c["BLOCK_M"] for c in (config, dkdv_config) if c]) if config or dkdv_config else 128
+    nq_rounded = cdiv(p.q_len, row_multiple) * row_multiple
     delta, bias = torch.empty((2, p.batch, p.q_heads, nq_rounded), device=q.device, dtype=torch.float32)
     # 4096 values of o and of dO a program: larger blocks spilled registers (the preprocess rows of
     # static.json)
-    pre_block = 16 if triton_interpreting() else max(16, min(128, 4096 // p.padded_head_dim))
-    _attn_bwd_preprocess[(nq_rounded // pre_block, p.q_heads, p.batch)](
-        o, do, lse, dlse if dlse is not None else lse, delta, bias, *_strides(o), *_strides(do),
+    pre_block = 16 if _INTERPRETING else max(16, min(128, 4096 // p.padded_head_dim))
+    _ATTN_BWD_PREPROCESS[(nq_rounded // pre_block, p.q_heads, p.batch)](
+        o, do, lse, dlse if dlse is not None else lse, delta, bias, *o.stride()[:3], *do.stride()[:3],
         p.q_heads, p.q_len, nq_rounded, p.head_dim,
         HAS_DLSE=dlse is not None, NATURAL_EXP=p.natural_exp, HEAD_DIM=p.padded_head_dim,
         BLOCK_M=pre_block, **FP_FUSION,
     )
 
-    scalars = p.scalars(nq_rounded)
+    scalars = (*p.scalars, nq_rounded, *p.length_buckets)
     constexprs = p.constexprs(_use_tma(tma, {"q": q, "k": k, "v": v, "do": do}))
-    cu_seqlens = p.sequence_args(lse)
-    kernel, cfg = _pick(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, dkdv_config or _without_warp_specialization(config))
-    kernel[lambda meta: (triton.cdiv(p.grid_lengths[1], meta["BLOCK_N"]), p.kv_heads, p.grid_batch)](
-        q, k, v, do, bias, delta, dk, dv, *cu_seqlens,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
-        *scalars, **constexprs, **cfg,
+    streamed = (*_sequence_args(documents, lse), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
+    kernel, cfg = _pick(_ATTN_DKDV, _ATTN_DKDV_TUNED, dkdv_config or _without_warp_specialization(config))
+    kernel[p.grid(1, "BLOCK_N", p.kv_heads)](
+        q, k, v, do, bias, delta, dk, dv, *streamed, *dk.stride()[:3], *dv.stride()[:3], *scalars, **constexprs, **cfg,
     )
-    kernel, cfg = _pick(_attn_bwd_dq, _attn_bwd_dq_tuned, config)
-    kernel[lambda meta: (triton.cdiv(p.grid_lengths[0], meta["BLOCK_M"]), p.q_heads, p.grid_batch)](
-        q, k, v, do, bias, delta, dq, *cu_seqlens,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
-        *scalars, **constexprs, **cfg,
+    kernel, cfg = _pick(_ATTN_DQ, _ATTN_DQ_TUNED, config)
+    kernel[p.grid(0, "BLOCK_M", p.q_heads)](
+        q, k, v, do, bias, delta, dq, *streamed, *dq.stride()[:3], *scalars, **constexprs, **cfg,
     )
     return tuple(grads)
 
@@ -1126,7 +1157,7 @@ def _check_warp_specialization(name: str, config: dict | None, kernel_has_it: bo
         return
     if not kernel_has_it:
         raise ValueError(f"{name}: the dK/dV kernel is never warp-specialized (WARP_SPECIALIZE is dQ's and the forward's)")
-    if not triton_interpreting() and (target_family() != 100 or not warp_specialization_compiles()):
+    if not _INTERPRETING and (target_family() != 100 or not warp_specialization_compiles()):
         raise ValueError(f"{name}: WARP_SPECIALIZE needs a datacenter Blackwell GPU (sm_100 to 119) and Triton 3.9 "
                          f"or later; this is GPU family {target_family()}, Triton {triton.__version__}")
 
@@ -1143,9 +1174,9 @@ def _pick(plain, tuned, config):
     always asking for fused multiply-adds (the autotuner hands them to every configuration)."""
     if config is not None:
         return plain, {**config, **FP_FUSION}
-    if triton_interpreting():
-        return plain, {**INTERPRETER_CONFIG, **FP_FUSION}
-    return tuned, dict(FP_FUSION)
+    if _INTERPRETING:
+        return plain, _INTERPRETER_LAUNCH
+    return tuned, FP_FUSION
 
 
 __all__ = ["Documents", "attention_fwd", "attention_bwd", "INTERPRETER_CONFIG"]

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import triton
+from triton import knobs
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
 
 # Every launch asks for fused multiply-adds (FFMA): Triton 3.6 to 3.9 fuse a multiply feeding an add
 # by default, 3.10 will not (3.9 warns where TRITON_DEFAULT_FP_FUSION is unset), and the hot loops
@@ -47,6 +51,12 @@ def next_power_of_2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division in plain integers (``triton.cdiv`` is a constexpr function in Triton 3.9,
+    microseconds a call on the host)."""
+    return -(-a // b)
+
+
 def _cuda_scratch(size: int, alignment: int, stream):
     """Global scratch for a launch on the current CUDA device (Triton asks when a kernel builds
     tensor descriptors on the device: 128 bytes per descriptor and program)."""
@@ -62,3 +72,117 @@ def ensure_scratch_allocator() -> None:
 
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(_cuda_scratch)
+
+
+# A kernel keeps at most this many argument signatures; past it the oldest half is dropped (a
+# long run whose sizes vary from batch to batch would otherwise grow it without bound).
+KEPT_SIGNATURES = 256
+
+
+class KeptKernel:
+    """A ``@triton.jit`` or ``triton.autotune`` kernel launched as ``kernel[grid](*args, **kwargs)``,
+    through the compiled kernel kept for the call's argument signature.
+
+    Triton's own launch binds every argument to the signature, specializes each one, builds the
+    cache key, looks the compiled kernel up and (autotuned) looks the configuration up, on every
+    launch: most of an op's host time at short sequences. Here the first launch of a signature
+    takes that path, and later launches with the same signature call the compiled kernel's launcher
+    as ``JITFunction.run`` does, with the same arguments, stream and hooks.
+
+    The signature is exact, never looser than Triton's specialization: every tensor's dtype and
+    whether its address is 16-byte aligned (what Triton specializes a pointer on), every other
+    argument's type and value (Triton specializes an integer on its value being 1 or a multiple of
+    16; keeping the value also keys the autotuner's choice, which reads sizes), the keywords
+    (constexprs, launch options) and the current device. A grid given as a function gets the
+    kernel's constexprs (its configuration's among them) as ``meta``.
+
+    In Triton's interpreter the signature and its cache are the same and a kept entry calls the
+    interpreted function: the interpreter replaces the kernel body, not the launch path."""
+
+    __slots__ = ("fn", "jit", "compiled", "_kept", "__weakref__")
+
+    _instances = weakref.WeakSet()
+
+    def __init__(self, fn):
+        self.fn = fn
+        jit = fn
+        while not isinstance(jit, JITFunction) and hasattr(jit, "fn"):
+            jit = jit.fn
+        self.jit = jit
+        self.compiled = isinstance(jit, JITFunction)  # else Triton's interpreter, which has no driver
+        self._kept = {}
+        KeptKernel._instances.add(self)
+
+    @classmethod
+    def forget_all(cls) -> None:
+        """Every kernel's next launch of each signature takes Triton's own path again."""
+        for kernel in cls._instances:
+            kernel._kept.clear()
+
+    def __getitem__(self, grid):
+        return functools.partial(self.launch, grid)
+
+    def launch(self, grid, *args, **kwargs):
+        device = driver.active.get_current_device() if self.compiled else None
+        key = (device, tuple(map(type, args)),
+               *[(a.dtype, not a.data_ptr() % 16) if isinstance(a, torch.Tensor) else a for a in args],
+               *kwargs.items())
+        kept = self._kept.get(key)
+        if kept is None:
+            self._first_launch(key, grid, args, kwargs)
+        else:
+            kept(grid, device, args)
+
+    def _first_launch(self, key, grid, args, kwargs) -> None:
+        """Launches through Triton's own path and keeps what later launches of ``key`` need."""
+        if len(self._kept) >= KEPT_SIGNATURES:
+            for stale in list(self._kept)[:KEPT_SIGNATURES // 2]:
+                del self._kept[stale]
+        if not self.compiled:
+            self.fn[grid](*args, **kwargs)
+            self._kept[key] = _Interpreted(self.fn, kwargs)
+            return
+        kernel = self.fn.run(*args, grid=grid, warmup=False, **kwargs)
+        if hasattr(kernel, "result"):  # an asynchronous compile's future
+            kernel = kernel.result()
+        config = getattr(self.fn, "best_config", None)
+        if config is not None and config.pre_hook is not None:
+            return  # the autotuner runs a hook before each launch: never kept
+        given = {**kwargs, **(config.all_kwargs() if config is not None else {})}
+        parameters = self.jit.signature.parameters
+        bound = self.jit.signature.bind(*args, **{name: v for name, v in given.items() if name in parameters})
+        bound.apply_defaults()
+        names, values = list(bound.arguments), tuple(bound.arguments.values())
+        self._kept[key] = _Compiled(kernel, values[len(args):], dict(zip(names[len(args):], values[len(args):])))
+
+
+class _Compiled:
+    """One signature's compiled kernel and the arguments after the positional ones (constexprs,
+    defaults), launched as ``JITFunction.run`` launches."""
+
+    __slots__ = ("kernel", "tail", "meta")
+
+    def __init__(self, kernel, tail: tuple, meta: dict):
+        self.kernel, self.tail, self.meta = kernel, tail, meta
+
+    def __call__(self, grid, device, args):
+        if callable(grid):
+            grid = grid(self.meta)
+        grid_0, grid_1, grid_2 = (*grid, 1, 1)[:3]
+        stream = driver.active.get_current_stream(device)
+        kernel, full = self.kernel, (*args, *self.tail)
+        kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata,
+                   kernel.launch_metadata(grid, stream, *full), knobs.runtime.launch_enter_hook,
+                   knobs.runtime.launch_exit_hook, *full)
+
+
+class _Interpreted:
+    """One signature's launch in Triton's interpreter: the interpreted function with the keywords."""
+
+    __slots__ = ("fn", "kwargs")
+
+    def __init__(self, fn, kwargs: dict):
+        self.fn, self.kwargs = fn, kwargs
+
+    def __call__(self, grid, device, args):
+        self.fn[grid](*args, **self.kwargs)

@@ -14,11 +14,13 @@ rows into its own row of an fp32 partial buffer, and the host sums that buffer i
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from .launch import SEPARATE_ROUNDING, next_power_of_2, persistent_program_count
+from .launch import SEPARATE_ROUNDING, KeptKernel, cdiv, next_power_of_2, persistent_program_count
 from .limits import MAX_NORM_WIDTH
 from .precision import load_tile, round_to, store_tile
 
@@ -216,6 +218,10 @@ def _norm_bwd(
             tl.store(bias_partial_row + cols, db_acc, mask=cols < N)
 
 
+_NORM_FWD, _NORM_BWD = KeptKernel(_norm_fwd), KeptKernel(_norm_bwd)
+
+
+@functools.lru_cache(maxsize=4096)  # asked at every launch, the same few shapes over and over
 def _tiling(n_cols: int, direction: str) -> tuple[bool, int, int, int]:
     """(single_pass, BLOCK_M, BLOCK_N, num_warps) for rows of ``n_cols`` elements."""
     if n_cols > MAX_SINGLE_PASS_N[direction]:
@@ -266,7 +272,7 @@ def norm_fwd(x, weight, bias, eps, *, rms: bool, residual=None, out_dtype=None):
     if rows == 0:
         return y, mean, rstd, h
     fused_residual = residual is not None
-    _norm_fwd[(triton.cdiv(rows, block_m),)](
+    _NORM_FWD[(cdiv(rows, block_m),)](
         x, residual if fused_residual else x, h if fused_residual else x, weight, bias if bias is not None else weight,
         y, mean if not rms else rstd, rstd,
         rows, cols, x.stride(0), residual.stride(0) if fused_residual else 0, h.stride(0) if fused_residual else 0,
@@ -293,11 +299,11 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, has_bias: bool, resi
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     y = torch.empty(x.shape, device=x.device, dtype=out_dtype or x.dtype) if rebuild_output else None
     single_pass, block_m, block_n, num_warps = _tiling(cols, "backward")
-    programs = persistent_program_count(x.device, triton.cdiv(rows, block_m))
+    programs = persistent_program_count(x.device, cdiv(rows, block_m))
     dw_partial = torch.zeros((programs, cols), device=x.device, dtype=torch.float32)
     db_partial = torch.zeros((programs, cols), device=x.device, dtype=torch.float32) if has_bias else dw_partial
     if rows > 0:
-        _norm_bwd[(programs,)](
+        _NORM_BWD[(programs,)](
             x, weight, bias if bias is not None else weight, dy,
             residual_grad if residual_grad is not None else dy, dx, y if rebuild_output else dx,
             mean if not rms else rstd, rstd, dw_partial, db_partial,

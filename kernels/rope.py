@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .launch import FP_FUSION, next_power_of_2
+from .launch import FP_FUSION, KeptKernel, cdiv, next_power_of_2
 from .limits import MAX_HEAD_DIM
 from .precision import INTERPRETED, round_to
 
@@ -99,6 +99,9 @@ def _rope(
     tl.store(X + offsets, round_to(out1, X.dtype.element_ty), mask=mask)
     tl.store(X + offsets + half, round_to(out2, X.dtype.element_ty), mask=mask)
 
+
+
+_ROPE = KeptKernel(_rope)
 
 def _check(x: torch.Tensor, inv_freq: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
@@ -175,10 +178,10 @@ def rope_(x: torch.Tensor, inv_freq: torch.Tensor, *, inverse: bool = False,
     n_tokens = batch * seq_len
     half = head_dim // 2
     block_t, block_h, block_half = _blocks(n_tokens, n_heads, half)
-    grid = (triton.cdiv(n_tokens, block_t), triton.cdiv(n_heads, block_h))
+    grid = (cdiv(n_tokens, block_t), cdiv(n_heads, block_h))
     split, first_start, second_start = (seq_len, 0, 0) if chunk_starts is None else (seq_len // 2, *chunk_starts)
     has_positions = positions is not None
-    _rope[grid](
+    _ROPE[grid](
         # Without positions the pointer is never read: inv_freq stands in.
         x, inv_freq, positions if has_positions else inv_freq,
         n_tokens, seq_len, n_heads, half,

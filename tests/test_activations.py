@@ -221,7 +221,7 @@ class _LaunchSpy:
 
 @pytest.fixture
 def spies(monkeypatch):
-    found = {name: _LaunchSpy(getattr(kernel_module, name)) for name in ("_gelu", "_swiglu")}
+    found = {name: _LaunchSpy(getattr(kernel_module, name)) for name in ("_GELU", "_SWIGLU")}
     for name, spy in found.items():
         monkeypatch.setattr(kernel_module, name, spy)
     return found
@@ -233,21 +233,21 @@ def test_strided_inputs_reach_the_kernel_uncopied(spies, device):
     dy = _padded(rows, cols, torch.float16, device)
     grads = torch.empty(rows, 2 * cols, dtype=torch.float16, device=device)
     dgate, dup, _ = swiglu_bwd(dy, gate, up, dgate=grads[:, :cols], dup=grads[:, cols:])
-    (args,) = spies["_swiglu"].launches
+    (args,) = spies["_SWIGLU"].launches
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     assert [t.data_ptr() for t in tensors[:5]] == [t.data_ptr() for t in (gate, up, dy, dgate, dup)]
     assert (rows, cols, 2 * cols, 2 * cols, dy.stride(0), 2 * cols, 2 * cols) == args[6:13]
 
     x = _padded(rows, cols, torch.float32, device)
     gelu_bwd(dy, x)
-    (args,) = spies["_gelu"].launches
+    (args,) = spies["_GELU"].launches
     assert (args[0].data_ptr(), args[1].data_ptr()) == (x.data_ptr(), dy.data_ptr())
 
     # A layout the kernel cannot take (column stride 2) is copied into rows, and still right.
-    spies["_gelu"].launches.clear()
+    spies["_GELU"].launches.clear()
     x_t = torch.randn(cols, rows, device=device).t()
     assert torch.equal(gelu_fwd(x_t), gelu_fwd(x_t.contiguous()))
-    assert spies["_gelu"].launches[0][0].data_ptr() != x_t.data_ptr()
+    assert spies["_GELU"].launches[0][0].data_ptr() != x_t.data_ptr()
 
 
 def test_any_shape_comes_back_contiguous_in_that_shape(device):
@@ -268,7 +268,7 @@ def test_empty_inputs_launch_nothing(shape, spies, device):
     given = torch.empty(shape, device=device)
     assert swiglu_bwd(x, x, x, dgate=given)[0] is given
     assert all(t.shape == shape for t in (gelu_fwd(x), dx, y, swiglu_fwd(x, x), dgate, dup, y2))
-    assert not spies["_gelu"].launches and not spies["_swiglu"].launches
+    assert not spies["_GELU"].launches and not spies["_SWIGLU"].launches
 
 
 @pytest.mark.parametrize(

@@ -302,7 +302,7 @@ def test_warp_specialized_configs_are_refused_where_they_cannot_compile(monkeypa
     o, lse = attention_kernels.attention_fwd(q, k, v, True, 0.25)
     with pytest.raises(ValueError, match="dkdv_config: the dK/dV kernel is never warp-specialized"):
         attention_kernels.attention_bwd(torch.randn_like(o), q, k, v, o, lse, True, 0.25, dkdv_config=specialized)
-    monkeypatch.setattr(attention_kernels, "triton_interpreting", lambda: False)
+    monkeypatch.setattr(attention_kernels, "_INTERPRETING", False)
     for family, version in ((90, "3.9.0"), (100, "3.6.0")):
         monkeypatch.setattr(attention_kernels, "target_family", lambda: family)
         monkeypatch.setattr(attention_kernels.triton, "__version__", version)

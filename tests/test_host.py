@@ -29,15 +29,15 @@ REPO = Path(__file__).resolve().parent.parent
 # case: (Triton launches, most Python calls outside Triton) for one forward + backward; the ceilings
 # are today's counts plus 3%
 EXPECTED = {
-    "rms_norm": (2, 93),
-    "swiglu": (2, 112),
-    "attention": (4, 262),
-    "attention_varlen": (4, 315),
-    "block gpt2-small cheap": (10, 660),
-    "block gpt2-small full": (13, 756),
-    "block llama cheap": (12, 665),
-    "block llama memory_budget=0.5": (16, 785),
-    "block llama cheap, 2 packed documents": (12, 716),
+    "rms_norm": (2, 98),
+    "swiglu": (2, 101),
+    "attention": (4, 161),
+    "attention_varlen": (4, 212),
+    "block gpt2-small cheap": (10, 438),
+    "block gpt2-small full": (13, 510),
+    "block llama cheap": (12, 478),
+    "block llama memory_budget=0.5": (16, 580),
+    "block llama cheap, 2 packed documents": (12, 525),
 }
 
 
@@ -56,7 +56,8 @@ def measured(tmp_path_factory):
     _bench_host(out, "--capture-check")
     _bench_host(out, "--repeats", "1", *(arg for name in EXPECTED for arg in ("--case", name)))
     rows = json.loads((out / "host.json").read_text())["rows"]
-    return json.loads((out / "capture.json").read_text()), {row["case"]: row for row in rows}
+    checks = {name: json.loads((out / f"{name}.json").read_text()) for name in ("capture", "kept")}
+    return checks, {row["case"]: row for row in rows}
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,12 @@ def host_rows(measured):
 
 @pytest.fixture(scope="module")
 def capture_results(measured):
-    return measured[0]
+    return measured[0]["capture"]
+
+
+@pytest.fixture(scope="module")
+def kept_results(measured):
+    return measured[0]["kept"]
 
 
 def _capture_cases():
@@ -84,6 +90,16 @@ def test_every_op_and_block_case_runs_without_reading_values_on_the_host(capture
     copy or value-dependent shape, in our Python or inside our operators; every policy, with
     memory_budget, LoRA and packed documents."""
     assert capture_results[case] == ""
+
+
+def test_kept_launches_hand_the_driver_what_tritons_launch_path_does(kept_results):
+    """Every op's and block case's second call, each launch through the compiled kernel kept for its
+    signature (launch.KeptKernel), gives the driver's launcher the same grid, stream, function,
+    metadata, hooks and arguments (tensors by dtype, shape, strides and alignment) as the first
+    call's, each launch the first of its signature and so through Triton's own path."""
+    from bench.host import all_cases
+
+    assert kept_results == {case.name: "" for case in all_cases()}
 
 
 @pytest.mark.parametrize("case", EXPECTED)
@@ -153,3 +169,38 @@ def test_the_host_read_guard_sees_inside_the_operators(monkeypatch):
             with host_read_guard():
                 read()
     assert x.tolist() and torch.repeat_interleave(torch.tensor([1, 2]), torch.tensor([1, 1]), output_size=2).numel()
+
+
+def test_a_kept_kernel_keys_every_launch_on_what_triton_specializes():
+    """The signature that selects a kept launch separates what Triton compiles apart: a tensor's
+    dtype and 16-byte alignment, an argument's type (True, 1 and 1.0) and value, the keywords; the
+    same signature again reuses its entry, and the results are the kernel's every time."""
+    import triton
+    import triton.language as tl
+
+    from fused_remat.kernels.launch import KEPT_SIGNATURES, KeptKernel
+
+    @triton.jit
+    def scale_rows(X, Y, n, factor, BLOCK: tl.constexpr):
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        tl.store(Y + cols, tl.load(X + cols, mask=mask) * factor, mask=mask)
+
+    kernel = KeptKernel(scale_rows)
+    x = torch.randn(40)
+    for source, factor in ((x[:20], 2.0), (x[:20], 3.0), (x[1:21], 2.0), (x[:20].double(), 2.0), (x[:20], 2)):
+        y = torch.empty_like(source)
+        kernel[(1,)](source, y, 20, factor, BLOCK=32)
+        assert torch.equal(y, source * factor)
+    assert len(kernel._kept) == 5  # two factors, a misaligned view, another dtype, an int factor
+    y = torch.empty(20)
+    kernel[(1,)](x[2:22], y, 20, 2.0, BLOCK=32)  # 8 bytes in: misaligned, as x[1:21] was
+    assert torch.equal(y, x[2:22] * 2) and len(kernel._kept) == 5
+    kernel[(1,)](x[:20], y, 20, 2.0, BLOCK=64)
+    kernel[(1,)](x[:20], y, True, 2.0, BLOCK=32)
+    assert len(kernel._kept) == 7 and torch.equal(y[:1], x[:1] * 2)
+    for n in range(KEPT_SIGNATURES):
+        kernel[(1,)](x[:20], y, 20, float(n), BLOCK=32)
+    assert len(kernel._kept) <= KEPT_SIGNATURES and torch.equal(y, x[:20] * float(KEPT_SIGNATURES - 1))
+    KeptKernel.forget_all()
+    assert not kernel._kept
