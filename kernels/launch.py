@@ -93,8 +93,12 @@ class KeptKernel:
     whether its address is 16-byte aligned (what Triton specializes a pointer on), every other
     argument's type and value (Triton specializes an integer on its value being 1 or a multiple of
     16; keeping the value also keys the autotuner's choice, which reads sizes), the keywords
-    (constexprs, launch options) and the current device. A grid given as a function gets the
-    kernel's constexprs (its configuration's among them) as ``meta``.
+    (constexprs, launch options), the active driver (a stand-in that compiles for another GPU
+    never lends a kernel to the real one) and the current device. A grid given as a function gets
+    the kernel's constexprs (its configuration's among them) as ``meta``. Left out of the key,
+    as fixed for a process: Triton's check that a kernel's globals are unchanged since it compiled
+    (ours are constants) and the debug and instrumentation knobs, which add checks or counters and
+    change no result.
 
     In Triton's interpreter the signature and its cache are the same and a kept entry calls the
     interpreted function: the interpreter replaces the kernel body, not the launch path."""
@@ -123,15 +127,16 @@ class KeptKernel:
         return functools.partial(self.launch, grid)
 
     def launch(self, grid, *args, **kwargs):
-        device = driver.active.get_current_device() if self.compiled else None
-        key = (device, tuple(map(type, args)),
+        active = driver.active if self.compiled else None
+        device = active.get_current_device() if self.compiled else None
+        key = (active, device, tuple(map(type, args)),
                *[(a.dtype, not a.data_ptr() % 16) if isinstance(a, torch.Tensor) else a for a in args],
                *kwargs.items())
         kept = self._kept.get(key)
         if kept is None:
             self._first_launch(key, grid, args, kwargs)
         else:
-            kept(grid, device, args)
+            kept(grid, active, device, args)
 
     def _first_launch(self, key, grid, args, kwargs) -> None:
         """Launches through Triton's own path and keeps what later launches of ``key`` need."""
@@ -165,11 +170,11 @@ class _Compiled:
     def __init__(self, kernel, tail: tuple, meta: dict):
         self.kernel, self.tail, self.meta = kernel, tail, meta
 
-    def __call__(self, grid, device, args):
+    def __call__(self, grid, active, device, args):
         if callable(grid):
             grid = grid(self.meta)
         grid_0, grid_1, grid_2 = (*grid, 1, 1)[:3]
-        stream = driver.active.get_current_stream(device)
+        stream = active.get_current_stream(device)
         kernel, full = self.kernel, (*args, *self.tail)
         kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata,
                    kernel.launch_metadata(grid, stream, *full), knobs.runtime.launch_enter_hook,
@@ -184,5 +189,5 @@ class _Interpreted:
     def __init__(self, fn, kwargs: dict):
         self.fn, self.kwargs = fn, kwargs
 
-    def __call__(self, grid, device, args):
+    def __call__(self, grid, active, device, args):
         self.fn[grid](*args, **self.kwargs)
