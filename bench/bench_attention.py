@@ -92,7 +92,7 @@ def _ours(mask: str, lengths: list[int]):
 
     if mask == "documents":
         offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-        on_device = {}  # the offsets copied to each device once, outside the timed calls: SDPA's mask is made once too
+        on_device = {}  # the offsets, copied to each device once and outside the timed calls (as SDPA's mask)
 
         def run(q, k, v):  # (1, H, N, D) -> the packed (N, H, D) layout, as views
             cu = on_device.get(q.device)

@@ -500,9 +500,9 @@ def kept_launch_check(cases: list[HostCase], driver) -> dict[str, str]:
 def _difference(launch: int, first: tuple, kept: tuple) -> str:
     if first[:-1] != kept[:-1]:
         return f"launch {launch}: the grid, stream, function, metadata or hooks differ"
-    argument = next(j for j, (a, b) in enumerate(zip(first[-1], kept[-1])) if a != b) if len(first[-1]) == len(kept[-1]) else None
-    if argument is None:
+    if len(first[-1]) != len(kept[-1]):
         return f"launch {launch}: {len(first[-1])} arguments through Triton's path, {len(kept[-1])} kept"
+    argument = next(j for j, (a, b) in enumerate(zip(first[-1], kept[-1])) if a != b)
     return (f"launch {launch}: argument {argument} is {first[-1][argument]!r} through Triton's path, "
             f"{kept[-1][argument]!r} kept")
 

@@ -165,7 +165,8 @@ class _Weights:
         self.adapters = {name: [] for name in _LINEARS}
         for index, ((linear, first, rows, seed, scale, dropout), a, b) in enumerate(zip(adapters, lora[0::2], lora[1::2])):
             self.adapters[_LINEARS[linear]].append(
-                _LowRank(_in_dtype(a, compute_dtype), _in_dtype(b, compute_dtype), scale, slice(first, first + rows), index, a.dtype, dropout, seed))
+                _LowRank(_in_dtype(a, compute_dtype), _in_dtype(b, compute_dtype), scale, slice(first, first + rows),
+                         index, a.dtype, dropout, seed))
 
     def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
         """x W^T + b, plus the layer's adapters."""

@@ -1076,8 +1076,7 @@ def attention_fwd(q, k, v, causal: bool, scale: float, *, window=(-1, -1), softc
     lse = torch.empty((p.batch, p.q_heads, p.q_len), device=q.device, dtype=torch.float32)
     if o.numel() == 0 or p.grid_batch == 0:
         return o, lse[0] if documents is not None else lse
-    if config:
-        _check_warp_specialization("config", config, kernel_has_it=True)
+    _check_warp_specialization("config", config, kernel_has_it=True)
     use_tma = _use_tma(tma, {"k": k, "v": v})
     kernel, cfg = _pick(_ATTN_FWD, _ATTN_FWD_TUNED, config)
     kernel[p.grid(0, "BLOCK_M", p.q_heads)](
@@ -1101,9 +1100,8 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, window=(-1
     kernel's (default: ``config`` without warp specialization, which only dQ takes). ``tma`` as in
     attention_fwd, for the streamed k, v (dQ) and q, dO (dK/dV)."""
     _require_contiguous_last_dim({"q": q, "k": k, "v": v, "o": o})
-    if config or dkdv_config:
-        _check_warp_specialization("config", config, kernel_has_it=True)
-        _check_warp_specialization("dkdv_config", dkdv_config, kernel_has_it=False)
+    _check_warp_specialization("config", config, kernel_has_it=True)
+    _check_warp_specialization("dkdv_config", dkdv_config, kernel_has_it=False)
     if do.stride(-1) != 1:
         do = do.contiguous()
     grads = [_output(name, given, like) for name, given, like in zip(("dq", "dk", "dv"), out or (None,) * 3, (q, k, v))]
@@ -1121,7 +1119,7 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, window=(-1
     if dlse is not None:
         dlse = dlse.contiguous()
     # delta and the exponent biases, padded to a multiple of every BLOCK_M (see _attn_bwd_preprocess)
-    row_multiple = max([128] + [c["BLOCK_M"] for c in (config, dkdv_config) if c]) if config or dkdv_config else 128
+    row_multiple = max([128] + [c["BLOCK_M"] for c in (config, dkdv_config) if c])
     nq_rounded = cdiv(p.q_len, row_multiple) * row_multiple
     delta, bias = torch.empty((2, p.batch, p.q_heads, nq_rounded), device=q.device, dtype=torch.float32)
     # 4096 values of o and of dO a program: larger blocks spilled registers (the preprocess rows of

@@ -127,8 +127,7 @@ class KeptKernel:
         return functools.partial(self.launch, grid)
 
     def launch(self, grid, *args, **kwargs):
-        active = driver.active if self.compiled else None
-        device = active.get_current_device() if self.compiled else None
+        active, device = (driver.active, driver.active.get_current_device()) if self.compiled else (None, None)
         key = (active, device, tuple(map(type, args)),
                *[(a.dtype, not a.data_ptr() % 16) if isinstance(a, torch.Tensor) else a for a in args],
                *kwargs.items())

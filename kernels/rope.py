@@ -100,8 +100,8 @@ def _rope(
     tl.store(X + offsets + half, round_to(out2, X.dtype.element_ty), mask=mask)
 
 
-
 _ROPE = KeptKernel(_rope)
+
 
 def _check(x: torch.Tensor, inv_freq: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
