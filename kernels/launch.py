@@ -127,7 +127,10 @@ class KeptKernel:
         return functools.partial(self.launch, grid)
 
     def launch(self, grid, *args, **kwargs):
-        active, device = (driver.active, driver.active.get_current_device()) if self.compiled else (None, None)
+        active = device = None  # the interpreter has no driver
+        if self.compiled:
+            active = driver.active
+            device = active.get_current_device()
         key = (active, device, tuple(map(type, args)),
                *[(a.dtype, not a.data_ptr() % 16) if isinstance(a, torch.Tensor) else a for a in args],
                *kwargs.items())
