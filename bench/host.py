@@ -387,10 +387,17 @@ def host_read_guard():
     ``int()``/``bool()`` of a tensor, ``.tolist()``, ``.numpy()``, ``.cpu()``: a device-to-host copy
     and a sync on a GPU, an error during CUDA graph capture) or makes a shape from them (nonzero,
     masked_select, unique, repeat_interleave without output_size). It looks inside our custom
-    operators too: a ``fused_remat::`` operator runs its implementation under the guard."""
+    operators too: a ``fused_remat::`` operator runs its implementation under the guard. Within it
+    ``fused_remat.backend.graph_capturing()`` answers True, as during a capture, so that a call with a
+    capture-safe form takes it."""
     import torch
     from torch._library.custom_ops import OPDEFS
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fused_remat import backend
+
+    def capturing() -> bool:
+        return True
 
     aten = torch.ops.aten
     value_reads = {aten._local_scalar_dense.default, aten.item.default, aten.nonzero.default, aten.masked_select.default,
@@ -419,6 +426,7 @@ def host_read_guard():
                 self.methods = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "cpu")}
                 for name in self.methods:
                     setattr(torch.Tensor, name, refuse(f"Tensor.{name}"))
+                self.capturing, backend.graph_capturing = backend.graph_capturing, capturing
             self.depth += 1
             return super().__enter__()
 
@@ -427,6 +435,7 @@ def host_read_guard():
             if self.depth == 0:
                 for name, method in self.methods.items():
                     setattr(torch.Tensor, name, method)
+                backend.graph_capturing = self.capturing
             return super().__exit__(*exc)
 
     return HostReadGuard()

@@ -85,6 +85,13 @@ def use_triton(op: str, device: torch.device) -> bool:
     return runnable
 
 
+def graph_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA; never initializes a
+    context). A call that would read values on the host takes its capture-safe form then
+    (``loss._count_targets``); ``bench.host.host_read_guard`` answers True here to check that form
+    on CPU tensors."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype torch.autocast computes in on ``device_type``, or None where it is off. A device

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import context_parallel, custom_ops, offload, reference
+from . import backend, context_parallel, custom_ops, offload, reference
 from .backend import autocast_dtype, requested_backend, use_triton
 from .flops import attention_op_flops, document_pairs, flop_formula, matmul_flops, visible_pairs
 from .kernels.limits import SUPPORTED_DTYPES
@@ -808,6 +808,9 @@ class TransformerBlock(reference.TransformerBlock):
             raise ValueError(f"{_OP}: context parallelism runs the causal ring only: documents (cu_seqlens), "
                              "position_ids, rope_inv_freq, a window and a softcap are not supported with it")
         if self.context_parallel is not None:
+            if backend.graph_capturing():
+                raise RuntimeError(f"{_OP}: context parallelism's ring communication cannot be captured in a CUDA "
+                                   "graph; run this block without graphs")
             context_parallel.check_local_sequence(_OP, x.shape[1], self.context_parallel)
             if not use_triton(_OP, x.device):
                 raise RuntimeError(f"{_OP}: context parallelism runs the Triton kernels only (CUDA, or the interpreter "
@@ -835,6 +838,10 @@ class TransformerBlock(reference.TransformerBlock):
         inputs = (x.reshape(call.tokens, self.dim).contiguous(), call, cu_seqlens, position_ids, rope_inv_freq, *params,
                   *[t for a in adapters for t in (a.a, a.b)])
         if call.remat.host_resident:
+            if backend.graph_capturing():
+                raise RuntimeError(f"{_OP}: remat 'offload' copies x to host memory and back on a side stream, which "
+                                   "a CUDA graph cannot hold; choose a policy that keeps x on the device (or a "
+                                   "memory_budget above x's share of 'none')")
             y, *_ = _eager_block_function()(*inputs)
         else:
             y, *_ = custom_ops.apply(_BlockFunction, x.device, *inputs)

@@ -42,6 +42,7 @@ import math
 
 import torch
 
+from . import backend
 from .backend import autocast_dtype
 from .custom_ops import first_order_only
 from .flops import flop_formula, matmul_flops
@@ -69,21 +70,24 @@ def default_chunk_tokens(tokens: int, vocab: int, dim: int) -> int:
     return max(1, min(rows, tokens))
 
 
-def _split_mean_scale(n_valid: int) -> tuple[float, float]:
-    """1/n_valid as (forward part 2**k / n_valid in (0.5, 1], backward part 2**-k); see the module docstring."""
-    if n_valid == 0:
-        return 1.0, 1.0  # every target ignored: the gradients are zero whatever the scale
-    power_of_two = 1 << (n_valid.bit_length() - 1)
-    return power_of_two / n_valid, 1.0 / power_of_two
+def _split_mean_scale(n_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """1/n_valid as (forward part 2**k / n_valid in (0.5, 1], backward part 2**-k), 0-dim fp32 device
+    tensors (no host sync); see the module docstring. Every target ignored: (1, 1), as the gradients
+    are zero whatever the scale."""
+    count = n_valid.clamp(min=1).double()  # exact below 2**53 targets
+    _, exponent = torch.frexp(count)  # count = m * 2**exponent, m in [0.5, 1)
+    power_of_two = torch.ldexp(torch.ones_like(count), exponent - 1)
+    return (power_of_two / count).float(), power_of_two.reciprocal().float()
 
 
 def _chunked_loss_and_grads(hidden_rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                             counted: torch.Tensor, chunk_tokens: int, compute_dtype: torch.dtype,
-                            want_dhidden: bool, want_dweight: bool, gradient_scale: float = 1.0):
+                            want_dhidden: bool, want_dweight: bool, gradient_scale: torch.Tensor):
     """Per-row losses (fp32, 0 on rows that do not count), and when wanted the gradients of the summed
     loss times ``gradient_scale``: dhidden in hidden's dtype, dweight in fp32.
 
-    ``targets``: int64 class per row, any valid id on rows that do not count; ``counted``: bool per row.
+    ``targets``: int64 class per row, any valid id on rows that do not count; ``counted``: bool per row;
+    ``gradient_scale``: a 0-dim fp32 tensor.
     """
     tokens, dim = hidden_rows.shape
     # One cast per call (a no-op without autocast when dtypes agree); dropped on return, never saved.
@@ -111,7 +115,7 @@ def _chunked_loss_and_grads(hidden_rows: torch.Tensor, weight: torch.Tensor, tar
 
 
 def _chunk_loss_and_dlogits(hidden_c: torch.Tensor, weight_c: torch.Tensor, targets_c: torch.Tensor,
-                            counted_c: torch.Tensor, want_grads: bool, gradient_scale: float):
+                            counted_c: torch.Tensor, want_grads: bool, gradient_scale: torch.Tensor):
     """Losses of one chunk's rows, and gradient_scale * d(summed loss)/d(logits) in the compute dtype
     (None unless wanted).
 
@@ -128,7 +132,7 @@ def _chunk_loss_and_dlogits(hidden_c: torch.Tensor, weight_c: torch.Tensor, targ
     # gradient_scale * (softmax - onehot), in place: exp(logit - (lse - log scale)) = scale * softmax,
     # so the scale costs no pass of its own. Shifting rows that do not count by +inf makes their
     # softmax exactly 0 and saves a masking pass; their onehot term is masked to 0 as well.
-    shift = torch.where(counted_c, lse - math.log(gradient_scale), torch.inf)
+    shift = torch.where(counted_c, lse - gradient_scale.log(), torch.inf)
     dlogits = logits.sub_(shift[:, None]).exp_()
     dlogits.scatter_add_(1, targets_c[:, None], counted_c[:, None].float().mul_(-gradient_scale))
     if dlogits.dtype != logits_c.dtype:
@@ -146,17 +150,18 @@ def _loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     A custom operator, so that torch.compile treats the loss as one node: the target check's host
     sync and the chunk loop stay inside it instead of breaking the graph."""
     vocab = weight.shape[0]
-    counted, n_valid = _count_targets(targets, vocab, ignore_index)
+    counted, n_valid, poison = _count_targets(targets, vocab, ignore_index)
     # gather/scatter need an id in range on every row; rows that do not count are masked anyway.
     safe_targets = torch.where(counted, targets, 0)
     forward_scale, backward_scale = _split_mean_scale(n_valid)
     with torch.autocast(hidden.device.type, enabled=False):  # dtypes are chosen by compute_dtype
         row_losses, dhidden, dweight = _chunked_loss_and_grads(hidden, weight, safe_targets, counted, chunk_tokens,
                                                                compute_dtype, want_dhidden, want_dweight, forward_scale)
-    loss = row_losses.sum() / max(n_valid, 1)
+    loss = row_losses.sum() / n_valid.clamp(min=1)
+    if poison is not None:
+        loss, backward_scale = loss + poison, backward_scale + poison
     return (loss, hidden.new_empty(0) if dhidden is None else dhidden,
-            hidden.new_empty(0, dtype=torch.float32) if dweight is None else dweight,
-            torch.tensor(backward_scale, dtype=torch.float32, device=hidden.device))
+            hidden.new_empty(0, dtype=torch.float32) if dweight is None else dweight, backward_scale)
 
 
 @_loss_and_grads.register_fake
@@ -238,22 +243,31 @@ def _validate(hidden, weight, targets, ignore_index, chunk_tokens) -> None:
             raise ValueError(f"{_OP}: chunk_tokens must be a positive int or None, got {chunk_tokens}")
 
 
-def _count_targets(targets: torch.Tensor, vocab: int, ignore_index: int) -> tuple[torch.Tensor, int]:
-    """The rows that count (bool) and how many, after checking every other id lies in [0, vocab).
+def _count_targets(targets: torch.Tensor, vocab: int,
+                   ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The rows that count (bool: not ignore_index, and in [0, vocab)), how many are not ignored (a
+    0-dim device tensor) and, while a CUDA graph is being captured, the poison: a 0-dim fp32 tensor,
+    NaN where some id that is not ignored lies outside [0, vocab), else 0.
 
-    One host sync. It is worth it: an out-of-range id would otherwise trip a device-side assert in
-    gather, which leaves the CUDA context unusable for the rest of the process.
+    Outside capture an id out of range raises here, at the cost of one host sync: it would otherwise
+    trip a device-side assert in gather, which leaves the CUDA context unusable for the rest of the
+    process. A graph can neither sync nor raise on replay, so there the loss and every gradient are
+    made NaN instead: loud (the step is non-finite, and a trainer skipping such steps skips it), never
+    silently wrong, and the context survives. Rows out of range never reach gather either way.
     """
     counted = targets != ignore_index
-    out_of_range = counted & ((targets < 0) | (targets >= vocab))
-    n_valid, n_out_of_range = torch.stack([counted.sum(), out_of_range.sum()]).tolist()
-    if n_out_of_range:
-        example = targets[out_of_range][0].item()
+    in_range = (targets >= 0) & (targets < vocab)
+    out_of_range = counted & ~in_range
+    poison = None
+    if backend.graph_capturing():
+        poison = torch.where(out_of_range.any(), torch.nan, 0.0)
+    elif out_of_range.any():
+        bad = targets[out_of_range]
         raise ValueError(
             f"{_OP}: targets must be class ids in [0, {vocab}) or ignore_index={ignore_index}; "
-            f"{n_out_of_range} are not, e.g. {example}"
+            f"{bad.numel()} are not, e.g. {bad[0].item()}"
         )
-    return counted, n_valid
+    return counted & in_range, counted.sum(), poison
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
@@ -273,7 +287,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     If every target is ignored the loss is 0 with zero gradients, where PyTorch returns NaN (0/0):
     a batch of nothing but padding then leaves the weights alone instead of poisoning them.
 
-    Costs one host sync to check the target ids.
+    Costs one host sync to check the target ids, except while a CUDA graph is being captured: there an
+    id out of range makes the loss and gradients NaN instead of raising (``_count_targets``).
     """
     _validate(hidden, weight, targets, ignore_index, chunk_tokens)
     vocab, dim = weight.shape

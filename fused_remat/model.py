@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import backend, reference
 from . import context_parallel as cp
-from . import reference
 from .block import TransformerBlock
 from .kernels.limits import check_documents, check_eps, check_softcap, check_window
 from .loss import linear_cross_entropy
@@ -210,7 +210,17 @@ class LanguageModel(nn.Module):
             raise ValueError("LanguageModel: max_seqlen is given without cu_seqlens")
         if position_ids is not None:
             sequences["position_ids"] = position_ids
+        poison = None
+        if backend.graph_capturing():
+            # A graph can neither read the ids on the host nor raise on replay: an id out of range
+            # makes the whole step NaN instead (loud, and dropped by a trainer that skips non-finite
+            # steps), and is clamped so that the embedding's gather stays in bounds.
+            vocab = self.config.vocab_size
+            poison = torch.where(((tokens < 0) | (tokens >= vocab)).any(), torch.nan, 0.0)
+            tokens = tokens.clamp(0, vocab - 1)
         x = self.embed(tokens)
+        if poison is not None:
+            x = x + poison
         for block in self.blocks:
             x = block(x, **sequences)
         x = self._final_norm(x)
@@ -234,12 +244,13 @@ class LanguageModel(nn.Module):
         One min/max reduction and one host sync (on a GPU): without it an out-of-range id fails
         inside the embedding, as a bare IndexError on CPU or a device-side assert on CUDA. Not
         under torch.compile (reading values would break the graph) nor on the meta device (no
-        values): there the embedding's own check remains."""
+        values): there the embedding's own check remains. Nor while a CUDA graph is captured:
+        ``forward`` and the loss then turn an id out of range into a NaN step."""
         if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"{name} must be an int64 or int32 tensor of token ids")
         if tokens.dim() != 2 or 0 in tokens.shape:
             raise ValueError(f"{name} must have shape (batch, seq_len) with both > 0, got {tuple(tokens.shape)}")
-        if torch.compiler.is_compiling() or tokens.device.type == "meta":
+        if torch.compiler.is_compiling() or tokens.device.type == "meta" or backend.graph_capturing():
             return
         ids = tokens if ignore_index is None else tokens.masked_fill(tokens == ignore_index, 0)
         low, high = torch.stack(torch.aminmax(ids)).tolist()

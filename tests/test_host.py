@@ -78,10 +78,7 @@ def kept_results(measured):
 def _capture_cases():
     from bench.host import all_cases
 
-    names = [case.name for case in all_cases()]
-    reasons = {"linear_cross_entropy": "the loss counts its targets and checks their range on the host (a sync)"}
-    return [pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=reasons[name])) if name in reasons
-            else name for name in names]
+    return [case.name for case in all_cases()]
 
 
 @pytest.mark.parametrize("case", _capture_cases())

@@ -112,6 +112,37 @@ def test_every_target_ignored_gives_zero_loss_and_zero_gradients():
         assert fused_remat.linear_cross_entropy(hidden, weight, targets).item() == 0.0
 
 
+def _capturing(monkeypatch):
+    """What the loss sees while a CUDA graph is being captured (bench.host.host_read_guard does the same)."""
+    from fused_remat import backend
+
+    monkeypatch.setattr(backend, "graph_capturing", lambda: True)
+
+
+@pytest.mark.parametrize("leading, ignored", [((113,), 0.1), ((2, 9), 0.0), ((17,), 1.0)])
+def test_capture_form_gives_the_eager_loss_and_gradients_bit_for_bit(monkeypatch, leading, ignored):
+    """Under capture the counts and scales stay on the device; the values must not move."""
+    hidden, weight, targets = _inputs(leading, 300, 24, torch.float32, ignore_fraction=ignored)
+    grad_loss = torch.tensor(0.75)
+    eager = _loss_and_grads(fused_remat.linear_cross_entropy, hidden, weight, targets, grad_loss, chunk_tokens=8)
+    _capturing(monkeypatch)
+    captured = _loss_and_grads(fused_remat.linear_cross_entropy, hidden, weight, targets, grad_loss, chunk_tokens=8)
+    for name, a, b in zip(["loss", "dhidden", "dweight"], eager, captured):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("bad", [11, -1])
+def test_capture_form_makes_an_out_of_range_target_a_nan_step_not_an_error(monkeypatch, bad):
+    """A graph cannot raise on replay: the loss and every gradient are NaN (a loud step that a trainer
+    skipping non-finite steps drops), and no id out of range reaches gather."""
+    hidden, weight, _ = _inputs((6,), 11, 4, torch.float32)
+    targets = torch.tensor([0, 1, bad, 2, -100, 4])
+    _capturing(monkeypatch)
+    loss, dhidden, dweight = _loss_and_grads(fused_remat.linear_cross_entropy, hidden, weight, targets,
+                                             torch.tensor(1.0))
+    assert torch.isnan(loss) and torch.isnan(dhidden).all() and torch.isnan(dweight).all()
+
+
 def test_int32_targets_give_the_same_result():
     hidden, weight, targets = _inputs((300,), 100, 32, torch.float32)
     as_int64 = _loss_and_grads(fused_remat.linear_cross_entropy, hidden, weight, targets, torch.tensor(1.0))

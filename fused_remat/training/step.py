@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from .. import backend
 from .data import Batch
 from .distributed import gradient_sync
 
@@ -56,7 +57,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     measured, not clipped), the optimizer's step and ``zero_grad(set_to_none=True)``.
     With ``finite_only`` a step whose loss or gradient norm is NaN or infinite changes nothing (its
     gradients are dropped, the weights and AdamW moments stay as they were), at the cost of one
-    host sync. ``gradient_scale`` multiplies every backward (context parallelism: see
+    host sync (none while a CUDA graph captures the step: ``graphs.GraphedTrainStep``). ``gradient_scale`` multiplies every backward (context parallelism: see
     ``training/distributed.py``). Returns the mean loss (detached) and the gradient norm before clipping (a DTensor
     under FSDP2)."""
     count = len(micro_batches)
@@ -67,21 +68,40 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
             (loss * (gradient_scale / count)).backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
-    if not finite_only or is_finite(loss_sum, grad_norm):
+    if finite_only and backend.graph_capturing():
+        # A graph cannot read the check on the host: the optimizer drops the step on the device
+        # where found_inf is 1, as under a GradScaler (graphs.check_capturable asks for such an optimizer).
+        optimizer.found_inf = (~torch.isfinite(loss_sum) | ~torch.isfinite(grad_norm)).float()
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+    elif not finite_only or is_finite(loss_sum, grad_norm):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss_sum / count, grad_norm
 
 
-def make_optimizer(model: nn.Module, *, lr: float, weight_decay: float) -> torch.optim.AdamW:
+def make_optimizer(model: nn.Module, *, lr: float, weight_decay: float, capturable: bool = False) -> torch.optim.AdamW:
     """AdamW (betas 0.9/0.95, eps 1e-8) decaying the matrices only (not norms or biases), the fused
-    implementation when the parameters are on CUDA, foreach elsewhere."""
+    implementation when the parameters are on CUDA, foreach elsewhere; ``capturable`` (its step
+    counts on the device) for a step captured in a CUDA graph (``graphs.GraphedTrainStep``)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     groups = [dict(params=[p for p in trainable if p.dim() >= 2], weight_decay=weight_decay),
               dict(params=[p for p in trainable if p.dim() < 2], weight_decay=0.0)]
     on_cuda = any(p.device.type == "cuda" for p in trainable)
     implementation = dict(fused=True) if on_cuda else dict(foreach=True)
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, **implementation)
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, capturable=capturable, **implementation)
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every param group's learning rate to ``lr``: in place where it is a tensor, which a captured
+    step (``graphs.GraphedTrainStep``) reads at each replay."""
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
 
 
 def is_finite(*values: torch.Tensor) -> bool:

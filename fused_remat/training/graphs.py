@@ -1,0 +1,193 @@
+"""The whole training step as one CUDA graph: ``GraphedTrainStep``, what ``--cuda-graphs`` runs and
+what a user's own loop can call in place of ``train_step``.
+
+    optimizer = make_optimizer(model, lr=3e-4, weight_decay=0.1, capturable=True)
+    step = GraphedTrainStep(model, optimizer, compute_dtype=torch.bfloat16, grad_clip=1.0, finite_only=True)
+    for i, batch in enumerate(batches):
+        set_learning_rate(optimizer, schedule(i))
+        loss, grad_norm = step([batch])
+
+The first ``warmup`` calls are ordinary ``train_step``s on a side stream: real steps, during which
+Triton compiles and autotunes, AdamW makes its state and the allocator settles. The next call
+copies its micro-batches into static buffers and captures ``train_step`` (forward and loss,
+backward, clipping, the optimizer's step, ``zero_grad``) into one graph; from then on a call copies
+its batches in and replays the graph, so a step's host cost is a few copies and one launch. Every
+call is a step, computed by the same kernels in the same order, so graphed steps give the eager
+steps' losses and weights.
+
+A replay reads, in place, the static batches, the parameters, the optimizer's state and its
+learning rates (0-dim device tensors, set with ``set_learning_rate``). Whatever else the step
+depended on when it was captured is frozen into the graph, so a change that a replay would ignore
+is refused instead (silently training with stale settings is the failure this module exists to
+prevent): batches of another count, shape or dtype; packed documents (their offsets and lengths
+change per batch); a learning rate replaced rather than set in place; another hyperparameter
+changed; the optimizer's state loaded anew. So are steps a graph cannot hold: remat ``offload``
+(host copies on a side stream), context parallelism (the ring's communication) and data-parallel
+gradient communication; they stay on ``train_step``. With ``finite_only`` a non-finite step is
+dropped on the device (the optimizer's ``found_inf``, as under a GradScaler): the optimizer must
+support it, as fused AdamW does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from .data import Batch
+from .step import train_step
+
+_WHAT = "GraphedTrainStep"
+
+
+class CudaGraphs:
+    """Where the graph is made: the device check, the side stream of the warm-up, the capture."""
+
+    @staticmethod
+    def check_device(device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"{_WHAT}: CUDA graphs need the model on a CUDA device, it is on {device}")
+
+    @staticmethod
+    @contextlib.contextmanager
+    def side_stream(device: torch.device):
+        """Work on a fresh stream that starts after, and is waited for by, the current one: a
+        capture's warm-up must not run on the stream the caching allocator saw before."""
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            yield
+        torch.cuda.current_stream(device).wait_stream(stream)
+
+    @staticmethod
+    def capture(step: Callable[[], tuple[torch.Tensor, ...]]) -> Callable[[], tuple[torch.Tensor, ...]]:
+        """``step`` captured (not run); returns its replay, which runs the captured work and returns
+        the tensors ``step`` returned during capture, now holding that replay's values."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = step()
+
+        def replay() -> tuple[torch.Tensor, ...]:
+            graph.replay()
+            return outputs
+
+        return replay
+
+
+GRAPHS = CudaGraphs()
+
+
+class GraphedTrainStep:
+    """``train_step(model, optimizer, micro_batches, ...)`` captured after ``warmup`` eager steps and
+    replayed; the module docstring says what a replay reads and what it refuses. Returns what
+    ``train_step`` returns (fresh tensors each call, never the graph's own buffers)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, compute_dtype: torch.dtype | None = None,
+                 grad_clip: float = 0.0, finite_only: bool = False, warmup: int = 3):
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+            raise ValueError(f"{_WHAT}: warmup must be an int >= 1 (Triton compiles and the optimizer makes its "
+                             f"state in eager steps before the capture), got {warmup!r}")
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        if not parameters:
+            raise ValueError(f"{_WHAT}: the optimizer has no parameters")
+        self.device = parameters[0].device
+        GRAPHS.check_device(self.device)
+        check_capturable(model, optimizer, finite_only)
+        self.model, self.optimizer, self.warmup = model, optimizer, warmup
+        self.options = dict(compute_dtype=compute_dtype, grad_clip=grad_clip, finite_only=finite_only)
+        # The learning rates as device tensors, set in place (set_learning_rate): a graph reads them
+        # at each replay, where a float would be frozen at capture.
+        for group in optimizer.param_groups:
+            if not (isinstance(group["lr"], torch.Tensor) and group["lr"].device == self.device):
+                group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=self.device)
+        self.steps = 0
+        self.replay: Callable[[], tuple[torch.Tensor, ...]] | None = None
+        self.static: list[Batch] = []
+        self.captured_with: tuple = ()
+
+    def __call__(self, micro_batches: Sequence[Batch | tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        batches = [batch if isinstance(batch, Batch) else Batch(*batch) for batch in micro_batches]
+        for batch in batches:
+            if batch.cu_seqlens is not None:
+                raise ValueError(f"{_WHAT}: packed documents (cu_seqlens) change their offsets and lengths with every "
+                                 "batch, which a graph cannot follow; call train_step for them")
+        self.steps += 1
+        if self.steps <= self.warmup:
+            with GRAPHS.side_stream(self.device):
+                return train_step(self.model, self.optimizer, batches, **self.options)
+        if self.replay is None:
+            self._capture(batches)
+        else:
+            self._check_unchanged(batches)
+        for static, batch in zip(self.static, batches):
+            static.inputs.copy_(batch.inputs, non_blocking=True)
+            static.targets.copy_(batch.targets, non_blocking=True)
+        loss, grad_norm = self.replay()
+        return loss.clone(), grad_norm.clone()
+
+    def _capture(self, batches: list[Batch]) -> None:
+        for batch in batches:
+            if batch.inputs.device != self.device or batch.targets.device != self.device:
+                raise ValueError(f"{_WHAT}: the batches must be on the model's device {self.device}, got inputs on "
+                                 f"{batch.inputs.device} and targets on {batch.targets.device}")
+        self.static = [Batch(torch.empty_like(batch.inputs), torch.empty_like(batch.targets)) for batch in batches]
+        self.captured_with = self._settings()
+        self.layout = _layout(batches)
+        self.replay = GRAPHS.capture(lambda: train_step(self.model, self.optimizer, self.static, **self.options))
+
+    def _settings(self) -> tuple:
+        """What a replay cannot follow if it changes: the optimizer's state and groups (by identity:
+        load_state_dict replaces them), each learning rate tensor, every other hyperparameter."""
+        groups = [(group["lr"], {name: value for name, value in group.items() if name not in ("params", "lr")})
+                  for group in self.optimizer.param_groups]
+        return self.optimizer.state, self.optimizer.param_groups, groups
+
+    def _check_unchanged(self, batches: list[Batch]) -> None:
+        layout = _layout(batches)
+        if layout != self.layout:
+            raise ValueError(f"{_WHAT}: the graph was captured for micro-batches {self.layout} (count, then the "
+                             f"inputs' and targets' shape, dtype and device of each) and got {layout}; a graph "
+                             "replays one layout: keep the batch shape fixed, or call train_step")
+        state, param_groups, groups = self.captured_with
+        if self.optimizer.state is not state or self.optimizer.param_groups is not param_groups:
+            raise RuntimeError(f"{_WHAT}: the optimizer's state or parameter groups were replaced after the capture "
+                               "(load_state_dict?), and the graph updates the old ones; load state before the first "
+                               "call, or make a new GraphedTrainStep")
+        for index, (group, (lr, hyper)) in enumerate(zip(self.optimizer.param_groups, groups)):
+            if group["lr"] is not lr:
+                raise RuntimeError(f"{_WHAT}: param group {index}'s learning rate was replaced after the capture, "
+                                   "which the graph would not see; set it in place with set_learning_rate")
+            now = {name: value for name, value in group.items() if name not in ("params", "lr")}
+            if now != hyper:
+                changed = sorted(name for name in now.keys() | hyper.keys() if now.get(name) != hyper.get(name))
+                raise RuntimeError(f"{_WHAT}: param group {index}'s {', '.join(changed)} changed after the capture, "
+                                   "and the graph keeps the values it was captured with; make a new GraphedTrainStep")
+
+
+def _layout(batches: list[Batch]) -> tuple:
+    return len(batches), tuple((tuple(b.inputs.shape), b.inputs.dtype, b.inputs.device, tuple(b.targets.shape),
+                                b.targets.dtype, b.targets.device) for b in batches)
+
+
+def check_capturable(model: nn.Module, optimizer: torch.optim.Optimizer, finite_only: bool) -> None:
+    """Refuse, naming the setting, a step that one CUDA graph cannot hold."""
+    if not all(group.get("capturable", False) for group in optimizer.param_groups):
+        raise ValueError(f"{_WHAT}: the optimizer must be capturable (its step count and learning rate on the "
+                         "device): make_optimizer(..., capturable=True), or capturable=True to torch.optim")
+    if finite_only and not getattr(optimizer, "_step_supports_amp_scaling", False):
+        raise ValueError(f"{_WHAT}: finite_only drops a non-finite step on the device through the optimizer's "
+                         f"found_inf, which {type(optimizer).__name__} without fused=True does not take: use a fused "
+                         "optimizer (make_optimizer on CUDA) or finite_only=False")
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        raise ValueError(f"{_WHAT}: data-parallel gradient communication is not captured; CUDA graphs run one "
+                         "process's step (world size 1)")
+    for name, module in model.named_modules():
+        if getattr(module, "context_parallel", None) is not None:
+            raise ValueError(f"{_WHAT}: {name or 'the model'} runs context parallelism, whose ring "
+                             "communication a graph does not capture; train it with train_step")
+        remat = getattr(module, "remat", None)
+        if getattr(remat, "host_resident", False) and getattr(module, "memory_budget", None) is None:
+            raise ValueError(f"{_WHAT}: {name or 'the model'} has remat 'offload', whose copies to and from host "
+                             "memory a graph cannot hold; choose a policy that keeps x on the device")

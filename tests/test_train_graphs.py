@@ -1,0 +1,189 @@
+"""The training step as one CUDA graph (training/graphs.py): graphed steps give the eager steps'
+losses and weights, nothing in a step reads values on the host, and every change a replay would
+ignore is refused.
+
+Without a GPU the graph itself is stood in for: ``CpuGraphs.capture`` returns a replay that runs
+the captured step again under ``bench.host.host_read_guard`` (which fails on any host read, as
+capture does, and answers True to ``graph_capturing`` so that every capture-safe form is the one
+that runs). What only a GPU decides (that CUDA captures it, and replays it) is the ``gpu`` test.
+"""
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+
+from bench.host import host_read_guard
+from fused_remat.model import LanguageModel, ModelConfig
+from fused_remat.training import graphs
+from fused_remat.training.data import Batch
+from fused_remat.training.step import make_optimizer, set_learning_rate, train_step
+from conftest import DEVICE
+
+CONFIG = ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=48)
+
+
+class CpuGraphs(graphs.CudaGraphs):
+    check_device = staticmethod(lambda device: None)
+    side_stream = staticmethod(contextlib.nullcontext)
+
+    @staticmethod
+    def capture(step):
+        def replay():
+            with host_read_guard():
+                return step()
+
+        return replay
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch):
+    monkeypatch.setattr(graphs, "GRAPHS", CpuGraphs())
+
+
+def _model_and_optimizer(seed=0, remat="cheap", device="cpu"):
+    torch.manual_seed(seed)
+    model = LanguageModel(CONFIG, remat, device=device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2, device=device), fused=True,
+                                  capturable=True)
+    return model, optimizer
+
+
+def _batches(steps, micro=2, seq=12, device="cpu"):
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, CONFIG.vocab_size, (steps, micro, 2, seq + 1), generator=generator).to(device)
+    return [[(t[:, :-1], t[:, 1:]) for t in step] for step in tokens]
+
+
+def _run(step, optimizer, batches):
+    losses = []
+    for index, micro_batches in enumerate(batches):
+        set_learning_rate(optimizer, 1e-2 / (index + 1))
+        losses.append(step(micro_batches))
+    return losses
+
+
+def test_graphed_steps_give_the_eager_steps_losses_and_weights_and_read_nothing_on_the_host(cpu_graphs):
+    batches = _batches(5)
+    eager, eager_optimizer = _model_and_optimizer()
+    expected = _run(lambda micro: train_step(eager, eager_optimizer, micro, grad_clip=0.5, finite_only=True),
+                    eager_optimizer, batches)
+    graphed, optimizer = _model_and_optimizer()
+    step = graphs.GraphedTrainStep(graphed, optimizer, grad_clip=0.5, finite_only=True, warmup=2)
+    got = _run(step, optimizer, batches)
+    assert step.replay is not None and step.steps == 5
+    for (loss, norm), (want_loss, want_norm) in zip(got, expected):
+        assert torch.equal(loss, want_loss) and torch.equal(norm, want_norm)
+    for (name, ours), theirs in zip(graphed.named_parameters(), eager.parameters()):
+        assert torch.equal(ours, theirs), name
+        assert all(torch.equal(a, b) for a, b in zip(optimizer.state[ours].values(), eager_optimizer.state[theirs].values()))
+
+
+def test_a_replayed_step_returns_fresh_tensors(cpu_graphs):
+    model, optimizer = _model_and_optimizer()
+    step = graphs.GraphedTrainStep(model, optimizer, warmup=1)
+    (first, _), (second, _), (third, _) = _run(step, optimizer, _batches(3))
+    assert len({first.data_ptr(), second.data_ptr(), third.data_ptr()}) == 3 and not torch.equal(second, third)
+
+
+@pytest.mark.parametrize("where, bad_id", [("targets", CONFIG.vocab_size), ("inputs", -1)])
+def test_an_id_out_of_range_drops_the_replayed_step_on_the_device(cpu_graphs, where, bad_id):
+    """Eager raises on it (test_model.py, test_loss.py); a graph cannot, so the step is NaN and makes
+    no update."""
+    model, optimizer = _model_and_optimizer()
+    step = graphs.GraphedTrainStep(model, optimizer, finite_only=True, warmup=1)
+    good, bad = _batches(2)
+    step(good)
+    step(good)
+    before = [p.detach().clone() for p in model.parameters()]
+    moments = [optimizer.state[p]["exp_avg"].clone() for p in model.parameters()]
+    tokens = dict(zip(("inputs", "targets"), bad[0]))
+    tokens[where] = tokens[where].clone()
+    tokens[where][0, 3] = bad_id
+    loss, _ = step([(tokens["inputs"], tokens["targets"]), bad[1]])
+    assert torch.isnan(loss)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert all(torch.equal(optimizer.state[p]["exp_avg"], m) for p, m in zip(model.parameters(), moments))
+
+
+def _captured(seq=12):
+    model, optimizer = _model_and_optimizer()
+    step = graphs.GraphedTrainStep(model, optimizer, warmup=1)
+    _run(step, optimizer, _batches(2, seq=seq))
+    return step, optimizer
+
+
+def test_a_replay_refuses_what_it_would_ignore(cpu_graphs):
+    step, optimizer = _captured()
+    with pytest.raises(ValueError, match=r"^GraphedTrainStep: the graph was captured for micro-batches \(2, .*a graph "
+                                         "replays one layout"):
+        step(_batches(1, seq=13)[0])
+    with pytest.raises(ValueError, match=r"captured for micro-batches"):
+        step(_batches(1, micro=1)[0])
+    optimizer.param_groups[0]["lr"] = 1e-3
+    with pytest.raises(RuntimeError, match=r"param group 0's learning rate was replaced .*set_learning_rate"):
+        step(_batches(1)[0])
+
+    step, optimizer = _captured()
+    optimizer.param_groups[0]["weight_decay"] = 0.5
+    with pytest.raises(RuntimeError, match=r"param group 0's weight_decay changed after the capture"):
+        step(_batches(1)[0])
+
+    step, optimizer = _captured()
+    optimizer.load_state_dict(optimizer.state_dict())
+    with pytest.raises(RuntimeError, match=r"optimizer's state or parameter groups were replaced .*load_state_dict"):
+        step(_batches(1)[0])
+
+
+def test_steps_a_graph_cannot_hold_are_refused_before_any_step(cpu_graphs):
+    inputs, targets = _batches(1)[0][0]
+    documents = Batch(inputs, targets, torch.tensor([0, 5, 12, 24], dtype=torch.int32), 12)
+    model, optimizer = _model_and_optimizer()
+    with pytest.raises(ValueError, match=r"^GraphedTrainStep: packed documents \(cu_seqlens\) change"):
+        graphs.GraphedTrainStep(model, optimizer)([documents])
+    with pytest.raises(ValueError, match=r"the optimizer must be capturable .*make_optimizer\(\.\.\., capturable=True\)"):
+        graphs.GraphedTrainStep(model, make_optimizer(model, lr=1e-3, weight_decay=0.0))
+    foreach = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True, capturable=True)
+    with pytest.raises(ValueError, match=r"finite_only drops a non-finite step on the device .*AdamW without fused"):
+        graphs.GraphedTrainStep(model, foreach, finite_only=True)
+    offloaded, optimizer = _model_and_optimizer(remat="offload")
+    with pytest.raises(ValueError, match=r"blocks\.0 has remat 'offload', whose copies to and from host memory"):
+        graphs.GraphedTrainStep(offloaded, optimizer)
+    with pytest.raises(ValueError, match=r"warmup must be an int >= 1"):
+        graphs.GraphedTrainStep(model, optimizer, warmup=0)
+
+
+def test_a_cpu_model_is_refused():
+    model, optimizer = _model_and_optimizer()
+    with pytest.raises(ValueError, match=r"^GraphedTrainStep: CUDA graphs need the model on a CUDA device, it is on cpu"):
+        graphs.GraphedTrainStep(model, optimizer)
+
+
+@pytest.mark.parametrize("policy", ["offload"])
+def test_the_block_refuses_offload_under_capture(monkeypatch, policy):
+    from fused_remat import TransformerBlock, backend
+
+    block = TransformerBlock(32, 2, remat=policy)
+    monkeypatch.setattr(backend, "graph_capturing", lambda: True)
+    if not backend.use_triton("block", torch.device("cpu")):
+        pytest.skip("the reference block runs where the kernels cannot")
+    with pytest.raises(RuntimeError, match=r"remat 'offload' copies x to host memory .*a CUDA graph cannot hold"):
+        block(torch.randn(1, 4, 32))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_steps_give_the_eager_steps_losses_and_weights():
+    batches = _batches(6, device=DEVICE)
+    eager, eager_optimizer = _model_and_optimizer(device=DEVICE)
+    expected = _run(lambda micro: train_step(eager, eager_optimizer, micro, compute_dtype=torch.bfloat16, grad_clip=1.0,
+                                             finite_only=True), eager_optimizer, batches)
+    graphed, optimizer = _model_and_optimizer(device=DEVICE)
+    step = graphs.GraphedTrainStep(graphed, optimizer, compute_dtype=torch.bfloat16, grad_clip=1.0, finite_only=True,
+                                   warmup=2)
+    got = _run(step, optimizer, batches)
+    assert step.replay is not None
+    for (loss, norm), (want_loss, want_norm) in zip(got, expected):
+        assert torch.equal(loss, want_loss) and torch.equal(norm, want_norm)
+    for ours, theirs in zip(graphed.parameters(), eager.parameters()):
+        assert torch.equal(ours, theirs)
