@@ -10,6 +10,13 @@ Providers (all with the same weights, loaded from one reference block, and the s
     eager                fused_remat.reference.TransformerBlock (nn.Linear, SDPA)
     checkpoint           torch.utils.checkpoint.checkpoint(reference, x, use_reentrant=False)
     compile              torch.compile(reference, dynamic=False), compiled per case
+    fused_remat-graphed  ours, "cheap", the whole step (zeroing, forward, backward) one CUDA graph
+    eager-graphed        the reference block's whole step as one CUDA graph
+    compile-reduce-overhead          torch.compile(reference, mode="reduce-overhead") (CUDA graphs)
+    fused_remat-reduce-overhead      torch.compile(ours, mode="reduce-overhead")
+
+A graphed provider copies each call's x and dy into the graph's static buffers and replays it: the
+copies are timed, as a graphed training step pays them.
 
 Configurations, bf16 parameters and inputs, batch 1, causal, N from 2k to 32k (quick: fewer):
 GPT-2 small (dim 768, 12 heads, tanh GELU as in GPT-2, LayerNorm, biases), GPT-2 medium (1024,
@@ -54,7 +61,7 @@ import torch.utils.checkpoint
 
 import fused_remat
 from bench.harness import Case, Suite, compiled_triton, dtype_name, pytest_benchmark_case, rotating
-from bench.providers import compiled
+from bench.providers import compiled, graphed, reduce_overhead
 from fused_remat import reference
 from fused_remat.flops import attention_flops
 
@@ -104,12 +111,25 @@ def _forwards(config: dict, device: str, dtype: torch.dtype, compile_peer: bool)
 
         return build
 
+    def compiled_ours(remat, wrap):
+        def build():
+            block = _ours(config, remat, device, dtype)
+            return wrap(block), list(block.parameters())
+
+        return build
+
     builds = {name: ours(remat) for name, remat in POLICIES.items()}
     builds["eager"] = peer(lambda block: block)
     builds["checkpoint"] = peer(lambda block: lambda x: torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False))
     if compile_peer:
         builds["compile"] = peer(compiled)
+        builds["compile-reduce-overhead"] = peer(reduce_overhead)
+        builds["fused_remat-reduce-overhead"] = compiled_ours("cheap", reduce_overhead)
     return builds
+
+
+# provider -> the provider whose step it captures as one CUDA graph (on a GPU only)
+GRAPHED = {"fused_remat-graphed": "fused_remat", "eager-graphed": "eager"}
 
 
 def _inputs(batch: int, n: int, dim: int, dtype: torch.dtype, device: str):
@@ -125,8 +145,9 @@ def _inputs(batch: int, n: int, dim: int, dtype: torch.dtype, device: str):
     return make
 
 
-def _provider(build, batch: int, n: int, dim: int, dtype: torch.dtype, device: str):
-    """A factory of the zero-argument step to time; the step returns (dx, *parameter gradients)."""
+def _provider(build, batch: int, n: int, dim: int, dtype: torch.dtype, device: str, graph: bool = False):
+    """A factory of the zero-argument step to time; the step returns (dx, *parameter gradients).
+    With ``graph`` the step is captured once as a CUDA graph and replayed (providers.graphed)."""
 
     def factory():
         forward, params = build()
@@ -139,7 +160,8 @@ def _provider(build, batch: int, n: int, dim: int, dtype: torch.dtype, device: s
             torch.autograd.backward(forward(x), dy)
             return (x.grad, *grads)
 
-        return rotating(_inputs(batch, n, dim, dtype, device), step)
+        make = _inputs(batch, n, dim, dtype, device)
+        return rotating(make, graphed(step, make()) if graph else step)
 
     return factory
 
@@ -175,7 +197,9 @@ def case(name: str, n: int, device: str = "cuda") -> Case:
         params={"config": name, "batch": batch, "n": n, "dim": config["dim"], "heads": config["n_heads"],
                 "kv_heads": config.get("n_kv_heads", config["n_heads"]), "dtype": dtype_name(dtype),
                 "baseline": "eager"},
-        providers={provider: _provider(build, batch, n, config["dim"], dtype, device) for provider, build in builds.items()},
+        providers={**{provider: _provider(build, batch, n, config["dim"], dtype, device) for provider, build in builds.items()},
+                   **({provider: _provider(builds[source], batch, n, config["dim"], dtype, device, graph=True)
+                       for provider, source in GRAPHED.items()} if device == "cuda" else {})},
         unit="TFLOP/s", work=step_flops(config, batch, n), ceiling="matmul",
     )
 
@@ -219,7 +243,8 @@ def test_smoke_on_cpu(triton_backend):
 
 
 @pytest.mark.gpu  # conftest.py skips it without a CUDA device and compiled Triton
-@pytest.mark.parametrize("provider", [*POLICIES, "eager", "checkpoint", "compile"])
+@pytest.mark.parametrize("provider", [*POLICIES, "eager", "checkpoint", "compile", "compile-reduce-overhead",
+                                      "fused_remat-reduce-overhead", *GRAPHED])
 @pytest.mark.parametrize("point", grid(quick=True), ids=lambda point: f"{point[0]}-N{point[1]}")
 def test_gpu(point, provider, benchmark):
     pytest_benchmark_case(benchmark, case(*point), provider)

@@ -5,10 +5,13 @@
 #   bash bench/gpu_check.sh [--dry-run] [--out DIR] [STAGE...]
 #
 #   install   install this project over the machine's torch and triton; versions, a kernel launch
+#   block     first, what users feel: the block's forward+backward (cheap, none, full) against eager,
+#             checkpoint and torch.compile (default and reduce-overhead), eager and as CUDA graphs,
+#             with host_ms, at GPT-2-small N2048 and N8192 and Llama N4096
+#   train     the README's main job without documents, 30 steps eager then 30 with --cuda-graphs
+#             (tokens per second of each; metrics and plots kept, not the checkpoints)
 #   tests     the gpu-marked tests (long sequences, bf16), then the kernels' own tests on the GPU
-#   bench     attention (against SDPA's flash, cuDNN and efficient backends), the block (against
-#             eager, checkpoint and torch.compile), norms and memory, quick mode
-#   train     the README's main job, 100 steps (its metrics and plot kept, not its checkpoint)
+#   bench     attention (against SDPA's flash, cuDNN and efficient backends), norms and memory, quick mode
 #   capacity  --find-max-seq-len: the longest sequence per policy beside the reference block
 #
 # Default: every stage, in that order; name some to run only those (one device call each). Each
@@ -17,11 +20,12 @@
 # them, then `python -m bench readme` puts them in the README's Results. Each stage stops itself
 # after STAGE_SECONDS (default 540) so that a call's 10 minutes leave time to fetch the results.
 #
-# A 15-minute lease (one machine start, about a minute, then one 10-minute call) fits install, tests
-# and bench, each under its own limit, in one call, as on the first H200 (bench/results/NVIDIA-H200):
+# A 15-minute lease (one machine start, about a minute, then one 10-minute call) fits install, block,
+# train and tests, each under its own limit, in one call:
 #   PYTHON=python3 STAGE_SECONDS=60 bash bench/gpu_check.sh install; \
-#   PYTHON=python3 STAGE_SECONDS=300 bash bench/gpu_check.sh tests; \
-#   PYTHON=python3 STAGE_SECONDS=200 bash bench/gpu_check.sh bench
+#   PYTHON=python3 STAGE_SECONDS=200 bash bench/gpu_check.sh block; \
+#   PYTHON=python3 STAGE_SECONDS=120 bash bench/gpu_check.sh train; \
+#   PYTHON=python3 STAGE_SECONDS=150 bash bench/gpu_check.sh tests
 # then copy bench/results/<gpu>/ into $OUT (as one tar: a call brings back at most 8 files).
 #
 # --dry-run runs every stage in miniature on a CPU, through Triton's interpreter or the reference
@@ -37,12 +41,12 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry=1 ;;
     --out) out=${2:?--out needs a folder}; shift ;;
-    install|tests|bench|train|capacity) stages+=("$1") ;;
-    *) echo "usage: bash bench/gpu_check.sh [--dry-run] [--out DIR] [install|tests|bench|train|capacity ...]" >&2; exit 2 ;;
+    install|block|train|tests|bench|capacity) stages+=("$1") ;;
+    *) echo "usage: bash bench/gpu_check.sh [--dry-run] [--out DIR] [install|block|train|tests|bench|capacity ...]" >&2; exit 2 ;;
   esac
   shift
 done
-[ ${#stages[@]} -gt 0 ] || stages=(install tests bench train capacity)
+[ ${#stages[@]} -gt 0 ] || stages=(install block train tests bench capacity)
 if [ "$dry" -eq 1 ]; then
   [ -n "$out" ] || { echo "--dry-run needs --out DIR: its figures never go to bench/results/" >&2; exit 2; }
   export TRITON_INTERPRET=1
@@ -102,25 +106,43 @@ tests() {
   return $(( rc || $? ))
 }
 
+block() {
+  if [ "$dry" -eq 1 ]; then
+    # the suite's own smoke run is a CI test (bench/bench_block.py): here the stage's path
+    "$python" -m bench --smoke --quick --out "$out/block" block
+  else
+    "$python" -m bench --quick --out "$out" block
+  fi
+}
+
 bench() {
   if [ "$dry" -eq 1 ]; then
     # the suites' own smoke runs are CI tests (tests/test_bench_cli.py): here the stage's path, on the quickest
     "$python" -m bench --smoke --quick --out "$out/bench" norms && "$python" -m bench summary --out "$out/bench"
   else
-    "$python" -m bench --quick --out "$out" attention block norms memory && "$python" -m bench summary --out "$out"
+    "$python" -m bench --quick --out "$out" attention norms memory && "$python" -m bench summary --out "$out"
   fi
 }
 
 train() {
+  # Without documents (a graph replays one batch layout), so that the two runs train the same job.
   if [ "$dry" -eq 1 ]; then
     "$python" -m fused_remat.train --backend reference --steps 2 --eval-interval 2 --seq-len 32 --batch-size 2 \
-      --eval-batches 2 --out "$out/train_main"
-  else  # the run's checkpoint (GBs) stays out of the results: its metrics and plot are copied over
-    local run_dir
-    run_dir=$(mktemp -d)
-    "$python" -m fused_remat.train --steps 100 --out "$run_dir" || return 1
-    mkdir -p "$out/train_main" && cp "$run_dir/metrics.jsonl" "$run_dir"/*.png "$out/train_main/"
+      --eval-batches 2 --document-boundary none --out "$out/train_main"
+    return
   fi
+  local name run_dir  # each run's checkpoint (GBs) stays out of the results: its metrics and plot are copied over
+  for name in train_main train_main_graphed; do
+    run_dir=$(mktemp -d)
+    local graphs=()
+    [ "$name" = train_main ] || graphs=(--cuda-graphs)
+    "$python" -m fused_remat.train --steps 30 --eval-interval 30 --document-boundary none "${graphs[@]}" \
+      --out "$run_dir" || return 1
+    mkdir -p "$out/$name" && cp "$run_dir/metrics.jsonl" "$run_dir"/*.png "$out/$name/"
+    "$python" -c "import json, sys, statistics as s; r = [json.loads(l) for l in open(sys.argv[1])][5:]; \
+print(sys.argv[2], 'tokens/s (median after 5 steps):', round(s.median(x['tokens_per_s'] for x in r)))" \
+      "$run_dir/metrics.jsonl" "$name"
+  done
 }
 
 capacity() {
@@ -133,7 +155,7 @@ capacity() {
 }
 
 export python out dry
-export -f install tests bench train capacity
+export -f install block train tests bench capacity
 failed=0
 for stage in "${stages[@]}"; do
   run_stage "$stage"

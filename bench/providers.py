@@ -44,6 +44,37 @@ def compiled(eager: Callable) -> Callable:
     return torch.compile(eager, dynamic=False)
 
 
+def reduce_overhead(eager: Callable) -> Callable:
+    """``torch.compile(eager, mode="reduce-overhead")``: Inductor's code replayed through CUDA
+    graphs (cudagraph trees), after dropping every earlier compilation."""
+    torch._dynamo.reset()
+    return torch.compile(eager, mode="reduce-overhead", dynamic=False)
+
+
+def graphed(step: Callable[..., tuple], static_inputs: tuple, warmup: int = 3) -> Callable[..., tuple]:
+    """``step(*static_inputs)`` captured as one CUDA graph after ``warmup`` calls on a side stream; the
+    returned callable copies its arguments into ``static_inputs`` and replays, returning the
+    tensors the captured call returned (what a graphed training step does: static buffers in, one
+    launch)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            step(*static_inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step(*static_inputs)
+
+    def replay(*inputs):
+        for static, given in zip(static_inputs, inputs):
+            static.copy_(given, non_blocking=True)
+        graph.replay()
+        return outputs
+
+    return replay
+
+
 def fused_attention(causal: bool) -> Callable:
     """fused_remat.attention(q, k, v) with ``causal`` bound."""
     import fused_remat

@@ -118,6 +118,23 @@ def test_language_model_compiles_without_graph_breaks(device, triton_backend):
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("remat", ["cheap", "full"])
+def test_reduce_overhead_captures_the_block_without_a_cudagraph_skip(remat):
+    """torch.compile(mode="reduce-overhead") replays our operators in its CUDA graphs: no skip
+    (a host read, a CPU tensor or an input mutation would make Inductor run the graph eagerly)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    block = _block("cuda", remat)
+    compiled = torch.compile(block, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):
+        x = torch.randn(2, 64, DIM, device="cuda", requires_grad=True)
+        _assert_same(_run(block, [x]), _run(compiled, [x]))
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
 @pytest.mark.parametrize("name", (*OPS, "block"))
 def test_second_derivatives_are_refused_clearly(name, device, triton_backend):
     if name == "block":

@@ -11,7 +11,7 @@ from pathlib import Path
 from bench.report import readme_section
 
 REPO = Path(__file__).resolve().parent.parent
-STAGES = ("install", "tests", "bench", "train", "capacity")
+STAGES = ("install", "block", "train", "tests", "bench", "capacity")
 
 
 def _gpu_check(*arguments: str) -> subprocess.CompletedProcess:

@@ -9,7 +9,8 @@ that runs). What only a GPU decides (that CUDA captures it, and replays it) is t
 """
 
 import contextlib
-import dataclasses
+import json
+import math
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import torch
 from bench.host import host_read_guard
 from fused_remat.model import LanguageModel, ModelConfig
 from fused_remat.training import graphs
+from fused_remat.training.config import TrainConfig
 from fused_remat.training.data import Batch
 from fused_remat.training.step import make_optimizer, set_learning_rate, train_step
 from conftest import DEVICE
@@ -27,9 +29,11 @@ CONFIG = ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=2, n_kv_heads=1,
 class CpuGraphs(graphs.CudaGraphs):
     check_device = staticmethod(lambda device: None)
     side_stream = staticmethod(contextlib.nullcontext)
+    captures = 0
 
-    @staticmethod
-    def capture(step):
+    def capture(self, step):
+        self.captures += 1
+
         def replay():
             with host_read_guard():
                 return step()
@@ -39,7 +43,9 @@ class CpuGraphs(graphs.CudaGraphs):
 
 @pytest.fixture
 def cpu_graphs(monkeypatch):
-    monkeypatch.setattr(graphs, "GRAPHS", CpuGraphs())
+    stand_in = CpuGraphs()
+    monkeypatch.setattr(graphs, "GRAPHS", stand_in)
+    return stand_in
 
 
 def _model_and_optimizer(seed=0, remat="cheap", device="cpu"):
@@ -152,6 +158,31 @@ def test_steps_a_graph_cannot_hold_are_refused_before_any_step(cpu_graphs):
         graphs.GraphedTrainStep(offloaded, optimizer)
     with pytest.raises(ValueError, match=r"warmup must be an int >= 1"):
         graphs.GraphedTrainStep(model, optimizer, warmup=0)
+
+
+@pytest.mark.parametrize("device_type, options, message", [
+    ("cpu", dict(document_boundary="none"), "needs a CUDA device"),
+    ("cuda", dict(), "replays one batch layout, and documents change theirs .*--document-boundary none"),
+    ("cuda", dict(document_boundary="none", remat="cheap,offload"), "cannot hold --remat offload's copies"),
+    ("cuda", dict(document_boundary="none", context_parallel=2, seq_len=64), "cannot capture --context-parallel"),
+    ("cuda", dict(document_boundary="none", distributed="ddp"), "captures one process.s step: leave out --distributed"),
+    ("cuda", dict(document_boundary="none", find_max_seq_len=True), "does not apply to --find-max-seq-len"),
+])
+def test_the_trainer_refuses_cuda_graphs_where_a_graph_cannot_hold_the_step(device_type, options, message):
+    with pytest.raises(ValueError, match=f"^--cuda-graphs {message}"):
+        TrainConfig.build(device_type, cuda_graphs=True, **options)
+    assert TrainConfig.build("cuda", cuda_graphs=True, document_boundary="none").cuda_graphs
+
+
+def test_the_trainer_replays_one_graph_after_its_warm_up(cpu_graphs, monkeypatch, tmp_path):
+    from fused_remat.training import cli, config
+
+    monkeypatch.setattr(config, "_check_cuda_graphs", lambda *args: None)  # the stand-in graphs run on CPU
+    assert cli.main(["--preset", "tiny", "--steps", "5", "--seq-len", "16", "--batch-size", "2", "--grad-accum", "2",
+                     "--document-boundary", "none", "--cuda-graphs", "--out", str(tmp_path)]) == 0
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(5)) and cpu_graphs.captures == 1
+    assert all(math.isfinite(r["loss"]) for r in records) and records[-1]["loss"] < records[0]["loss"]
 
 
 def test_a_cpu_model_is_refused():

@@ -5,6 +5,7 @@
     python -m fused_remat.train --data train.bin --vocab-size 50304 --document-boundary 50256 --out runs/owt
     python -m fused_remat.train --out runs/owt --resume          # continues bit for bit
     python -m fused_remat.train --find-max-seq-len               # longest trainable sequence per policy
+    python -m fused_remat.train --cuda-graphs --document-boundary none   # every step one graph replay
     torchrun --nproc_per_node 8 -m fused_remat.train --distributed fsdp ...
     torchrun --nproc_per_node 8 -m fused_remat.train --distributed fsdp --context-parallel 4 --seq-len 131072 ...
 
@@ -116,6 +117,11 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--context-parallel", type=int, metavar="N",
                         help="under torchrun: split every sequence over N ranks (ring attention, zigzag chunks; "
                         "--seq-len divisible by 2N); the world is N-rank groups x data parallel (default 1)")
+    parser.add_argument("--cuda-graphs", action="store_true", default=None,
+                        help="capture one whole step (forward, backward, clipping, AdamW) as a CUDA graph after three "
+                        "eager steps and replay it: a step's host time becomes a few copies and one launch. One GPU, "
+                        "fixed batch shapes: not with documents (--document-boundary none), --remat offload, "
+                        "--context-parallel or torchrun's data parallelism")
     parser.add_argument("--find-max-seq-len", action="store_true",
                         help="instead of training: the longest sequence that trains one step, per policy")
     flags = parser.parse_args(argv)

@@ -111,6 +111,7 @@ class TrainConfig:
     # --document-boundary: the token id that begins each document of --data, NO_DOCUMENTS, or None
     # for the documents the data marks itself (the default corpus's files; none in text and .bin).
     document_boundary: int | str | None = None
+    cuda_graphs: bool = False  # --cuda-graphs: each step after the warm-up one graph replay (graphs.GraphedTrainStep)
 
     @classmethod
     def build(cls, device_type: str, **options) -> TrainConfig:
@@ -151,6 +152,8 @@ class TrainConfig:
             raise ValueError(f"--context-parallel {parallel} cannot keep attention within documents (the ring passes no "
                              f"document masks), and {marked_by}: pass --document-boundary {NO_DOCUMENTS} to attend "
                              "over whole rows")
+        if values.get("cuda_graphs"):
+            _check_cuda_graphs(device_type, values, masking)
         if values["preset"] not in PRESETS:
             raise ValueError(f"--preset must be one of {', '.join(PRESETS)}, got {values['preset']!r}")
         values.setdefault("lr", PEAK_LR[values["preset"]])
@@ -225,3 +228,23 @@ def _document_masking(document_boundary: int | str | None, data: str | None) -> 
     if document_boundary is None:
         return data is None  # only the default corpus marks its own documents
     return document_boundary != NO_DOCUMENTS
+
+
+def _check_cuda_graphs(device_type: str, values: dict, masking: bool) -> None:
+    """Refuse, naming the flag, what one captured step cannot hold (graphs.check_capturable says why)."""
+    why = None
+    if device_type != "cuda":
+        why = "needs a CUDA device"
+    elif values.get("find_max_seq_len"):
+        why = "does not apply to --find-max-seq-len, which measures eager steps"
+    elif values.get("context_parallel", 1) > 1:
+        why = "cannot capture --context-parallel's ring communication"
+    elif values.get("distributed") is not None:
+        why = "captures one process's step: leave out --distributed (and torchrun)"
+    elif masking:
+        why = (f"replays one batch layout, and documents change theirs with every batch: pass --document-boundary "
+               f"{NO_DOCUMENTS} to attend over whole rows")
+    elif values.get("remat") == "offload" or "offload" in str(values.get("remat", "")).split(","):
+        why = "cannot hold --remat offload's copies to host memory"
+    if why is not None:
+        raise ValueError(f"--cuda-graphs {why}")

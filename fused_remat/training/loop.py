@@ -37,7 +37,8 @@ from .config import TrainConfig, describe_size
 from .distributed import (Distributed, checkpoint_group, load_sharded_training_state, load_training_state,
                           sharded_training_state, training_state, unwrap, wrap_model)
 from .reporting import Progress, plot_metrics, read_metrics, write_metrics
-from .step import batch_loss, make_optimizer, train_step
+from .graphs import GraphedTrainStep
+from .step import batch_loss, make_optimizer, set_learning_rate, train_step
 
 
 def resolve_remat(config: TrainConfig, model_config: ModelConfig, device: torch.device,
@@ -302,7 +303,7 @@ def _train(config: TrainConfig, run: Distributed, stop: StopRequest) -> int:
     model = LanguageModel(model_config, policies, block_impl=config.block, memory_budget=config.memory_fraction,
                           context_parallel=run.context_parallel_group, device=device)
     model = wrap_model(model, run)
-    optimizer = make_optimizer(model, lr=config.lr, weight_decay=config.weight_decay)
+    optimizer = make_optimizer(model, lr=config.lr, weight_decay=config.weight_decay, capturable=config.cuda_graphs)
     start_step = 0
     if state is not None:
         if state.get("backend", backend) != backend:
@@ -364,21 +365,23 @@ def _train(config: TrainConfig, run: Distributed, stop: StopRequest) -> int:
         run.barrier()
         saved = step
 
+    options = dict(compute_dtype=config.compute_dtype, grad_clip=config.grad_clip, finite_only=True)
+    if config.cuda_graphs:  # made after the resume: the graph updates the optimizer state loaded above
+        step_once = GraphedTrainStep(model, optimizer, **options)
+    else:
+        step_once = functools.partial(train_step, model, optimizer, gradient_scale=run.gradient_scale, **options)
     progress = Progress(config.steps, start_step, enabled=run.is_main)
     step, skipped, unwritten = start_step, 0, None
     try:
         while step < config.steps:
             started = time.perf_counter()
             lr = config.learning_rate(step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            set_learning_rate(optimizer, lr)
             data.check_files_unchanged()
             slots = [micro_batch_slot(run, config.grad_accum, micro) for micro in range(config.grad_accum)]
             micro_batches = [local_batch(token_data.train_batch(data, step, 0, slot, config.batch_size, config.seq_len,
                                                                 config.seed), run).to(device) for slot in slots]
-            loss, grad_norm = train_step(model, optimizer, micro_batches,
-                                         compute_dtype=config.compute_dtype, grad_clip=config.grad_clip,
-                                         finite_only=True, gradient_scale=run.gradient_scale)
+            loss, grad_norm = step_once(micro_batches)
             step += 1
             record = unwritten = dict(step=step - 1, loss=run.mean(float(loss)), lr=lr,
                                       grad_norm=float(_full(grad_norm)), peak_memory=peak_memory(device))

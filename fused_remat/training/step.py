@@ -57,8 +57,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     measured, not clipped), the optimizer's step and ``zero_grad(set_to_none=True)``.
     With ``finite_only`` a step whose loss or gradient norm is NaN or infinite changes nothing (its
     gradients are dropped, the weights and AdamW moments stay as they were), at the cost of one
-    host sync (none while a CUDA graph captures the step: ``graphs.GraphedTrainStep``). ``gradient_scale`` multiplies every backward (context parallelism: see
-    ``training/distributed.py``). Returns the mean loss (detached) and the gradient norm before clipping (a DTensor
+    host sync (none while a CUDA graph captures the step: ``graphs.GraphedTrainStep``).
+    ``gradient_scale`` multiplies every backward (context parallelism: see ``training/distributed.py``). Returns the mean loss (detached) and the gradient norm before clipping (a DTensor
     under FSDP2)."""
     count = len(micro_batches)
     loss_sum = None
@@ -84,13 +84,13 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 def make_optimizer(model: nn.Module, *, lr: float, weight_decay: float, capturable: bool = False) -> torch.optim.AdamW:
     """AdamW (betas 0.9/0.95, eps 1e-8) decaying the matrices only (not norms or biases), the fused
-    implementation when the parameters are on CUDA, foreach elsewhere; ``capturable`` (its step
-    counts on the device) for a step captured in a CUDA graph (``graphs.GraphedTrainStep``)."""
+    implementation when the parameters are on CUDA or ``capturable`` (its step counts on the device,
+    for a step captured in a CUDA graph: ``graphs.GraphedTrainStep``), foreach elsewhere."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     groups = [dict(params=[p for p in trainable if p.dim() >= 2], weight_decay=weight_decay),
               dict(params=[p for p in trainable if p.dim() < 2], weight_decay=0.0)]
     on_cuda = any(p.device.type == "cuda" for p in trainable)
-    implementation = dict(fused=True) if on_cuda else dict(foreach=True)
+    implementation = dict(fused=True) if on_cuda or capturable else dict(foreach=True)
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, capturable=capturable, **implementation)
 
 
