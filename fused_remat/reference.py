@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from . import backend
 from .kernels.limits import (
     MAX_HEAD_DIM,
     check_attention_scale,
@@ -248,6 +249,10 @@ def check_adapters(op: str, adapters, layers: dict) -> tuple:
         if isinstance(adapter.dropout, bool) or not isinstance(adapter.dropout, numbers.Real) \
                 or not 0 <= adapter.dropout < 1:
             raise ValueError(f"{where}.dropout must be a probability in [0, 1), got {adapter.dropout!r}")
+        if adapter.dropout and not adapter.seed and backend.graph_capturing():
+            raise RuntimeError(f"{where}: LoRA dropout draws a new mask for every call, which a CUDA graph would "
+                               "freeze into the same mask on every replay; set the dropout to 0 (or a fixed seed) "
+                               "to capture, or train without CUDA graphs")
     # a mask seed per call where none is given, from the global generator (as nn.Dropout draws from it)
     return tuple(dataclasses.replace(a, seed=int(torch.randint(1, 2**62, ()))) if a.dropout and not a.seed else a
                  for a in adapters)

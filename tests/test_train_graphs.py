@@ -9,6 +9,7 @@ that runs). What only a GPU decides (that CUDA captures it, and replays it) is t
 """
 
 import contextlib
+import dataclasses
 import json
 import math
 
@@ -201,6 +202,20 @@ def test_the_block_refuses_offload_under_capture(monkeypatch, policy):
         pytest.skip("the reference block runs where the kernels cannot")
     with pytest.raises(RuntimeError, match=r"remat 'offload' copies x to host memory .*a CUDA graph cannot hold"):
         block(torch.randn(1, 4, 32))
+
+
+def test_lora_dropout_drawn_per_call_is_refused_under_capture(monkeypatch):
+    """A mask drawn per call would be frozen into the graph: every replay the same mask."""
+    from fused_remat import TransformerBlock, backend
+    from fused_remat.reference import LowRankAdapter
+
+    block = TransformerBlock(32, 2)
+    adapter = LowRankAdapter("qkv", torch.randn(4, 32), torch.randn(96, 4), 1.0, dropout=0.1)
+    x = torch.randn(1, 4, 32)
+    monkeypatch.setattr(backend, "graph_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match=r"adapters\[0\]: LoRA dropout draws a new mask for every call"):
+        block(x, adapters=[adapter])
+    block(x, adapters=[dataclasses.replace(adapter, seed=7)])  # a fixed mask is the caller's choice
 
 
 @pytest.mark.gpu

@@ -244,7 +244,7 @@ def _check_cuda_graphs(device_type: str, values: dict, masking: bool) -> None:
     elif masking:
         why = (f"replays one batch layout, and documents change theirs with every batch: pass --document-boundary "
                f"{NO_DOCUMENTS} to attend over whole rows")
-    elif values.get("remat") == "offload" or "offload" in str(values.get("remat", "")).split(","):
+    elif "offload" in str(values.get("remat", "")).split(","):
         why = "cannot hold --remat offload's copies to host memory"
     if why is not None:
         raise ValueError(f"--cuda-graphs {why}")
