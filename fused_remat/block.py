@@ -15,6 +15,7 @@ Nothing of size N x N is ever kept.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -238,14 +239,29 @@ class _Sequences:
 
 def _rope_qk_(qkv: torch.Tensor, g: _BlockCall, seqs: _Sequences, inverse: bool) -> None:
     """RoPE on the q and k heads of a packed qkv (or, inverse, dqkv) buffer, in place."""
-    # D/2 frequencies, computed per call rather than cached: a cache would be invisible to torch.compile.
     inv_freq = seqs.rope_inv_freq
     if inv_freq is None:
-        inv_freq = reference.rope_inverse_frequencies(g.head_dim, g.rope_theta, qkv.device)
+        inv_freq = _inverse_frequencies(g.head_dim, g.rope_theta, qkv.device)
     group = g.context_parallel_group()
     chunk_starts = None if group is None else list(context_parallel.local_chunk_starts(g.seq, group))
     custom_ops.direct.rope_qk_(qkv, inv_freq, g.batch, g.n_heads, g.n_kv_heads, inverse, chunk_starts,
                         seqs.rope_positions(g))
+
+
+def _inverse_frequencies(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """RoPE's D/2 inverse frequencies for ``theta``: kept per (head_dim, theta, device) for eager
+    calls; made in the call where torch.compile traces (a kept tensor would be invisible to it) or a
+    CUDA graph is being captured (its kernels run only at replay, so a tensor kept from the capture
+    would hold nothing for the eager calls after it)."""
+    if custom_ops.traced(device) or backend.graph_capturing():
+        return reference.rope_inverse_frequencies(head_dim, theta, device)
+    return _kept_inverse_frequencies(head_dim, theta, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _kept_inverse_frequencies(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    with torch.inference_mode(False), torch.no_grad():
+        return reference.rope_inverse_frequencies(head_dim, theta, device)
 
 
 def _qk_pieces(g: _BlockCall) -> list[tuple[slice, str]]:

@@ -218,6 +218,20 @@ def test_lora_dropout_drawn_per_call_is_refused_under_capture(monkeypatch):
     block(x, adapters=[dataclasses.replace(adapter, seed=7)])  # a fixed mask is the caller's choice
 
 
+def test_rope_frequencies_are_kept_for_eager_calls_but_never_from_a_capture(monkeypatch):
+    """A tensor made while capturing holds nothing until the graph replays: it must not be kept."""
+    from fused_remat import backend
+    from fused_remat.block import _inverse_frequencies
+    from fused_remat.reference import rope_inverse_frequencies
+
+    cpu = torch.device("cpu")
+    kept = _inverse_frequencies(16, 12345.0, cpu)
+    assert _inverse_frequencies(16, 12345.0, cpu) is kept and torch.equal(kept, rope_inverse_frequencies(16, 12345.0))
+    monkeypatch.setattr(backend, "graph_capturing", lambda: True)
+    assert _inverse_frequencies(16, 12345.0, cpu) is not kept and _inverse_frequencies(16, 54321.0, cpu) is not \
+        _inverse_frequencies(16, 54321.0, cpu)
+
+
 @pytest.mark.gpu
 def test_cuda_graph_steps_give_the_eager_steps_losses_and_weights():
     batches = _batches(6, device=DEVICE)
