@@ -41,10 +41,14 @@ def _trajectory(out: Path) -> list[tuple]:
 
 
 @pytest.fixture(autouse=True)
-def _reference_kernels(monkeypatch):
+def _reference_kernels():
     """The reference backend where the kernels are not the point (it is about 12x faster on a CPU);
-    the tests that are about the kernels ask for ``triton_backend``, which overrides this."""
-    monkeypatch.setenv("FUSED_REMAT_BACKEND", "reference")
+    the tests that are about the kernels ask for ``triton_backend``, which overrides this. A patch of
+    its own: a test's monkeypatch.undo() leaves it in place, and a --backend that the CLI writes into
+    the environment is undone after the test."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FUSED_REMAT_BACKEND", "reference")
+        yield
 
 
 def test_a_short_run_learns_well_below_uniform_bytes(tmp_path, triton_backend):

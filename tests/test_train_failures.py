@@ -27,10 +27,13 @@ SHORT = ["--backend", "reference", "--preset", "tiny", "--seq-len", "16", "--bat
 
 
 @pytest.fixture(autouse=True)
-def _reference_backend(monkeypatch):
-    """--backend sets FUSED_REMAT_BACKEND for the process; monkeypatch restores it after each test."""
-    monkeypatch.setenv("FUSED_REMAT_BACKEND", "reference")
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
+def _reference_backend():
+    """--backend sets FUSED_REMAT_BACKEND for the process; restored after each test by a patch of its
+    own, which a test's monkeypatch.undo() leaves in place."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FUSED_REMAT_BACKEND", "reference")
+        patch.delenv("WORLD_SIZE", raising=False)
+        yield
 
 
 def _strict_metrics(out: Path) -> list[dict]:
