@@ -97,10 +97,10 @@ def _ours(config: dict, remat: str, device: str, dtype: torch.dtype) -> fused_re
 def _forwards(config: dict, device: str, dtype: torch.dtype, compile_peer: bool) -> dict:
     """provider -> build() returning (forward callable, the parameters it trains)."""
 
-    def ours(remat):
+    def ours(remat, wrap=lambda block: block):
         def build():
             block = _ours(config, remat, device, dtype)
-            return block, list(block.parameters())
+            return wrap(block), list(block.parameters())
 
         return build
 
@@ -111,20 +111,13 @@ def _forwards(config: dict, device: str, dtype: torch.dtype, compile_peer: bool)
 
         return build
 
-    def compiled_ours(remat, wrap):
-        def build():
-            block = _ours(config, remat, device, dtype)
-            return wrap(block), list(block.parameters())
-
-        return build
-
     builds = {name: ours(remat) for name, remat in POLICIES.items()}
     builds["eager"] = peer(lambda block: block)
     builds["checkpoint"] = peer(lambda block: lambda x: torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False))
     if compile_peer:
         builds["compile"] = peer(compiled)
         builds["compile-reduce-overhead"] = peer(reduce_overhead)
-        builds["fused_remat-reduce-overhead"] = compiled_ours("cheap", reduce_overhead)
+        builds["fused_remat-reduce-overhead"] = ours("cheap", reduce_overhead)
     return builds
 
 

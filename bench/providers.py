@@ -56,21 +56,17 @@ def graphed(step: Callable[..., tuple], static_inputs: tuple, warmup: int = 3) -
     returned callable copies its arguments into ``static_inputs`` and replays, returning the
     tensors the captured call returned (what a graphed training step does: static buffers in, one
     launch)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    from fused_remat.training.graphs import CudaGraphs
+
+    with CudaGraphs.side_stream(static_inputs[0].device):
         for _ in range(warmup):
             step(*static_inputs)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = step(*static_inputs)
+    captured = CudaGraphs.capture(lambda: step(*static_inputs))
 
     def replay(*inputs):
         for static, given in zip(static_inputs, inputs):
             static.copy_(given, non_blocking=True)
-        graph.replay()
-        return outputs
+        return captured()
 
     return replay
 

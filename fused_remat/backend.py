@@ -86,11 +86,14 @@ def use_triton(op: str, device: torch.device) -> bool:
 
 
 def graph_capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (False without CUDA; never initializes a
-    context). A call that would read values on the host takes its capture-safe form then
-    (``loss._count_targets``); ``bench.host.host_read_guard`` answers True here to check that form
-    on CPU tensors."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    """Whether the current CUDA stream is capturing a graph: never while CUDA is not initialized (a
+    plain flag, so eager calls pay almost nothing), and it never initializes it; False while
+    torch.compile traces (a custom operator asks again when it runs, which is when Inductor's CUDA
+    graphs capture). A call that would read values on the host or keep a tensor across calls takes
+    its capture-safe form then, and one that a graph cannot hold refuses; ``bench.host.host_read_guard``
+    answers True here to check those forms on CPU tensors."""
+    return (torch.cuda.is_initialized() and not torch.compiler.is_compiling()
+            and torch.cuda.is_current_stream_capturing())
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:

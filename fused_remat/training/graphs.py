@@ -105,7 +105,7 @@ class GraphedTrainStep:
         self.steps = 0
         self.replay: Callable[[], tuple[torch.Tensor, ...]] | None = None
         self.static: list[Batch] = []
-        self.captured_with: tuple = ()
+        self.layout, self.settings = (), ()  # as captured
 
     def __call__(self, micro_batches: Sequence[Batch | tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         batches = [batch if isinstance(batch, Batch) else Batch(*batch) for batch in micro_batches]
@@ -133,16 +133,8 @@ class GraphedTrainStep:
                 raise ValueError(f"{_WHAT}: the batches must be on the model's device {self.device}, got inputs on "
                                  f"{batch.inputs.device} and targets on {batch.targets.device}")
         self.static = [Batch(torch.empty_like(batch.inputs), torch.empty_like(batch.targets)) for batch in batches]
-        self.captured_with = self._settings()
-        self.layout = _layout(batches)
+        self.layout, self.settings = _layout(batches), _settings(self.optimizer)
         self.replay = GRAPHS.capture(lambda: train_step(self.model, self.optimizer, self.static, **self.options))
-
-    def _settings(self) -> tuple:
-        """What a replay cannot follow if it changes: the optimizer's state and groups (by identity:
-        load_state_dict replaces them), each learning rate tensor, every other hyperparameter."""
-        groups = [(group["lr"], {name: value for name, value in group.items() if name not in ("params", "lr")})
-                  for group in self.optimizer.param_groups]
-        return self.optimizer.state, self.optimizer.param_groups, groups
 
     def _check_unchanged(self, batches: list[Batch]) -> None:
         layout = _layout(batches)
@@ -150,20 +142,28 @@ class GraphedTrainStep:
             raise ValueError(f"{_WHAT}: the graph was captured for micro-batches {self.layout} (count, then the "
                              f"inputs' and targets' shape, dtype and device of each) and got {layout}; a graph "
                              "replays one layout: keep the batch shape fixed, or call train_step")
-        state, param_groups, groups = self.captured_with
+        state, param_groups, groups = self.settings
         if self.optimizer.state is not state or self.optimizer.param_groups is not param_groups:
             raise RuntimeError(f"{_WHAT}: the optimizer's state or parameter groups were replaced after the capture "
                                "(load_state_dict?), and the graph updates the old ones; load state before the first "
                                "call, or make a new GraphedTrainStep")
-        for index, (group, (lr, hyper)) in enumerate(zip(self.optimizer.param_groups, groups)):
-            if group["lr"] is not lr:
+        for index, ((lr, hyper), (lr_now, hyper_now)) in enumerate(zip(groups, _settings(self.optimizer)[2])):
+            if lr_now is not lr:
                 raise RuntimeError(f"{_WHAT}: param group {index}'s learning rate was replaced after the capture, "
                                    "which the graph would not see; set it in place with set_learning_rate")
-            now = {name: value for name, value in group.items() if name not in ("params", "lr")}
-            if now != hyper:
-                changed = sorted(name for name in now.keys() | hyper.keys() if now.get(name) != hyper.get(name))
+            if hyper_now != hyper:
+                changed = sorted(name for name in hyper_now.keys() | hyper.keys() if hyper_now.get(name) != hyper.get(name))
                 raise RuntimeError(f"{_WHAT}: param group {index}'s {', '.join(changed)} changed after the capture, "
                                    "and the graph keeps the values it was captured with; make a new GraphedTrainStep")
+
+
+def _settings(optimizer: torch.optim.Optimizer) -> tuple:
+    """What a replay cannot follow if it changes: the optimizer's state and groups (by identity:
+    load_state_dict replaces them), each group's learning rate tensor (by identity) and its other
+    hyperparameters (by value)."""
+    groups = [(group["lr"], {name: value for name, value in group.items() if name not in ("params", "lr")})
+              for group in optimizer.param_groups]
+    return optimizer.state, optimizer.param_groups, groups
 
 
 def _layout(batches: list[Batch]) -> tuple:

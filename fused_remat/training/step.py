@@ -58,8 +58,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     With ``finite_only`` a step whose loss or gradient norm is NaN or infinite changes nothing (its
     gradients are dropped, the weights and AdamW moments stay as they were), at the cost of one
     host sync (none while a CUDA graph captures the step: ``graphs.GraphedTrainStep``).
-    ``gradient_scale`` multiplies every backward (context parallelism: see ``training/distributed.py``). Returns the mean loss (detached) and the gradient norm before clipping (a DTensor
-    under FSDP2)."""
+    ``gradient_scale`` multiplies every backward (context parallelism: see ``training/distributed.py``).
+    Returns the mean loss (detached) and the gradient norm before clipping (a DTensor under FSDP2)."""
     count = len(micro_batches)
     loss_sum = None
     for index, batch in enumerate(micro_batches):
