@@ -12,6 +12,7 @@ fused_remat never imports triton, so ``TRITON_INTERPRET=1`` set after ``import f
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 
@@ -30,7 +31,9 @@ def requested_backend() -> str:
     return name
 
 
+@functools.cache
 def triton_installed() -> bool:
+    # asked by every op call; finding the module costs tens of microseconds
     return importlib.util.find_spec("triton") is not None
 
 
@@ -52,10 +55,10 @@ def stubbed_launches_on(device_type: str):
 
 
 def triton_can_run_on(device: torch.device) -> bool:
-    if device.type == _stubbed_device:
-        return True
     if not triton_installed():
         return False
+    if device.type == _stubbed_device:
+        return True
     if device.type == "cuda":
         return not triton_interpreting()
     return device.type == "cpu" and triton_interpreting()

@@ -111,6 +111,17 @@ _PARAMETERS = (
 
 
 _PARAMETER_PATHS = tuple(tuple(name.split(".")) for name in _PARAMETERS)  # (module, attribute)
+
+
+def _parameter(module: torch.nn.Module | None, attr: str) -> torch.Tensor | None:
+    """``module.attr`` (None for an absent module or bias) as a call sees it now: from the module's
+    parameter table, where torch.func.functional_call and FSDP also put the tensors they swap in,
+    else through attribute lookup (a parametrization's property); not ``get_parameter``, which
+    stops at the table."""
+    if module is None:
+        return None
+    table = module._parameters
+    return table[attr] if attr in table else getattr(module, attr, None)
 _LINEARS = reference.LINEARS
 # The parameters a pass casts to the compute dtype (the linear layers'), in _Weights' order.
 _MATMUL_OPERANDS = ("qkv.weight", "qkv.bias", "out_proj.weight", "out_proj.bias", "fc1.weight", "fc1.bias",
@@ -413,16 +424,23 @@ def _block_fwd(x: torch.Tensor, cu_seqlens: torch.Tensor | None, position_ids: t
     ``position_ids`` and ``rope_inv_freq`` as in _Sequences."""
     g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
                                 lora_scales)
-    return _block_forward(x, g, _Sequences(cu_seqlens, position_ids, rope_inv_freq), _with_absent(params, has_param),
-                          lora)
+    return _filled(_block_forward(x, g, _Sequences(cu_seqlens, position_ids, rope_inv_freq),
+                                  _with_absent(params, has_param), lora), x)
 
 
-def _block_forward(x: torch.Tensor, g: _BlockCall, seqs: _Sequences, params: list, lora: list) -> list[torch.Tensor]:
-    """block_fwd's implementation, for the operator and for eager calls, which come straight here."""
+def _block_forward(x: torch.Tensor, g: _BlockCall, seqs: _Sequences, params: list, lora: list) -> list:
+    """block_fwd's implementation, for the operator and for eager calls, which come straight here:
+    None for each slot the point does not keep (the operator fills those in)."""
     with _autocast_off(x.device.type):
         weights = _Weights(params, g.compute_dtype, g.adapters, lora)
         acts, y = _forward_pass(x, weights, g, seqs)
-    return [y, *[getattr(acts, k.name) if keeps else x.new_empty(0) for k, keeps in zip(_SLOTS, _slots_kept(g.remat))]]
+    return [y, *[getattr(acts, k.name) if keeps else None for k, keeps in zip(_SLOTS, _slots_kept(g.remat))]]
+
+
+def _filled(tensors: list, like: torch.Tensor) -> list[torch.Tensor]:
+    """``tensors`` with each None replaced by an empty tensor: a custom operator's list output (or
+    input) holds tensors only."""
+    return [like.new_empty(0) if t is None else t for t in tensors]
 
 
 def _autocast_off(device_type: str):
@@ -464,15 +482,16 @@ def _block_bwd(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor | Non
     ``lora``] from dy (T, dim), x and the ``_SLOTS`` the forward returned."""
     g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
                                 lora_scales)
-    return _block_backward(dy, x, g, _Sequences(cu_seqlens, position_ids, rope_inv_freq), kept,
-                           _with_absent(params, has_param), _needed(has_param, needs), lora)
+    return _filled(_block_backward(dy, x, g, _Sequences(cu_seqlens, position_ids, rope_inv_freq), kept,
+                                   _with_absent(params, has_param), _needed(has_param, needs), lora), x)
 
 
 def _block_backward(dy: torch.Tensor, x: torch.Tensor, g: _BlockCall, seqs: _Sequences, kept: list, params: list,
-                    needed: dict, lora: list) -> list[torch.Tensor]:
+                    needed: dict, lora: list) -> list:
     """block_bwd's implementation, for the operator and for eager calls, which come straight here.
     ``params``: all of _PARAMETERS, None where absent; ``needed``: whether each present one needs
-    its gradient, by name."""
+    its gradient, by name. A parameter's gradient is None where not needed (the operator fills those
+    in)."""
     named = dict(zip(_PARAMETERS, params))
     with _autocast_off(dy.device.type):
         w = _Weights(params, g.compute_dtype, g.adapters, lora)
@@ -480,7 +499,7 @@ def _block_backward(dy: torch.Tensor, x: torch.Tensor, g: _BlockCall, seqs: _Seq
         acts = _replay(x, kept_acts, w, g, seqs)
         needs = {name: needed.get(name, False) for name in _PARAMETERS}
         grads = _backward_pass(dy.contiguous(), x, acts, w, g, seqs, needs, named)
-    return [grads["x"], *[grads.get(name, x.new_empty(0)) for name in needed], *grads["lora"]]
+    return [grads["x"], *[grads.get(name) for name in needed], *grads["lora"]]
 
 
 @_block_bwd.register_fake
@@ -603,7 +622,8 @@ class _BlockFunction(torch.autograd.Function):
                               *[t for t, keeps in zip(output[1:], _slots_kept(g.remat)) if keeps],
                               *[p for p in params if p is not None], *lora)
         ctx.call, ctx.has_param = g, [p is not None for p in params]
-        ctx.mark_non_differentiable(*output[1:])
+        ctx.mark_non_differentiable(*[t for t in output[1:] if t is not None])
+        ctx.set_materialize_grads(False)  # the kept activations' gradients come as None, not zeros
 
     @staticmethod
     def backward(ctx, dy, *_):
@@ -618,12 +638,12 @@ class _BlockFunction(torch.autograd.Function):
         n_lora = 2 * len(g.adapters)
         kept_tensors = iter(saved[:sum(slots_kept)])
         params, lora = saved[sum(slots_kept):len(saved) - n_lora], saved[len(saved) - n_lora:]
-        kept = [next(kept_tensors) if keeps else x.new_empty(0) for keeps in slots_kept]
+        kept = [next(kept_tensors) if keeps else None for keeps in slots_kept]
         needs_params = ctx.needs_input_grad[5:5 + len(_PARAMETERS)]
         needs = [need for need, has in zip(needs_params, ctx.has_param) if has]
         if custom_ops.through_operators(dy.device):
-            dx, *grads = _block_bwd(dy, x, cu_seqlens, position_ids, rope_inv_freq, kept, params, ctx.has_param, needs,
-                                    lora, *g.op_args())
+            dx, *grads = _block_bwd(dy, x, cu_seqlens, position_ids, rope_inv_freq, _filled(kept, x), params,
+                                    ctx.has_param, needs, lora, *g.op_args())
         else:
             dx, *grads = _block_backward(dy, x, g, _Sequences(cu_seqlens, position_ids, rope_inv_freq), kept,
                                          _with_absent(params, ctx.has_param), _needed(ctx.has_param, needs), lora)
@@ -817,7 +837,10 @@ class TransformerBlock(reference.TransformerBlock):
         percent of the layer's)."""
         self._check_input(x)
         max_seqlen = self._check_sequences(x, cu_seqlens, max_seqlen, position_ids, rope_inv_freq)
-        adapters = reference.check_adapters(_OP, adapters, {name: getattr(self, name) for name in reference.LINEARS})
+        if adapters:
+            adapters = reference.check_adapters(_OP, adapters, {name: getattr(self, name) for name in reference.LINEARS})
+        else:
+            adapters = ()
         if self.context_parallel is not None and (cu_seqlens is not None or position_ids is not None
                                                   or rope_inv_freq is not None or self.window != (-1, -1)
                                                   or self.softcap):
@@ -831,8 +854,7 @@ class TransformerBlock(reference.TransformerBlock):
             if not use_triton(_OP, x.device):
                 raise RuntimeError(f"{_OP}: context parallelism runs the Triton kernels only (CUDA, or the interpreter "
                                    f"with TRITON_INTERPRET=1 on CPU); this call would use the reference block")
-        # by attribute, not ``get_parameter``: torch.func.functional_call swaps attributes
-        params = [getattr(getattr(self, module), attr, None) for module, attr in _PARAMETER_PATHS]
+        params = [_parameter(self._modules.get(module), attr) for module, attr in _PARAMETER_PATHS]
         compute_dtype = self._compute_dtype(x, params)  # the same dtype check on both paths
         # Meta tensors (a model sized before it is allocated) take the custom operators too: their fake
         # kernels give the fused block's shapes, their FLOP formulas its counts.
