@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[test,plot]"
+	$(PY) -m pip install --quiet -e ".[test,train]"
 	touch $@
 
 $(OLDEST_VENV)/.installed: pyproject.toml

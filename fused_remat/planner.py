@@ -233,6 +233,7 @@ class RematPlan:
     budget: int | None
     cost_source: str
     tokens: int
+    budget_fraction: float | None = None  # a per-layer memory_budget fraction instead of bytes
 
     @property
     def predicted_bytes(self) -> int:
@@ -248,7 +249,10 @@ class RematPlan:
         return sum(self.layer_extra) * self.layer_step_flops / self.step_flops
 
     def table(self) -> str:
-        budget = "no budget" if self.budget is None else f"budget {_mib(self.budget)}"
+        if self.budget_fraction is not None:
+            budget = f"memory_budget {self.budget_fraction:g} (each layer keeps at most that share of what none keeps)"
+        else:
+            budget = "no budget" if self.budget is None else f"budget {_mib(self.budget)}"
         width = max((len(policy) for policy in self.policies), default=6)
         lines = [
             f"remat plan for {self.tokens:,} tokens per step, {budget}; extra compute from the {self.cost_source}",
@@ -328,9 +332,11 @@ def _rounded(cost: float) -> float:
 
 def explain_policies(config: ModelConfig, batch: int, seq_len: int, precision: Precision, policies: list[Remat],
                      costs: dict[Remat, float] | None = None, cost_source: str = "FLOP model",
-                     budget: int | None = None, attention_pairs: float | None = None) -> RematPlan:
+                     budget: int | None = None, attention_pairs: float | None = None,
+                     budget_fraction: float | None = None) -> RematPlan:
     """The plan table for given per-layer policies: predicted bytes and extra compute of each
-    (``attention_pairs``: see ``flop_policy_costs``)."""
+    (``attention_pairs``: see ``flop_policy_costs``); ``budget`` (bytes) or ``budget_fraction``
+    (``memory_budget``) is the budget they were chosen for, if any."""
     tokens = batch * seq_len
     if costs is None:
         costs = flop_policy_costs(config, batch, seq_len, precision, attention_pairs=attention_pairs)
@@ -341,4 +347,5 @@ def explain_policies(config: ModelConfig, batch: int, seq_len: int, precision: P
         layer_host_bytes=[layer_bytes_per_token(config, p, precision, "host") * tokens for p in policies],
         fixed_bytes=head_bytes(config, tokens, precision), layer_extra=[costs[p] for p in policies], step_flops=step,
         layer_step_flops=layer_flops, budget=budget, cost_source=cost_source, tokens=tokens,
+        budget_fraction=budget_fraction,
     )

@@ -241,14 +241,28 @@ def test_corrupt_and_mismatched_checkpoints_are_refused_without_touching_the_run
         load_checkpoint(out / "checkpoint.pt", {})
 
 
+def test_the_reference_block_alone_defaults_to_its_eager_policy():
+    """--block reference without --remat runs eager PyTorch keeping everything (cheap is the fused
+    block's default, which the reference block does not have)."""
+    config = TrainConfig.build("cpu", block="reference")
+    assert [policy.value for policy in config.remat] == ["none", "none"]
+    assert [policy.value for policy in TrainConfig.build("cpu").remat] == ["cheap", "cheap"]
+
+
 @pytest.mark.parametrize("arguments,message", [
     (["--steps", "0"], "--steps must be at least 1"),
     (["--preset", "gpt5"], "invalid choice"),
     (["--memory-budget", "lots"], "--memory-budget"),
     (["--lr", "-1"], "--lr"),
-    (["--remat", "lazy"], "--remat must be one of"),
+    (["--remat", "lazy"], "--remat must be one of none, cheap, selective, full, offload, keep:<tensors> (e.g. "
+     "keep:o,lse,h), auto (a plan for --memory-budget in bytes), or a comma list with one per layer (2 layers, "
+     "e.g. full,cheap); got 'lazy'"),
     (["--remat", "cheap,full,full"], "--remat: got 3 policies for 2 layers"),
-    (["--block", "reference", "--remat", "cheap"], "--remat must be one of none, full, got 'cheap'"),
+    (["--block", "reference", "--remat", "cheap"], "--block reference runs eager PyTorch, which takes --remat none"),
+    (["--memory-budget", "2.5"], "--memory-budget 2.5: a bare number is a fraction in [0, 1] of what --remat none "
+     "keeps (torch.compile's activation_memory_budget); a budget in bytes takes a unit, e.g. 2.5GiB or 2.5MiB"),
+    (["--memory-budget", "-0.1"], "--memory-budget -0.1: a bare number is a fraction in [0, 1]"),
+    (["--memory-budget", "40GiB"], "--memory-budget 40GiB (bytes) is the budget that --remat auto plans for"),
     (["--document-boundary", "eos"], "--document-boundary must be a token id (an integer >= 0) or none, got 'eos'"),
     (["--context-parallel", "2"], "--context-parallel 2 cannot keep attention within documents"),
 ])
@@ -276,7 +290,7 @@ def test_remat_auto_prints_its_plan_and_trains(tmp_path, capsys):
     fp32 = Precision(torch.float32, torch.float32)
     one_full = explain_policies(preset("tiny"), 2, 32, fp32, ["full", "cheap"]).predicted_bytes
     out = tmp_path / "run"
-    assert cli.main([*SHORT, "--steps", "1", "--remat", "auto", "--memory-budget", str(one_full + 100),
+    assert cli.main([*SHORT, "--steps", "1", "--remat", "auto", "--memory-budget", f"{one_full + 100}B",
                        "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "remat plan" in printed and "budget" in printed
@@ -289,13 +303,15 @@ def test_a_memory_budget_fraction_lets_each_layer_choose_and_trains_the_same_bit
     config = TrainConfig.build("cpu", memory_budget="0.2")
     assert (config.memory_fraction, config.memory_budget) == (0.2, None)
     assert TrainConfig.build("cpu", memory_budget="1").memory_fraction == 1.0
-    assert TrainConfig.build("cpu", memory_budget="2").memory_budget == 2, "a bare number above 1 is bytes"
+    assert TrainConfig.build("cpu", memory_budget="2B", remat="auto").memory_budget == 2, "bytes take a unit"
     for arguments in (dict(remat="auto"), dict(block="reference", remat="none")):
         with pytest.raises(ValueError, match=r"--memory-budget 0.2 \(a fraction of what remat none keeps\)"):
             TrainConfig.build("cpu", memory_budget="0.2", **arguments)
     common = [*SHORT, "--steps", "2", "--eval-interval", "2", "--warmup", "1"]
     assert cli.main([*common, "--memory-budget", "0.2", "--out", str(tmp_path / "budget")]) == 0
-    assert "remat keep:" in capsys.readouterr().out, "the plan names the point the budget picks"
+    printed = capsys.readouterr().out
+    assert "remat keep:" in printed, "the plan names the point the budget picks"
+    assert "memory_budget 0.2 (each layer keeps at most that share of what none keeps)" in printed
     assert cli.main([*common, "--out", str(tmp_path / "cheap")]) == 0
     assert _trajectory(tmp_path / "budget") == _trajectory(tmp_path / "cheap")
 

@@ -62,13 +62,14 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--seq-len", type=int, help=f"tokens per sequence {by_device('seq_len')}")
     parser.add_argument("--batch-size", type=int, help=f"sequences per micro-batch per process {by_device('batch_size')}")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
-    parser.add_argument("--remat", default="cheap",
-                        help="none | cheap (default) | selective | full | offload | keep:<tensors> (e.g. keep:o,lse,h) | auto "
+    parser.add_argument("--remat",
+                        help="none | cheap (default; none with --block reference) | selective | full | offload | "
+                        "keep:<tensors> (e.g. keep:o,lse,h) | auto "
                         "(plan for --memory-budget in bytes) | a comma list, one per layer")
     parser.add_argument("--memory-budget", help="a fraction in [0, 1] (0.3), torch.compile's activation_memory_budget: "
                         "each layer keeps at most that share of what --remat none keeps, choosing per tensor what to "
-                        "keep or rebuild for the least recompute; or bytes with a binary unit (40GiB, 800MiB, 1.5G; a bare "
-                        "number above 1 is bytes): the activation budget for --remat auto and the CPU criterion of "
+                        "keep or rebuild for the least recompute; or bytes with a unit (40GiB, 800MiB, 1.5G, 4096B): the "
+                        "activation budget for --remat auto and the CPU criterion of "
                         "--find-max-seq-len (default on a GPU: what is free after weights, gradients and optimizer state)")
     parser.add_argument("--block", choices=("fused", "reference"), default="fused",
                         help="fused_remat's block (default), or the plain-PyTorch twin (then --remat none is eager and "

@@ -49,21 +49,25 @@ def parse_size(text: str, owner: str = "size") -> int:
     return int(size)
 
 
-def _fraction(text: str) -> float | None:
-    """``text`` as a fraction when it is a bare number in [0, 1] (``0.3``, ``1``): torch.compile's
-    spelling of a memory budget; None for anything else, which is a size."""
+def _fraction(text: str, owner: str) -> float | None:
+    """``text`` as a fraction when it is a bare number (``0.3``, ``1``): torch.compile's spelling of a
+    memory budget, which must lie in [0, 1]; None for anything else, which is a size with a unit."""
     try:
         number = float(text)
     except ValueError:
         return None
-    return number if 0.0 <= number <= 1.0 else None
+    if not 0.0 <= number <= 1.0:
+        raise ValueError(f"{owner} {text}: a bare number is a fraction in [0, 1] of what --remat none keeps "
+                         f"(torch.compile's activation_memory_budget); a budget in bytes takes a unit, e.g. "
+                         f"{text}GiB or {text}MiB")
+    return number
 
 
 def describe_size(flag: str, size: int) -> str:
     """How ``flag``'s value was read, for its error messages: "--memory-budget was read as 12 bytes
-    (sizes take the units K, M, G, T: 800MiB, 40GiB; a bare number is bytes)"."""
+    (0.0 MiB); sizes take the binary units K, M, G, T (800MiB, 40GiB), or B for bytes"."""
     return (f"{flag} was read as {size:,} bytes ({size / 2**20:,.1f} MiB); sizes take the binary units K, M, G, T "
-            "(800MiB, 40GiB), and a bare number is bytes")
+            "(800MiB, 40GiB), or B for bytes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,22 +168,29 @@ class TrainConfig:
         if values["dtype"] not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {values['dtype']!r}")
         values["out"] = Path(values.get("out") or f"runs/{values['preset']}")
+        block = values.get("block", "fused")
+        # the reference block is eager PyTorch, whose own policies are none and full
+        remat = values.get("remat", "cheap" if block == "fused" else "none")
         if isinstance(values.get("memory_budget"), str):
-            fraction = _fraction(values["memory_budget"])
+            text = values["memory_budget"]
+            fraction = _fraction(text, "--memory-budget")
             if fraction is None:
-                values["memory_budget"] = parse_size(values["memory_budget"], owner="--memory-budget")
+                values["memory_budget"] = parse_size(text, owner="--memory-budget")
+                if remat != "auto" and not values.get("find_max_seq_len"):
+                    raise ValueError(f"--memory-budget {text} (bytes) is the budget that --remat auto plans for and "
+                                     f"--find-max-seq-len searches under; with --remat {remat} nothing would use it: "
+                                     "add --remat auto, or give a fraction in [0, 1] for each layer to keep at most "
+                                     "that share of what --remat none keeps")
             else:
                 values["memory_budget"], values["memory_fraction"] = None, fraction
-        remat = values.get("remat", "cheap")
-        if values.get("memory_fraction") is not None and (remat == "auto" or values.get("block", "fused") != "fused"):
+        if values.get("memory_fraction") is not None and (remat == "auto" or block != "fused"):
             raise ValueError(f"--memory-budget {values['memory_fraction']:g} (a fraction of what remat none keeps) lets "
                              "each fused layer choose what it keeps: it takes neither --remat auto (which plans for a "
                              "budget in bytes, e.g. 40GiB) nor --block reference")
-        if isinstance(remat, str) and remat == "auto" and values.get("block", "fused") == "fused":
+        if isinstance(remat, str) and remat == "auto" and block == "fused":
             values["remat"] = None
         else:
-            values["remat"] = tuple(resolve_policies(remat, PRESETS[values["preset"]].n_layers,
-                                                     values.get("block", "fused"), owner="--remat"))
+            values["remat"] = _policies(remat, PRESETS[values["preset"]].n_layers, block)
         if values.get("vocab_size", 1) < 1:
             raise ValueError(f"--vocab-size must be positive, got {values['vocab_size']}")
         return cls(**values)
@@ -209,6 +220,24 @@ class TrainConfig:
     def precision(self) -> Precision:
         """fp32 master weights and residual stream; matmuls in ``dtype`` (bf16: under autocast)."""
         return Precision(residual=torch.float32, compute=self.compute_dtype)
+
+
+def _policies(remat: str | tuple, n_layers: int, block: str) -> tuple[Remat, ...]:
+    """``--remat``'s per-layer policies for ``--block``; an error names what was given and, for a
+    value that is no policy, every form the flag takes."""
+    try:
+        return tuple(resolve_policies(remat, n_layers, block, owner="--remat"))
+    except ValueError as error:
+        if "must be one of" not in str(error):
+            raise  # a wrong count of per-layer policies: the message says so
+        if block != "fused":
+            raise ValueError(f"--block {block} runs eager PyTorch, which takes --remat none (keep everything) or full "
+                             f"(torch.utils.checkpoint), or a comma list of those, one per layer; got --remat {remat}") from None
+        names = ", ".join(point.value for point in Remat)
+        example = ",".join(["full"] + ["cheap"] * (n_layers - 1))
+        raise ValueError(f"--remat must be one of {names}, keep:<tensors> (e.g. keep:o,lse,h), auto (a plan for "
+                         f"--memory-budget in bytes), or a comma list with one per layer ({n_layers} layers, e.g. "
+                         f"{example}); got {remat!r}") from None
 
 
 def _parse_document_boundary(value: int | str) -> int | str:

@@ -36,7 +36,7 @@ from .checkpoint import (CheckpointError, CheckpointWriteError, RunLock, Sharded
 from .config import TrainConfig, describe_size
 from .distributed import (Distributed, checkpoint_group, load_sharded_training_state, load_training_state,
                           sharded_training_state, training_state, unwrap, wrap_model)
-from .reporting import Progress, plot_metrics, read_metrics, write_metrics
+from .reporting import Progress, plot_metrics, pyplot, read_metrics, write_metrics
 from .graphs import GraphedTrainStep
 from .step import batch_loss, make_optimizer, set_learning_rate, train_step
 
@@ -57,7 +57,7 @@ def resolve_remat(config: TrainConfig, model_config: ModelConfig, device: torch.
         point = within_budget(config.memory_fraction, widths, precision.residual_bytes, precision.compute_bytes, pairs)
         policies = [point] * model_config.n_layers
         return policies, explain_policies(model_config, config.batch_size, local_seq_len, precision, policies,
-                                          attention_pairs=attention_pairs)
+                                          attention_pairs=attention_pairs, budget_fraction=config.memory_fraction)
     if config.remat is not None:
         policies = list(config.remat)
         if config.block != "fused":
@@ -438,6 +438,8 @@ def _train(config: TrainConfig, run: Distributed, stop: StopRequest) -> int:
         plot = plot_metrics(metrics_path, config.out / "training.png")
         if plot is not None:
             log(f"plot: {plot}")
+        elif pyplot() is None:
+            log("no plot: matplotlib is not installed (pip install 'fused_remat[train]')")
     return 0
 
 
