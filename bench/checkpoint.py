@@ -1,4 +1,4 @@
-"""`python -m bench checkpoint`: the trainer's checkpoint save and load, sharded against gathered (#24).
+"""`python -m bench checkpoint`: the trainer's checkpoint save and load, sharded against gathered.
 
     python -m bench checkpoint                                  # gpt2-medium, 2 ranks, into bench/results/checkpoint/
     python -m bench checkpoint --preset tiny --out DIR          # a quick run (the test's)

@@ -183,7 +183,7 @@ SPILLS = {
     (100, "dkdv", (32, 128, 4)): [((64,), True, True), ((128,), None, True)],
     (100, "dkdv", (32, 64, 4)): [((256,), None, True)],
     (100, "fwd", (64, 64, 4)): [((256,), False, None)],
-    # Triton 3.6 on sm_100a (bench/results/static-triton3.6: the default compile of 2026-11-26).
+    # Triton 3.6 on sm_100a (bench/results/static-triton3.6: its default compile).
     (100, "fwd", (128, 64, 8)): [((64,), True, None, "3.6")],
 }
 

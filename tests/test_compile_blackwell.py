@@ -146,7 +146,7 @@ NAMES = {"_attn_fwd": "fwd", "_attn_bwd_dq": "dq", "_attn_bwd_dkdv": "dkdv"}
 # contiguous, hence the 1.005; the forward without warp specialization 896 against the tutorial's
 # 900 without it; dQ 396 against 748 (warp-specialized, M128 N64 w4 s2 at D=128; 524 at M128 N128
 # w8 s2 without) and 773 with causal GQA at M128 N64 w8 s3 (the causal yardstick 768); dK/dV 496 against 683; with causal GQA 1163, 1.7x: the price of no spills
-# (the 128-key tiles issue 489-711 there but spill 84-3376 B).
+# (there the 128-key tiles take 489-711 but spill 84-3376 B).
 PICKS = [
     (FORWARD, "_attn_fwd", (YARDSTICK, "_tutorial_ws_attn_fwd"), 1.005),
     (FORWARD_CAUSAL, "_attn_fwd", (YARDSTICK_CAUSAL, "_tutorial_ws_attn_fwd"), 1.005),

@@ -583,8 +583,8 @@ def test_merge_keeps_the_targets_a_run_did_not_compile_with_their_commits(tmp_pa
     committed = json.loads((DEFAULT_OUT / "static.json").read_text())
     hopper = next(r for r in committed["rows"] if r["target"] == "sm_90a")
     ampere = next(r for r in committed["rows"] if r["target"] == "sm_80")
-    earlier = {**{k: v for k, v in committed["environment"].items() if k != "compiled"}, "commit": "0000000",
-               "date": "2026-01-01"}  # a static.json from before per-target records
+    # a static.json from before per-target records: one commit for the whole file
+    earlier = {**{k: v for k, v in committed["environment"].items() if k != "compiled"}, "commit": "0000000"}
     (tmp_path / "static.json").write_text(json.dumps({"suite": "static", "environment": earlier,
                                                       "rows": [hopper, ampere, {**hopper, "target": "sm_100a"}]}))
     blackwell = {**hopper, "target": "sm_100a", "registers": 1}

@@ -106,3 +106,20 @@ def test_the_layout_lists_every_tracked_top_level_entry_and_code_file():
                 if name.startswith(folder) and "/" not in name[len(folder):] and name.endswith(suffix)}
     missing = sorted((top | per_file) - listed)
     assert not missing, f"tracked but not in docs/design.md's Layout: {missing}"
+
+
+# A tracker reference (a hash or the word issue before a number) or a calendar date in code:
+# history belongs in docs/, bench/results/ and the commit log.
+_HISTORY = re.compile(r"(?<![\w&/])#\d+\b|\bissue \d+\b|\b20\d\d-[01]\d-[0-3]\d\b", re.IGNORECASE)
+_CODE_SUFFIXES = (".py", ".sh", ".toml", ".cfg", "Makefile")
+
+
+def test_no_tracker_numbers_or_dates_in_code_or_tests():
+    found = []
+    for name in _tracked_files():
+        if name.startswith(("docs/", "bench/results/")) or not name.endswith(_CODE_SUFFIXES):
+            continue
+        for number, line in enumerate((REPO / name).read_text().splitlines(), 1):
+            if _HISTORY.search(line):
+                found.append(f"{name}:{number}: {line.strip()}")
+    assert not found, "tracker numbers or dates in code (move them to docs/ or the commit message):\n" + "\n".join(found)

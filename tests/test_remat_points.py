@@ -115,7 +115,7 @@ def _brute_force(fraction, widths, pairs_per_token) -> Remat:
 
 
 def test_a_budget_picks_the_least_replay_that_fits_and_prices_attention_by_the_sequence():
-    """The Llama-shaped layer of issue 27 (dim 256, 4 heads / 2 KV heads, SwiGLU 688, fp32)."""
+    """A Llama-shaped layer (dim 256, 4 heads / 2 KV heads, SwiGLU 688, fp32)."""
     widths = block_widths(256, 4, 2, 688, "rmsnorm", "swiglu")
     none = kept_bytes_per_token(Remat.NONE, widths, 4, 4)
     chosen = {}
