@@ -113,7 +113,8 @@ def attention(
     query i's diagonal key is i + Nk - Nq. ``causal=True``: query i sees keys up to its diagonal.
     ``window=(left, right)``: it sees keys from ``left`` before to ``right`` after its diagonal (-1:
     unbounded; with causal, right is 0), and key tiles outside every row's window are skipped, so a
-    window W costs about N W, not N^2. ``softcap`` > 0 turns the scaled scores s into
+    window W costs about N W, not N^2 (ints, or integer CPU tensors as FlashAttention 2's callers
+    pass them). ``softcap`` > 0 turns the scaled scores s into
     softcap * tanh(s / softcap) before the softmax (Gemma 2); 0 is off. A row that sees no key
     (causal with Nq > Nk, a window beyond the keys) gives output 0, zero gradients and lse -inf.
 

@@ -129,14 +129,37 @@ def _is_int(value) -> bool:
 
 def check_window(op: str, window) -> tuple[int, int]:
     """``window`` as ``(left, right)`` ints if it is a pair of ints >= -1, else a ValueError naming it.
+    The pair may come as FlashAttention 2's callers and tests give it: a tuple or list of ints or of
+    0-dim integer tensors, or one integer tensor of two elements (``torch.randint(0, n, (2,))``), on
+    the CPU (its values choose the kernel's mask, so a device tensor would cost a synchronization).
 
     FlashAttention 2's sliding window: query i sees key j within ``left`` positions before and
     ``right`` after its bottom-right-aligned diagonal; -1 leaves that side unbounded."""
-    if not (isinstance(window, (tuple, list)) and len(window) == 2
-            and all(_is_int(side) and side >= -1 for side in window)):
-        raise ValueError(f"{op}: window must be a pair (left, right) of ints >= -1 (-1 = unbounded), got {window!r}")
-    left, right = window
+    sides = _window_sides(window)
+    if sides is None or not all(_is_int(side) and side >= -1 for side in sides):
+        raise ValueError(f"{op}: window must be a pair (left, right) of ints >= -1 (-1 = unbounded), or integer "
+                         f"tensors on the CPU holding them, got {window!r}")
+    left, right = sides
     return int(left), int(right)
+
+
+def _window_sides(window) -> list | None:
+    """The two sides of a window as Python values (integer CPU tensors read), or None if it is not a pair."""
+    if isinstance(window, torch.Tensor):
+        if window.shape != (2,):
+            return None
+        window = list(window.unbind())
+    if not (isinstance(window, (tuple, list)) and len(window) == 2):
+        return None
+    sides = []
+    for side in window:
+        if isinstance(side, torch.Tensor):
+            if side.dim() != 0 or side.is_floating_point() or side.is_complex() or side.dtype == torch.bool \
+                    or side.device.type != "cpu":
+                return None
+            side = side.item()
+        sides.append(side)
+    return sides
 
 
 def check_softcap(op: str, softcap) -> float:

@@ -170,6 +170,19 @@ def test_rows_that_see_nothing_give_zeros(device, triton_backend):
     assert (dq[seen_nothing] == 0).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()
 
 
+def test_a_window_given_as_flash_attention_callers_give_it(device, triton_backend):
+    """FlashAttention 2's tests draw window_size as torch.randint(0, n, (2,)): the same call as with
+    the ints it holds, bitwise, dense and packed."""
+    window = torch.randint(0, 12, (2,))
+    sides = tuple(window.tolist())
+    q, k, v, cu_q, cu_k = _packed([20, 30], [20, 30], 2, 1, 32, F32, device)
+    assert torch.equal(fused_remat.attention_varlen(q, k, v, cu_q, cu_k, 30, 30, window=window),
+                       fused_remat.attention_varlen(q, k, v, cu_q, cu_k, 30, 30, window=sides))
+    q, k, v = (t.detach().unsqueeze(0).transpose(1, 2) for t in (q, k, v))
+    assert torch.equal(fused_remat.attention(q, k, v, window=tuple(window.unbind())),
+                       fused_remat.attention(q, k, v, window=sides))
+
+
 def test_documents_backward_is_deterministic(device, triton_backend):
     q, k, v, cu_q, cu_k = _packed([40, 7, 66], [40, 7, 66], 4, 2, 32, F32, device)
     do = torch.randn_like(q)

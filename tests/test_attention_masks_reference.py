@@ -144,12 +144,21 @@ def test_varlen_is_each_document_alone(causal, window, softcap):
     assert torch.equal(grads[0][empty_keys_rows], torch.zeros_like(grads[0][empty_keys_rows]))
 
 
-@pytest.mark.parametrize("window,expected", [((-1, -1), (-1, -1)), ([3, 0], (3, 0)), ((0, 100), (0, 100))])
+@pytest.mark.parametrize("window,expected", [
+    ((-1, -1), (-1, -1)), ([3, 0], (3, 0)), ((0, 100), (0, 100)),
+    (torch.tensor([5, -1]), (5, -1)), ((torch.tensor(7), torch.tensor(0, dtype=torch.int32)), (7, 0)),
+    (torch.randint(0, 9, (2,)).tolist(), None),
+], ids=repr)
 def test_check_window_accepts(window, expected):
-    assert check_window("attention", window) == expected
+    """FlashAttention 2's forms: a pair of ints, or integer tensors as its tests draw them."""
+    checked = check_window("attention", window)
+    assert checked == (expected if expected is not None else tuple(window))
+    assert all(type(side) is int for side in checked)
 
 
-@pytest.mark.parametrize("window", [(-2, 0), (0, -5), (0,), (0, 1, 2), (True, 0), (1.0, 2), "12", None, 5, {0, 1}],
+@pytest.mark.parametrize("window", [(-2, 0), (0, -5), (0,), (0, 1, 2), (True, 0), (1.0, 2), "12", None, 5, {0, 1},
+                                    torch.tensor([1.0, 2.0]), torch.tensor([1, 2, 3]), torch.tensor([-2, 0]),
+                                    (torch.tensor([1]), 0), torch.tensor([True, False]), torch.tensor([[1, 2]])],
                          ids=repr)
 def test_check_window_rejects(window):
     with pytest.raises(ValueError, match=r"^attention: window must be a pair \(left, right\) of ints >= -1"):
