@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import SEPARATE_ROUNDING, KeptKernel, cdiv, next_power_of_2
+from .launch import (SEPARATE_ROUNDING, KeptKernel, LaunchPlans, cdiv, launch_context, next_power_of_2,
+                     tensor_signature)
 from .precision import load_tile, store_tile
 
 MAX_BLOCK_N = 1024
@@ -114,14 +115,25 @@ def _tiling(rows: int, cols: int) -> tuple[int, int, int, int]:
     return block_m, block_n, num_warps, cdiv(rows, block_m) * cdiv(cols, block_n)
 
 
+# The launches bound per call signature (kernels.launch.LaunchPlans)
+_PLANS = LaunchPlans()
+
+
 def _launch(kernel, tensors: list[torch.Tensor], **constexprs) -> None:
     """Run ``kernel`` over 2-D views of one shape: all pointers, then M and N, then each row stride."""
+    key = (kernel, tensor_signature(tensors), *constexprs.items(), launch_context(kernel.compiled))
+    launch = _PLANS.get(key)
+    if launch is not None:
+        launch(*tensors)
+        return
     rows, cols = tensors[0].shape
     block_m, block_n, num_warps, programs = _tiling(rows, cols)
-    kernel[(programs,)](
-        *tensors, rows, cols, *[t.stride(0) for t in tensors],
+    launch = kernel.bind(
+        (programs,), tuple(tensors), (rows, cols, *[t.stride(0) for t in tensors]),
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **constexprs, **SEPARATE_ROUNDING,
     )
+    if launch is not None:
+        _PLANS.keep(key, launch)
 
 
 def _unit_column_stride(t: torch.Tensor) -> bool:

@@ -66,7 +66,8 @@ from triton.language.extra import libdevice
 
 from .attention_configs import (CONFIGS, INTERPRETER_CONFIG, PRUNERS, TUNE_KEY, target_family,
                                 warp_specialization_compiles)
-from .launch import FP_FUSION, KeptKernel, cdiv, ensure_scratch_allocator, next_power_of_2
+from .launch import (FP_FUSION, KeptKernel, LaunchPlans, cdiv, ensure_scratch_allocator, launch_context,
+                     next_power_of_2, tensor_signature)
 from .precision import INTERPRETED, round_to
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
@@ -1066,6 +1067,40 @@ def attention_fwd(q, k, v, causal: bool, scale: float, *, window=(-1, -1), softc
     by default CUDA autotunes and the interpreter uses INTERPRETER_CONFIG. ``tma``: k and v stream
     through tensor descriptors (TMA) where their alignment allows (None), never (False), or always
     (True: an error where they cannot)."""
+    key = (tensor_signature((q, k, v, *(() if out is None else (out,)), *_offsets(documents))), causal, scale,
+           tuple(window), softcap, _lengths(documents), out is None, _config_key(config), tma,
+           launch_context(_ATTN_FWD.compiled))
+    plan = _FWD_PLANS.get(key)
+    if plan is None:
+        return _attention_fwd_planned(key, q, k, v, causal, scale, window, softcap, documents, out, config, tma)
+    o = torch.empty(q.shape, device=q.device, dtype=q.dtype) if out is None else out
+    lse = torch.empty(plan.lse_shape, device=q.device, dtype=torch.float32)
+    if plan.launch is not None:
+        if plan.tma:
+            ensure_scratch_allocator()
+        if documents is not None:
+            q, k, v, o_heads = (_heads_view(t) for t in (q, k, v, o))
+        else:
+            o_heads = o
+        plan.launch(q, k, v, o_heads, lse, *_sequence_args(documents, lse))
+    return o, lse[0] if documents is not None else lse
+
+
+# The launchers' plans (kernels.launch.LaunchPlans): what a call of one signature launches, bound
+# with everything but its tensors.
+_FWD_PLANS, _BWD_PLANS = LaunchPlans(), LaunchPlans()
+
+
+@dataclasses.dataclass(frozen=True)
+class _ForwardPlan:
+    lse_shape: tuple
+    launch: object  # the bound kernel launch, None when there is nothing to compute
+    tma: bool
+
+
+def _attention_fwd_planned(key, q, k, v, causal, scale, window, softcap, documents, out, config, tma):
+    """attention_fwd's first call of a signature: every check, the launch through Triton's path, and
+    the plan its next calls take (not kept where a launch cannot be bound)."""
     _require_contiguous_last_dim({"q": q, "k": k, "v": v})
     o = _output("out", out, q)
     if documents is not None:
@@ -1075,16 +1110,31 @@ def attention_fwd(q, k, v, causal: bool, scale: float, *, window=(-1, -1), softc
     p = _Problem.of(q, k, causal, scale, window, softcap, documents)
     lse = torch.empty((p.batch, p.q_heads, p.q_len), device=q.device, dtype=torch.float32)
     if o.numel() == 0 or p.grid_batch == 0:
+        _FWD_PLANS.keep(key, _ForwardPlan(tuple(lse.shape), None, False))
         return o, lse[0] if documents is not None else lse
     _check_warp_specialization("config", config, kernel_has_it=True)
     use_tma = _use_tma(tma, {"k": k, "v": v})
     kernel, cfg = _pick(_ATTN_FWD, _ATTN_FWD_TUNED, config)
-    kernel[p.grid(0, "BLOCK_M", p.q_heads)](
-        q, k, v, o_heads, lse, *_sequence_args(documents, lse), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *o_heads.stride()[:3], *lse.stride()[:2], *p.scalars, *p.length_buckets, **p.constexprs(use_tma),
-        NEGATIVE_SCALE=p.sm_scale < 0 and not p.softcap, **cfg,
+    launch = kernel.bind(
+        p.grid(0, "BLOCK_M", p.q_heads), (q, k, v, o_heads, lse, *_sequence_args(documents, lse)),
+        (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_heads.stride()[:3], *lse.stride()[:2], *p.scalars,
+         *p.length_buckets), **p.constexprs(use_tma), NEGATIVE_SCALE=p.sm_scale < 0 and not p.softcap, **cfg,
     )
+    if launch is not None:
+        _FWD_PLANS.keep(key, _ForwardPlan(tuple(lse.shape), launch, use_tma))
     return o, lse[0] if documents is not None else lse
+
+
+def _offsets(documents: Documents | None) -> tuple:
+    return () if documents is None else (documents.cu_seqlens_q, documents.cu_seqlens_k)
+
+
+def _lengths(documents: Documents | None) -> tuple | None:
+    return None if documents is None else (documents.max_seqlen_q, documents.max_seqlen_k)
+
+
+def _config_key(config: dict | None) -> tuple | None:
+    return None if config is None else tuple(sorted(config.items()))
 
 
 def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, window=(-1, -1), softcap: float = 0.0,
@@ -1099,11 +1149,51 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, window=(-1
     tensors. ``config`` pins the dQ kernel's launch configuration and ``dkdv_config`` the dK/dV
     kernel's (default: ``config`` without warp specialization, which only dQ takes). ``tma`` as in
     attention_fwd, for the streamed k, v (dQ) and q, dO (dK/dV)."""
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    lse = lse.contiguous()
+    if dlse is not None:
+        dlse = dlse.contiguous()
+    key = (tensor_signature((q, k, v, o, do, lse, *(() if dlse is None else (dlse,)), *(out or ()), *_offsets(documents))),
+           causal, scale, tuple(window), softcap, _lengths(documents), dlse is None, out is None, _config_key(config),
+           _config_key(dkdv_config), tma, launch_context(_ATTN_DQ.compiled))
+    plan = _BWD_PLANS.get(key)
+    if plan is None:
+        return _attention_bwd_planned(key, do, q, k, v, o, lse, causal, scale, window, softcap, documents, dlse, out,
+                                      config, dkdv_config, tma)
+    grads = out or tuple(torch.empty(like.shape, device=like.device, dtype=like.dtype) for like in (q, k, v))
+    if plan.launches is None:
+        return grads[0], grads[1].zero_(), grads[2].zero_()
+    if plan.tma:
+        ensure_scratch_allocator()
+    dq, dk, dv = grads
+    if documents is not None:
+        q, k, v, o, do, dq, dk, dv = (_heads_view(t) for t in (q, k, v, o, do, dq, dk, dv))
+        lse = lse.unsqueeze(0)
+        dlse = None if dlse is None else dlse.unsqueeze(0)
+    delta, bias = torch.empty(plan.delta_shape, device=q.device, dtype=torch.float32)
+    offsets = _sequence_args(documents, lse)
+    preprocess, dkdv, dq_launch = plan.launches
+    preprocess(o, do, lse, lse if dlse is None else dlse, delta, bias)
+    dkdv(q, k, v, do, bias, delta, dk, dv, *offsets)
+    dq_launch(q, k, v, do, bias, delta, dq, *offsets)
+    return tuple(grads)
+
+
+@dataclasses.dataclass(frozen=True)
+class _BackwardPlan:
+    delta_shape: tuple
+    launches: tuple | None  # the bound preprocess, dK/dV and dQ launches; None: nothing to compute
+    tma: bool
+
+
+def _attention_bwd_planned(key, do, q, k, v, o, lse, causal, scale, window, softcap, documents, dlse, out, config,
+                           dkdv_config, tma):
+    """attention_bwd's first call of a signature: every check, the launches through Triton's path,
+    and the plan its next calls take (not kept where a launch cannot be bound)."""
     _require_contiguous_last_dim({"q": q, "k": k, "v": v, "o": o})
     _check_warp_specialization("config", config, kernel_has_it=True)
     _check_warp_specialization("dkdv_config", dkdv_config, kernel_has_it=False)
-    if do.stride(-1) != 1:
-        do = do.contiguous()
     grads = [_output(name, given, like) for name, given, like in zip(("dq", "dk", "dv"), out or (None,) * 3, (q, k, v))]
     if documents is not None:
         q, k, v, o, do = (_heads_view(t) for t in (q, k, v, o, do))
@@ -1114,10 +1204,8 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, window=(-1
         dq, dk, dv = grads
     p = _Problem.of(q, k, causal, scale, window, softcap, documents)
     if dq.numel() == 0 or p.grid_batch == 0:
+        _BWD_PLANS.keep(key, _BackwardPlan((), None, False))
         return grads[0], grads[1].zero_(), grads[2].zero_()
-    lse = lse.contiguous()
-    if dlse is not None:
-        dlse = dlse.contiguous()
     # delta and the exponent biases, padded to a multiple of every BLOCK_M (see _attn_bwd_preprocess)
     row_multiple = max([128] + [c["BLOCK_M"] for c in (config, dkdv_config) if c])
     nq_rounded = cdiv(p.q_len, row_multiple) * row_multiple
@@ -1125,24 +1213,30 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, window=(-1
     # 4096 values of o and of dO a program: larger blocks spilled registers (the preprocess rows of
     # static.json)
     pre_block = 16 if _INTERPRETING else max(16, min(128, 4096 // p.padded_head_dim))
-    _ATTN_BWD_PREPROCESS[(nq_rounded // pre_block, p.q_heads, p.batch)](
-        o, do, lse, dlse if dlse is not None else lse, delta, bias, *o.stride()[:3], *do.stride()[:3],
-        p.q_heads, p.q_len, nq_rounded, p.head_dim,
+    preprocess = _ATTN_BWD_PREPROCESS.bind(
+        (nq_rounded // pre_block, p.q_heads, p.batch), (o, do, lse, dlse if dlse is not None else lse, delta, bias),
+        (*o.stride()[:3], *do.stride()[:3], p.q_heads, p.q_len, nq_rounded, p.head_dim),
         HAS_DLSE=dlse is not None, NATURAL_EXP=p.natural_exp, HEAD_DIM=p.padded_head_dim,
         BLOCK_M=pre_block, **FP_FUSION,
     )
 
     scalars = (*p.scalars, nq_rounded, *p.length_buckets)
-    constexprs = p.constexprs(_use_tma(tma, {"q": q, "k": k, "v": v, "do": do}))
-    streamed = (*_sequence_args(documents, lse), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
+    use_tma = _use_tma(tma, {"q": q, "k": k, "v": v, "do": do})
+    constexprs = p.constexprs(use_tma)
+    offsets = _sequence_args(documents, lse)
+    streamed = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
     kernel, cfg = _pick(_ATTN_DKDV, _ATTN_DKDV_TUNED, dkdv_config or _without_warp_specialization(config))
-    kernel[p.grid(1, "BLOCK_N", p.kv_heads)](
-        q, k, v, do, bias, delta, dk, dv, *streamed, *dk.stride()[:3], *dv.stride()[:3], *scalars, **constexprs, **cfg,
+    dkdv = kernel.bind(
+        p.grid(1, "BLOCK_N", p.kv_heads), (q, k, v, do, bias, delta, dk, dv, *offsets),
+        (*streamed, *dk.stride()[:3], *dv.stride()[:3], *scalars), **constexprs, **cfg,
     )
     kernel, cfg = _pick(_ATTN_DQ, _ATTN_DQ_TUNED, config)
-    kernel[p.grid(0, "BLOCK_M", p.q_heads)](
-        q, k, v, do, bias, delta, dq, *streamed, *dq.stride()[:3], *scalars, **constexprs, **cfg,
+    dq_launch = kernel.bind(
+        p.grid(0, "BLOCK_M", p.q_heads), (q, k, v, do, bias, delta, dq, *offsets),
+        (*streamed, *dq.stride()[:3], *scalars), **constexprs, **cfg,
     )
+    if None not in (preprocess, dkdv, dq_launch):
+        _BWD_PLANS.keep(key, _BackwardPlan((2, p.batch, p.q_heads, nq_rounded), (preprocess, dkdv, dq_launch), use_tma))
     return tuple(grads)
 
 

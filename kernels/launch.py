@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import weakref
 
 import torch
@@ -119,18 +121,18 @@ class KeptKernel:
 
     @classmethod
     def forget_all(cls) -> None:
-        """Every kernel's next launch of each signature takes Triton's own path again."""
+        """Every kernel's next launch of each signature takes Triton's own path again (and every
+        launch plan, which holds kept launches, is made again)."""
         for kernel in cls._instances:
             kernel._kept.clear()
+        for plans in LaunchPlans._instances:
+            plans.clear()
 
     def __getitem__(self, grid):
         return functools.partial(self.launch, grid)
 
     def launch(self, grid, *args, **kwargs):
-        active = device = None  # the interpreter has no driver
-        if self.compiled:
-            active = driver.active
-            device = active.get_current_device()
+        active, device = launch_context(self.compiled)
         key = (active, device, tuple(map(type, args)),
                *[(a.dtype, not a.data_ptr() % 16) if isinstance(a, torch.Tensor) else a for a in args],
                *kwargs.items())
@@ -139,6 +141,22 @@ class KeptKernel:
             self._first_launch(key, grid, args, kwargs)
         else:
             kept(grid, active, device, args)
+        return key
+
+    def bind(self, grid, tensors: tuple, tail: tuple, **kwargs):
+        """Launches ``kernel[grid](*tensors, *tail, **kwargs)`` and returns a launcher for later
+        calls that differ only in the tensors: ``bound(*tensors)``. The caller keeps it under a key
+        that fixes everything the kept signature holds (``LaunchPlans``): ``tail``, the keywords and
+        grid, each tensor's dtype and address alignment, the driver and device. None where the
+        signature is never kept (an autotuner's pre-hook), which the caller then launches each time."""
+        args = (*tensors, *tail)
+        kept = self._kept.get(self.launch(grid, *args, **kwargs))
+        if kept is None:
+            return None
+        active, device = launch_context(self.compiled)
+        if self.compiled and callable(grid):
+            grid = grid(kept.meta)
+        return lambda *given: kept(grid, active, device, (*given, *tail))
 
     def _first_launch(self, key, grid, args, kwargs) -> None:
         """Launches through Triton's own path and keeps what later launches of ``key`` need."""
@@ -146,7 +164,7 @@ class KeptKernel:
             for stale in list(self._kept)[:KEPT_SIGNATURES // 2]:
                 del self._kept[stale]
         if not self.compiled:
-            self.fn[grid](*args, **kwargs)
+            _interpret(self.fn, grid, args, kwargs)
             self._kept[key] = _Interpreted(self.fn, kwargs)
             return
         kernel = self.fn.run(*args, grid=grid, warmup=False, **kwargs)
@@ -161,6 +179,46 @@ class KeptKernel:
         bound.apply_defaults()
         names, values = list(bound.arguments), tuple(bound.arguments.values())
         self._kept[key] = _Compiled(kernel, values[len(args):], dict(zip(names[len(args):], values[len(args):])))
+
+
+def launch_context(compiled: bool) -> tuple:
+    """(the active driver, its current device) that a kernel's kept launch is for; (None, None) in
+    Triton's interpreter (``KeptKernel.compiled`` False), which has no driver."""
+    if not compiled:
+        return None, None
+    active = driver.active
+    return active, active.get_current_device()
+
+
+def tensor_signature(tensors) -> tuple:
+    """What a launch plan's key holds of each tensor: shape, strides, dtype, device and address
+    modulo 16 (Triton specializes a pointer on 16-byte alignment; tensor descriptors need it)."""
+    return tuple([(t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15) for t in tensors])
+
+
+class LaunchPlans:
+    """A launcher's plans, one per call signature: the launches bound with everything but the
+    tensors (``KeptKernel.bind``) and the sizes of what the call allocates, made at a signature's
+    first call, so that the next calls only allocate and launch. A plan's key must fix everything
+    its launches' arguments and kept signatures depend on (sizes, strides, dtypes, options, each
+    tensor's address modulo 16, ``launch_context``); the oldest half goes past KEPT_SIGNATURES."""
+
+    _instances = weakref.WeakSet()
+
+    def __init__(self):
+        self._plans = {}
+        self.get = self._plans.get  # the plan for a key, or None
+        LaunchPlans._instances.add(self)
+
+    def keep(self, key, plan):
+        if len(self._plans) >= KEPT_SIGNATURES:
+            for stale in list(self._plans)[:KEPT_SIGNATURES // 2]:
+                del self._plans[stale]
+        self._plans[key] = plan
+        return plan
+
+    def clear(self) -> None:
+        self._plans.clear()
 
 
 class _Compiled:
@@ -183,6 +241,30 @@ class _Compiled:
                    knobs.runtime.launch_exit_hook, *full)
 
 
+# Triton's interpreter copies a launch's tensors through closures that refer to themselves (its
+# GridExecutor), a reference cycle that keeps every storage the launch touched alive until the
+# garbage collector runs; a compiled launch holds nothing. A memory meter collects after each
+# interpreted launch, so tensors are freed where they would be on a GPU.
+_collect_after_launch = False
+
+
+@contextlib.contextmanager
+def collecting_interpreter_cycles():
+    """Within: the garbage collector runs after each interpreted launch (slow; for memory meters)."""
+    global _collect_after_launch
+    before, _collect_after_launch = _collect_after_launch, True
+    try:
+        yield
+    finally:
+        _collect_after_launch = before
+
+
+def _interpret(fn, grid, args, kwargs) -> None:
+    fn[grid](*args, **kwargs)
+    if _collect_after_launch:
+        gc.collect()
+
+
 class _Interpreted:
     """One signature's launch in Triton's interpreter: the interpreted function with the keywords."""
 
@@ -192,4 +274,4 @@ class _Interpreted:
         self.fn, self.kwargs = fn, kwargs
 
     def __call__(self, grid, active, device, args):
-        self.fn[grid](*args, **self.kwargs)
+        _interpret(self.fn, grid, args, self.kwargs)

@@ -14,13 +14,15 @@ rows into its own row of an fp32 partial buffer, and the host sums that buffer i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from .launch import SEPARATE_ROUNDING, KeptKernel, cdiv, next_power_of_2, persistent_program_count
+from .launch import (SEPARATE_ROUNDING, KeptKernel, LaunchPlans, cdiv, launch_context, next_power_of_2,
+                     persistent_program_count, tensor_signature)
 from .limits import MAX_NORM_WIDTH
 from .precision import load_tile, round_to, store_tile
 
@@ -257,11 +259,19 @@ def norm_fwd(x, weight, bias, eps, *, rms: bool, residual=None, out_dtype=None):
     Returns (y, mean, rstd, h): y (M, N) in ``out_dtype`` (default x's dtype), fp32 mean (empty for
     RMSNorm) and rstd (M,), h (None without residual).
     """
-    rows, cols = _check_launch(x, weight)
-    single_pass, block_m, block_n, num_warps = _tiling(cols, "forward")
+    given = (x, weight, *(() if bias is None else (bias,)), *(() if residual is None else (residual,)))
+    key = (tensor_signature(given), eps, rms, bias is None, residual is None, out_dtype, launch_context(_NORM_FWD.compiled))
+    plan = _FWD_PLANS.get(key)
+    planned = plan is not None
+    if not planned:
+        rows, cols = _check_launch(x, weight)
+        if residual is not None:
+            _check_rows("residual", residual, x)
+        single_pass = _tiling(cols, "forward")[0]
+    else:
+        rows, single_pass = x.shape[0], plan.single_pass
     h = None
     if residual is not None:
-        _check_rows("residual", residual, x)
         h = torch.empty_like(x, memory_format=torch.contiguous_format)
         if not single_pass:
             torch.add(x, residual, out=h)
@@ -272,15 +282,40 @@ def norm_fwd(x, weight, bias, eps, *, rms: bool, residual=None, out_dtype=None):
     if rows == 0:
         return y, mean, rstd, h
     fused_residual = residual is not None
-    _NORM_FWD[(cdiv(rows, block_m),)](
-        x, residual if fused_residual else x, h if fused_residual else x, weight, bias if bias is not None else weight,
-        y, mean if not rms else rstd, rstd,
-        rows, cols, x.stride(0), residual.stride(0) if fused_residual else 0, h.stride(0) if fused_residual else 0,
-        y.stride(0), float(eps),
+    tensors = (x, residual if fused_residual else x, h if fused_residual else x, weight,
+               bias if bias is not None else weight, y, mean if not rms else rstd, rstd)
+    if planned:
+        plan.launch(*tensors)
+        return y, mean, rstd, h
+    _, block_m, block_n, num_warps = _tiling(cols, "forward")
+    launch = _NORM_FWD.bind(
+        (cdiv(rows, block_m),), tensors,
+        (rows, cols, x.stride(0), residual.stride(0) if fused_residual else 0, h.stride(0) if fused_residual else 0,
+         y.stride(0), float(eps)),
         IS_RMS=rms, HAS_BIAS=bias is not None, HAS_RESIDUAL=fused_residual, SINGLE_PASS=single_pass,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **SEPARATE_ROUNDING,
     )
+    if launch is not None:
+        _FWD_PLANS.keep(key, _ForwardPlan(single_pass, launch))
     return y, mean, rstd, h
+
+
+# The launchers' plans (kernels.launch.LaunchPlans), per call signature: the launch bound with
+# everything but its tensors, and what the call allocates.
+_FWD_PLANS, _BWD_PLANS = LaunchPlans(), LaunchPlans()
+
+
+@dataclasses.dataclass(frozen=True)
+class _ForwardPlan:
+    single_pass: bool
+    launch: object
+
+
+@dataclasses.dataclass(frozen=True)
+class _BackwardPlan:
+    programs: int
+    single_pass: bool  # every program writes its own row of partials: they need no zeros
+    launch: object
 
 
 def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, has_bias: bool, residual_grad=None,
@@ -292,26 +327,43 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, has_bias: bool, resi
     x's dtype), for the next linear layer's weight gradient, in the same pass.
     Returns (dx in x's dtype, dweight and dbias in weight's dtype (dbias None without bias), y or None).
     """
-    rows, cols = _check_launch(x, weight)
-    _check_rows("dy", dy, x)
-    if residual_grad is not None:
-        _check_rows("residual_grad", residual_grad, x)
+    given = (dy, x, weight, *(() if bias is None else (bias,)), mean, rstd,
+             *(() if residual_grad is None else (residual_grad,)))
+    key = (tensor_signature(given), rms, has_bias, bias is None, residual_grad is None, rebuild_output, out_dtype,
+           launch_context(_NORM_BWD.compiled))
+    plan = _BWD_PLANS.get(key)
+    if plan is None:
+        rows, cols = _check_launch(x, weight)
+        _check_rows("dy", dy, x)
+        if residual_grad is not None:
+            _check_rows("residual_grad", residual_grad, x)
+        single_pass, block_m, block_n, num_warps = _tiling(cols, "backward")
+        programs = persistent_program_count(x.device, cdiv(rows, block_m))
+    else:
+        rows, cols = x.shape
+        programs, single_pass = plan.programs, plan.single_pass
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     y = torch.empty(x.shape, device=x.device, dtype=out_dtype or x.dtype) if rebuild_output else None
-    single_pass, block_m, block_n, num_warps = _tiling(cols, "backward")
-    programs = persistent_program_count(x.device, cdiv(rows, block_m))
-    dw_partial = torch.zeros((programs, cols), device=x.device, dtype=torch.float32)
-    db_partial = torch.zeros((programs, cols), device=x.device, dtype=torch.float32) if has_bias else dw_partial
+    # dW's partial sums and dB's, one row per program: streamed rows accumulate into theirs
+    partials = (torch.empty if single_pass and rows > 0 else torch.zeros)(
+        (2 if has_bias else 1, programs, cols), device=x.device, dtype=torch.float32)
     if rows > 0:
-        _NORM_BWD[(programs,)](
-            x, weight, bias if bias is not None else weight, dy,
-            residual_grad if residual_grad is not None else dy, dx, y if rebuild_output else dx,
-            mean if not rms else rstd, rstd, dw_partial, db_partial,
-            rows, cols, x.stride(0), dy.stride(0), residual_grad.stride(0) if residual_grad is not None else 0,
-            dx.stride(0), y.stride(0) if rebuild_output else 0,
-            IS_RMS=rms, HAS_BIAS=has_bias, HAS_DRES=residual_grad is not None, REBUILD_OUTPUT=rebuild_output,
-            SINGLE_PASS=single_pass, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **SEPARATE_ROUNDING,
-        )
-    dw = dw_partial.sum(dim=0).to(weight.dtype)
-    db = db_partial.sum(dim=0).to(weight.dtype) if has_bias else None
-    return dx, dw, db, y
+        tensors = (x, weight, bias if bias is not None else weight, dy,
+                   residual_grad if residual_grad is not None else dy, dx, y if rebuild_output else dx,
+                   mean if not rms else rstd, rstd, partials[0], partials[-1])
+        if plan is not None:
+            plan.launch(*tensors)
+        else:
+            launch = _NORM_BWD.bind(
+                (programs,), tensors,
+                (rows, cols, x.stride(0), dy.stride(0), residual_grad.stride(0) if residual_grad is not None else 0,
+                 dx.stride(0), y.stride(0) if rebuild_output else 0),
+                IS_RMS=rms, HAS_BIAS=has_bias, HAS_DRES=residual_grad is not None, REBUILD_OUTPUT=rebuild_output,
+                SINGLE_PASS=single_pass, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **SEPARATE_ROUNDING,
+            )
+            if launch is not None:
+                _BWD_PLANS.keep(key, _BackwardPlan(programs, single_pass, launch))
+    sums = partials.sum(dim=1)
+    if sums.dtype != weight.dtype:
+        sums = sums.to(weight.dtype)
+    return dx, sums[0], sums[1] if has_bias else None, y

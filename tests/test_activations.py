@@ -206,15 +206,19 @@ def test_gelu_backward_rebuilds_output_in_the_same_pass(approximate, dtype, devi
 
 
 class _LaunchSpy:
-    """Stands in for a jitted kernel: records the arguments of every launch, then launches."""
+    """Stands in for a kept kernel: records the arguments of every launch, a signature's first
+    (``bind``) and its planned ones, then launches."""
 
     def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
+        self.kernel, self.launches, self.compiled = kernel, [], kernel.compiled
 
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append(args)
-            return self.kernel[grid](*args, **kwargs)
+    def bind(self, grid, tensors, tail, **kwargs):
+        self.launches.append((*tensors, *tail))
+        bound = self.kernel.bind(grid, tensors, tail, **kwargs)
+
+        def launch(*given):
+            self.launches.append((*given, *tail))
+            bound(*given)
 
         return launch
 
