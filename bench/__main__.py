@@ -14,6 +14,7 @@
     python -m bench checkpoint           # no GPU: the trainer's checkpoint save/load time and bytes per rank,
                                          # sharded against gathered, DDP and FSDP2 on gloo CPU ranks
                                          # (bench/checkpoint.py)
+    python -m bench peak                 # no GPU: one block's peak memory beside what autograd keeps (bench/peak.py)
 
 Results go to bench/results/<gpu-name>/ (or --out): <suite>.json with the device, versions, date
 and commit; <suite>.md; <suite>*.png.
@@ -38,7 +39,7 @@ SUITES = {"norms": "bench.bench_norms", "attention": "bench.bench_attention", "m
           "block": "bench.bench_block", "train": "bench.bench_train"}
 # Commands that are not timing suites and need no GPU: name -> module with main(argv).
 COMMANDS = {"static": "bench.static", "host": "bench.host", "frontier": "bench.frontier", "checkpoint": "bench.checkpoint",
-            "gpu_stage": "bench.gpu_check"}
+            "gpu_stage": "bench.gpu_check", "peak": "bench.peak"}
 
 
 def load_suite(name: str) -> harness.Suite:
