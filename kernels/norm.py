@@ -327,7 +327,7 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, has_bias: bool, resi
     x's dtype), for the next linear layer's weight gradient, in the same pass.
     Returns (dx in x's dtype, dweight and dbias in weight's dtype (dbias None without bias), y or None).
     """
-    given = (dy, x, weight, *(() if bias is None else (bias,)), mean, rstd,
+    given = (dy, x, weight, *(() if bias is None else (bias,)), *(() if rms else (mean,)), rstd,
              *(() if residual_grad is None else (residual_grad,)))
     key = (tensor_signature(given), rms, has_bias, bias is None, residual_grad is None, rebuild_output, out_dtype,
            launch_context(_NORM_BWD.compiled))
@@ -363,7 +363,9 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, has_bias: bool, resi
             )
             if launch is not None:
                 _BWD_PLANS.keep(key, _BackwardPlan(programs, single_pass, launch))
-    sums = partials.sum(dim=1)
-    if sums.dtype != weight.dtype:
-        sums = sums.to(weight.dtype)
-    return dx, sums[0], sums[1] if has_bias else None, y
+    # one sum each: dW and dB are separate tensors (a custom operator's outputs may not alias)
+    dw = partials[0].sum(dim=0)
+    db = partials[1].sum(dim=0) if has_bias else None
+    if dw.dtype != weight.dtype:
+        dw, db = dw.to(weight.dtype), None if db is None else db.to(weight.dtype)
+    return dx, dw, db, y

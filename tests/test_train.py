@@ -348,7 +348,7 @@ def test_parse_size_refuses_what_is_not_a_positive_size(text):
 
 
 def test_config_fills_defaults_by_device_and_preset():
-    config = TrainConfig.build("cpu", steps=None, memory_budget="1.5KiB", out=None)
+    config = TrainConfig.build("cpu", steps=None, memory_budget="1.5KiB", remat="auto", out=None)
     assert (config.preset, config.steps, config.seq_len, config.dtype) == ("tiny", 50, 64, "fp32")
     assert config.lr == 3e-3 and config.min_lr == pytest.approx(3e-4) and config.warmup == 5
     assert config.memory_budget == 1536 and config.out == Path("runs/tiny")
@@ -368,11 +368,11 @@ def test_remat_is_parsed_once_into_policies_per_layer():
     assert all(type(policy) is Remat for policy in TrainConfig.build("cpu", remat="offload").remat)
     assert TrainConfig.build("cpu", remat="auto").remat is None
     assert TrainConfig.build("cpu", remat="full", block="reference").remat == (Remat.FULL,) * layers
-    with pytest.raises(ValueError, match=r"^--remat must be one of none, cheap, selective, full, offload, or 'keep:' "
-                       r"and the tensors to keep besides x, got 'lazy'$"):
+    with pytest.raises(ValueError, match=r"^--remat must be one of none, cheap, selective, full, offload, "
+                       r"keep:<tensors> \(e.g. keep:o,lse,h\), auto .*; got 'lazy'$"):
         TrainConfig.build("cpu", remat="lazy")
     assert TrainConfig.build("cpu", remat="keep:o,lse,h,cheap").remat == (Remat.keeping(["o", "lse", "h"]), Remat.CHEAP)
-    with pytest.raises(ValueError, match=r"^--remat must be one of none, full, got 'auto'$"):
+    with pytest.raises(ValueError, match=r"^--block reference runs eager PyTorch, which takes --remat none .*; got --remat auto$"):
         TrainConfig.build("cpu", remat="auto", block="reference")
 
 
