@@ -215,6 +215,32 @@ class _Activations:
     y1: torch.Tensor | None = None  # norm1 output
     y2: torch.Tensor | None = None  # norm2 output
     a: torch.Tensor | None = None  # activation output
+    # the names whose storage is the backward's to free or overwrite past its last use: what the
+    # replay made, and what the forward kept where nothing but this backward will read it again
+    owned: frozenset[str] = frozenset()
+
+    def drop(self, *names: str) -> None:
+        """Let go of activations after their last use; an owned one's memory is freed at once (a
+        kept tensor is also held by autograd, until the whole backward returns)."""
+        for name in names:
+            tensor = getattr(self, name)
+            setattr(self, name, None)
+            if tensor is not None and name in self.owned:
+                _free(tensor)
+
+    def take(self, name: str) -> torch.Tensor | None:
+        """The activation ``name`` as a buffer to write over (the caller frees it when done), or
+        None where it is not owned; either way it is gone from here after this."""
+        tensor = getattr(self, name)
+        if name not in self.owned:
+            return None
+        setattr(self, name, None)
+        return tensor
+
+
+def _free(tensor: torch.Tensor) -> None:
+    """Frees the memory of a tensor nothing will read again, however many references hold it."""
+    tensor.untyped_storage().resize_(0)
 
 
 def block_widths(dim: int, n_heads: int, n_kv_heads: int | None, ffn_dim: int | None, norm: str,
@@ -356,12 +382,14 @@ def _forward_pass(x: torch.Tensor, w: _Weights, g: _BlockCall, seqs: _Sequences)
     return _Activations(qkv, o, lse, h, u, mean1, rstd1, mean2, rstd2, **kept_outputs), y
 
 
-def _replay(x: torch.Tensor, kept: dict, w: _Weights, g: _BlockCall, seqs: _Sequences) -> _Activations:
+def _replay(x: torch.Tensor, kept: dict, w: _Weights, g: _BlockCall, seqs: _Sequences,
+            owned: frozenset[str] = frozenset()) -> _Activations:
     """The activations backward needs, from x and what the point ``kept`` (by name): what is
     missing is computed again as the forward computed it, with the same kernels on the same inputs,
     hence bitwise the same, and nothing more (qkv and its norm only if qkv or norm 1's statistics
     are missing, attention only if its results are, and so on). The norm and activation outputs
-    stay as kept (or None: their backward kernels rebuild them)."""
+    stay as kept (or None: their backward kernels rebuild them). ``owned``: the kept names the
+    backward may free; everything replayed is owned too."""
     acts = dict(kept)
     if g.remat.rebuilds("qkv") or g.remat.rebuilds("rstd1"):
         y1, acts["mean1"], acts["rstd1"], _ = _norm_forward(x, w.norm1, g)
@@ -384,7 +412,7 @@ def _replay(x: torch.Tensor, kept: dict, w: _Weights, g: _BlockCall, seqs: _Sequ
             y2, acts["mean2"], acts["rstd2"], _ = _norm_forward(acts["h"], w.norm2, g)
         if g.remat.rebuilds("u"):
             acts["u"] = w.linear("fc1", y2, w.fc1, w.fc1_bias)
-    return _Activations(**acts)
+    return _Activations(**acts, owned=owned | (acts.keys() - kept.keys()))
 
 
 def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -487,16 +515,17 @@ def _block_bwd(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor | Non
 
 
 def _block_backward(dy: torch.Tensor, x: torch.Tensor, g: _BlockCall, seqs: _Sequences, kept: list, params: list,
-                    needed: dict, lora: list) -> list:
+                    needed: dict, lora: list, owned: frozenset[str] = frozenset()) -> list:
     """block_bwd's implementation, for the operator and for eager calls, which come straight here.
     ``params``: all of _PARAMETERS, None where absent; ``needed``: whether each present one needs
-    its gradient, by name. A parameter's gradient is None where not needed (the operator fills those
-    in)."""
+    its gradient, by name; ``owned``: the names of the kept activations it may free or overwrite
+    (``_BlockFunction.backward``; an operator's inputs never are). A parameter's gradient is None
+    where not needed (the operator fills those in)."""
     named = dict(zip(_PARAMETERS, params))
     with _autocast_off(dy.device.type):
         w = _Weights(params, g.compute_dtype, g.adapters, lora)
         kept_acts = {k.name: t for k, t, keeps in zip(_SLOTS, kept, _slots_kept(g.remat)) if keeps}
-        acts = _replay(x, kept_acts, w, g, seqs)
+        acts = _replay(x, kept_acts, w, g, seqs, owned)
         needs = {name: needed.get(name, False) for name in _PARAMETERS}
         grads = _backward_pass(dy.contiguous(), x, acts, w, g, seqs, needs, named)
     return [grads["x"], *[grads.get(name) for name in needed], *grads["lora"]]
@@ -622,6 +651,12 @@ class _BlockFunction(torch.autograd.Function):
                               *[t for t, keeps in zip(output[1:], _slots_kept(g.remat)) if keeps],
                               *[p for p in params if p is not None], *lora)
         ctx.call, ctx.has_param = g, [p is not None for p in params]
+        # Where autograd alone will hold the kept activations (no saved-tensor hook, which may keep
+        # or pool what it packs), their addresses, so that backward can tell they are still these
+        # and free each at its last use
+        ctx.kept_addresses = None
+        if not custom_ops.traced(x.device) and _no_saved_tensor_hooks():
+            ctx.kept_addresses = [t.data_ptr() for t, keeps in zip(output[1:], _slots_kept(g.remat)) if keeps]
         ctx.mark_non_differentiable(*[t for t in output[1:] if t is not None])
         ctx.set_materialize_grads(False)  # the kept activations' gradients come as None, not zeros
 
@@ -646,46 +681,89 @@ class _BlockFunction(torch.autograd.Function):
                                     ctx.has_param, needs, lora, *g.op_args())
         else:
             dx, *grads = _block_backward(dy, x, g, _Sequences(cu_seqlens, position_ids, rope_inv_freq), kept,
-                                         _with_absent(params, ctx.has_param), _needed(ctx.has_param, needs), lora)
+                                         _with_absent(params, ctx.has_param), _needed(ctx.has_param, needs), lora,
+                                         _owned_kept(ctx.kept_addresses, kept))
         dparams = iter([d if need else None for d, need in zip(grads[:len(needs)], needs)])
         dlora = [d if need else None for d, need in zip(grads[len(needs):], ctx.needs_input_grad[5 + len(_PARAMETERS):])]
         return custom_ops.first_order_only(_OP, dx, None, None, None, None,
                                            *[next(dparams) if has else None for has in ctx.has_param], *dlora)
 
 
+def _no_saved_tensor_hooks() -> bool:
+    hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return hooks is not None and hooks(True) is None
+
+
+def _owned_kept(kept_addresses: list[int] | None, kept: list) -> frozenset[str]:
+    """The kept activations (``_SLOTS`` entries, None where not kept) an eager backward may free at
+    their last use: none if a saved-tensor hook packed them, if this backward may run again
+    (retain_graph) or if a CUDA graph is being captured; else those whose memory is still the one
+    the forward kept."""
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    if kept_addresses is None or keep_graph is None or keep_graph() or backend.graph_capturing():
+        return frozenset()
+    kept = [(slot.name, t) for slot, t in zip(_SLOTS, kept) if t is not None]
+    return frozenset(name for (name, t), address in zip(kept, kept_addresses) if t.data_ptr() == address)
+
+
 def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, seqs: _Sequences, needs: dict,
                    named: dict) -> dict:
     """Gradients of the block from dy (T, dim), in the order the forward ran, reversed.
 
-    Where the point did not keep a norm or activation output (``acts.y1``, ``y2`` or ``a`` is
-    None), the backward kernel that computes that op's input gradient also writes it, and it lives
-    only until the weight gradient that needs it."""
+    Each activation is let go at its last use (``acts.drop``), and the activation's backward writes
+    over buffers that are done: its input gradient over the incoming one, and, where ``u`` is owned,
+    its outputs into u's memory. Where the point kept a norm or activation output, the weight
+    gradient that reads it runs first, so that it is gone before the input gradients allocate;
+    where it did not (``acts.y1``, ``y2`` or ``a`` is None), the backward kernel that computes the
+    op's input gradient also writes it, and it lives only until the weight gradient that needs it."""
     grads = {}
+    adapter_grads = []  # (index, (dA, dB)) of each adapter
+
+    def weight_grads(linear: str, grad_out: torch.Tensor, inputs: torch.Tensor) -> None:
+        grads[f"{linear}.weight"] = _weight_grad(needs[f"{linear}.weight"], grad_out, inputs, named[f"{linear}.weight"])
+        adapter_grads.extend(w.adapter_grads(linear, grad_out, inputs))
+
+    def linear_and_norm_backward(linear: str, weight: torch.Tensor, grad_out: torch.Tensor, norm: str,
+                                 norm_input: torch.Tensor, output: str, residual_grad: torch.Tensor) -> torch.Tensor:
+        """Back through a linear layer and the norm whose output it reads: the layer's weight
+        gradients, and the norm's input gradient plus ``residual_grad``, returned. ``grad_out``,
+        the layer's output gradient, is freed after its last use; so are the norm's statistics."""
+        kept = getattr(acts, output) is not None
+        if kept:
+            weight_grads(linear, grad_out, getattr(acts, output))
+            acts.drop(output)
+        d_output = w.input_grad(linear, grad_out, weight)
+        index = norm[-1]
+        dx_norm, grads[f"{norm}.weight"], grads[f"{norm}.bias"], rebuilt = _norm_backward(
+            d_output, norm_input, getattr(w, norm), getattr(acts, f"mean{index}"), getattr(acts, f"rstd{index}"),
+            residual_grad, not kept, g)
+        del d_output
+        acts.drop(f"mean{index}", f"rstd{index}")
+        if not kept:
+            weight_grads(linear, grad_out, rebuilt)
+        _free(grad_out)
+        return dx_norm
+
     dz = dy.to(g.compute_dtype)
-    adapter_grads = []  # (dA, dB) of each adapter, last layer first
     grads["fc2.bias"] = _bias_grad(needs["fc2.bias"], dz, named["fc2.bias"])
-    da = w.input_grad("fc2", dz, w.fc2)
-    if g.activation == "swiglu":
-        du, rebuilt = custom_ops.direct.swiglu_packed_bwd(da, acts.u, acts.a is None)
-    else:
-        du, rebuilt = custom_ops.direct.gelu_bwd(da, acts.u, _approximation(g), acts.a is None)
-    del da
-    a = rebuilt if acts.a is None else acts.a
-    grads["fc2.weight"] = _weight_grad(needs["fc2.weight"], dz, a, named["fc2.weight"])
-    adapter_grads += w.adapter_grads("fc2", dz, a)
-    del rebuilt, a, dz
+    kept_a = acts.a is not None
+    if kept_a:
+        weight_grads("fc2", dz, acts.a)
+        acts.drop("a")
+    du, a = _activation_backward(w.input_grad("fc2", dz, w.fc2), acts, g, rebuild=not kept_a)
+    if not kept_a:
+        weight_grads("fc2", dz, a)
+        _free(a)  # in the input gradient's memory, u's or its own
+    del a, dz
 
     grads["fc1.bias"] = _bias_grad(needs["fc1.bias"], du, named["fc1.bias"])
-    dh, grads["norm2.weight"], grads["norm2.bias"], rebuilt = _norm_backward(
-        w.input_grad("fc1", du, w.fc1), acts.h, w.norm2, acts.mean2, acts.rstd2, dy, acts.y2 is None, g)
-    grads["fc1.weight"] = _weight_grad(needs["fc1.weight"], du, acts.y2 if rebuilt is None else rebuilt, named["fc1.weight"])
-    adapter_grads += w.adapter_grads("fc1", du, acts.y2 if rebuilt is None else rebuilt)
-    del du, rebuilt
+    dh = linear_and_norm_backward("fc1", w.fc1, du, "norm2", acts.h, "y2", dy)
+    acts.drop("h")
+    del du
 
     d_attn = dh.to(g.compute_dtype)
     grads["out_proj.bias"] = _bias_grad(needs["out_proj.bias"], d_attn, named["out_proj.bias"])
-    grads["out_proj.weight"] = _weight_grad(needs["out_proj.weight"], d_attn, acts.o, named["out_proj.weight"])
-    adapter_grads += w.adapter_grads("out_proj", d_attn, acts.o)
+    weight_grads("out_proj", d_attn, acts.o)
     group = g.context_parallel_group()
     attended = _attention_input(acts.qkv, w, g, seqs) if g.qk_norm else acts.qkv
     if group is None:
@@ -700,20 +778,35 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, seqs: 
             custom_ops.token_major_heads(acts.o, g.batch, g.n_heads), acts.lse, group, g.causal, g.softmax_scale)
         for packed, grad in zip(custom_ops.split_heads(dqkv, g.batch, g.n_heads, g.n_kv_heads), grads_qkv):
             packed.copy_(grad)
+        del grads_qkv
     del d_attn, attended
+    acts.drop("o", "lse")
     if g.rope_theta is not None:
         _rope_qk_(dqkv, g, seqs, inverse=True)
     if g.qk_norm:
         grads.update(_qk_norm_backward(dqkv, acts.qkv, w, g, needs))
+    acts.drop("qkv")
 
     grads["qkv.bias"] = _bias_grad(needs["qkv.bias"], dqkv, named["qkv.bias"])
-    grads["x"], grads["norm1.weight"], grads["norm1.bias"], rebuilt = _norm_backward(
-        w.input_grad("qkv", dqkv, w.qkv), x, w.norm1, acts.mean1, acts.rstd1, dh, acts.y1 is None, g)
-    grads["qkv.weight"] = _weight_grad(needs["qkv.weight"], dqkv, acts.y1 if rebuilt is None else rebuilt, named["qkv.weight"])
-    adapter_grads += w.adapter_grads("qkv", dqkv, acts.y1 if rebuilt is None else rebuilt)
+    grads["x"] = linear_and_norm_backward("qkv", w.qkv, dqkv, "norm1", x, "y1", dh)
+    del dqkv
     grads = {name: grad for name, grad in grads.items() if name == "x" or needs[name]}
     grads["lora"] = [grad for _, pair in sorted(adapter_grads, key=lambda item: item[0]) for grad in pair]
     return grads
+
+
+def _activation_backward(da: torch.Tensor, acts: _Activations, g: _BlockCall, rebuild: bool):
+    """(du, the rebuilt activation output or None) from da, the gradient of the activation's
+    output, and the kept or replayed ``acts.u``, which is let go. GELU writes du over da, and the
+    output it rebuilds into u's memory where u is owned; SwiGLU writes du into u's memory where
+    owned, and the output it rebuilds over da."""
+    u = acts.u
+    if g.activation == "swiglu":
+        du, a = custom_ops.direct.swiglu_packed_bwd_(da, u, rebuild, du=acts.take("u"))
+    else:
+        du, a = custom_ops.direct.gelu_bwd_(da, u, _approximation(g), rebuild, y=acts.take("u") if rebuild else None)
+    acts.drop("u")  # where it was not taken
+    return du, a
 
 
 def _norm_backward(dy, x, weights, mean, rstd, residual_grad, rebuild: bool, g: _BlockCall):

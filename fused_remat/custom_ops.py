@@ -453,19 +453,36 @@ def _(dy, gate, up, rebuild_output):
     return _like(gate), _like(gate), _like(gate) if rebuild_output else _absent(gate)
 
 
-@_op("swiglu_packed_bwd")
-def swiglu_packed_bwd(dy: Tensor, u: Tensor, rebuild_output: bool) -> tuple[Tensor, Tensor]:
-    """For u = [gate | up] (M, 2F): (du = [dgate | dup] (M, 2F), rebuilt y (empty unless asked))."""
+# In-place forms, plain functions in ``direct`` only: the block's backward (inside its own
+# operator, or eager) writes a gradient over a buffer it owns and no longer needs, which an
+# operator's outputs may not do. Each element is read before it is written.
+
+
+def _in_place(fn):
+    setattr(direct, fn.__name__, fn)
+    return fn
+
+
+@_in_place
+def gelu_bwd_(dy: Tensor, x: Tensor, approximate: str, rebuild_output: bool,
+              y: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """gelu_bwd with dx written over dy; the rebuilt output into ``y`` where given (x itself may
+    be), else a new tensor. Returns (dx, y or None)."""
+    from .kernels.activations import gelu_bwd as launch
+
+    return launch(dy, x, approximate, rebuild_output=rebuild_output, dx=dy, y=y if rebuild_output else None)
+
+
+@_in_place
+def swiglu_packed_bwd_(dy: Tensor, u: Tensor, rebuild_output: bool,
+                       du: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """For u = [gate | up] (M, 2F) and dy (M, F): du = [dgate | dup] written into ``du`` where given
+    (u itself may be), else a new tensor, and the rebuilt output over dy. Returns (du, y or None)."""
     from .kernels.activations import swiglu_bwd as launch
 
     half = u.shape[1] // 2
-    du = torch.empty_like(u)
-    _, _, y = launch(dy, u[:, :half], u[:, half:], rebuild_output=rebuild_output, dgate=du[:, :half], dup=du[:, half:])
-    return du, _or_absent(y, u)
-
-
-@swiglu_packed_bwd.register_fake
-def _(dy, u, rebuild_output):
-    y = u.new_empty(u.shape[0], u.shape[1] // 2) if rebuild_output else _absent(u)
-    return torch.empty_like(u), y
+    du = torch.empty_like(u) if du is None else du
+    _, _, y = launch(dy, u[:, :half], u[:, half:], rebuild_output=rebuild_output, dgate=du[:, :half],
+                     dup=du[:, half:], y=dy if rebuild_output else None)
+    return du, y
 

@@ -156,17 +156,19 @@ def _rows_view(t: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def _output(op: str, name: str, out: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _output(op: str, name: str, out: torch.Tensor | None, like: torch.Tensor,
+            like_name: str = "gate") -> tuple[torch.Tensor, torch.Tensor]:
     """(what to return, its 2-D view for the kernel): a new contiguous tensor shaped like ``like``
-    (gate), or the caller's ``out``, which the kernel must be able to write in place."""
+    (the input named ``like_name``), or the caller's ``out``, which the kernel must be able to write
+    in place. Each element is read before it is written, so ``out`` may be one of the inputs."""
     if out is None:
         out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
         return out, (_rows_view(out) if out.numel() else out)
-    _check_shapes(op, "gate", like, **{name: out})
+    _check_shapes(op, like_name, like, **{name: out})
     if out.dtype != like.dtype:
-        raise TypeError(f"{op}: {name} has dtype {out.dtype} but gate has {like.dtype}; they must match")
+        raise TypeError(f"{op}: {name} has dtype {out.dtype} but {like_name} has {like.dtype}; they must match")
     if out.device != like.device:
-        raise ValueError(f"{op}: {name} is on {out.device} but gate is on {like.device}")
+        raise ValueError(f"{op}: {name} is on {out.device} but {like_name} is on {like.device}")
     if not out.numel():
         return out, out
     rows = out if out.dim() == 2 else _rows_view(out)
@@ -203,14 +205,17 @@ def gelu_fwd(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
 
 
 def gelu_bwd(
-    dy: torch.Tensor, x: torch.Tensor, approximate: str = "none", rebuild_output: bool = False
+    dy: torch.Tensor, x: torch.Tensor, approximate: str = "none", rebuild_output: bool = False, *,
+    dx: torch.Tensor | None = None, y: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dx, y): dx = dy * gelu'(x), recomputing gelu' from x; with ``rebuild_output`` the same pass also
-    writes y = gelu(x), bitwise what gelu_fwd gives (else None). Outputs contiguous, in x's shape."""
+    writes y = gelu(x), bitwise what gelu_fwd gives (else None). Outputs contiguous, in x's shape,
+    unless ``dx`` / ``y`` are given: then written in place and returned (dy itself, x itself or
+    any tensor of x's shape and dtype writable as rows with unit column stride)."""
     tanh = _check_approximation(approximate)
     _check_shapes("gelu_bwd", "x", x, dy=dy)
-    dx, dx_rows = _output("gelu_bwd", "dx", None, x)
-    y, y_rows = _output("gelu_bwd", "y", None, x) if rebuild_output else (None, dx_rows)
+    dx, dx_rows = _output("gelu_bwd", "dx", dx, x, "x")
+    y, y_rows = _output("gelu_bwd", "y", y, x, "x") if rebuild_output else (None, dx_rows)
     if x.numel():
         _launch(
             _GELU, [_input_rows(x), _input_rows(dy), dx_rows, y_rows],
@@ -237,18 +242,20 @@ def swiglu_bwd(
     *,
     dgate: torch.Tensor | None = None,
     dup: torch.Tensor | None = None,
+    y: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(dgate, dup, y): the gradients, plus the recomputed y = silu(gate) * up when ``rebuild_output``
     (else None), bitwise what swiglu_fwd gives.
 
-    ``dgate`` / ``dup``, when given, are written in place and returned: gate's shape and dtype, rows
-    with unit column stride and any row stride (e.g. the two column halves of one (M, 2F) gradient
-    buffer). Otherwise they are new contiguous tensors in gate's shape, as is y.
+    ``dgate`` / ``dup`` / ``y``, when given, are written in place and returned: gate's shape and
+    dtype, rows with unit column stride and any row stride (e.g. the two column halves of one
+    (M, 2F) gradient buffer), and they may be the inputs themselves (gate, up, dy). Otherwise they
+    are new contiguous tensors in gate's shape.
     """
     _check_shapes("swiglu_bwd", "gate", gate, up=up, dy=dy)
     dgate, dgate_rows = _output("swiglu_bwd", "dgate", dgate, gate)
     dup, dup_rows = _output("swiglu_bwd", "dup", dup, gate)
-    y, y_rows = _output("swiglu_bwd", "y", None, gate) if rebuild_output else (None, dgate_rows)
+    y, y_rows = _output("swiglu_bwd", "y", y, gate) if rebuild_output else (None, dgate_rows)
     if gate.numel():
         _launch(
             _SWIGLU, [_input_rows(gate), _input_rows(up), _input_rows(dy), dgate_rows, dup_rows, y_rows],
