@@ -1,10 +1,9 @@
 """`python -m bench`: run benchmark suites on the GPU and write results, tables and plots.
 
-    python -m bench                      # every suite, full mode (under ~9 minutes on an H100 without train,
-                                         # to which train adds an estimated ~15: timings, longest sequence)
-    python -m bench --quick norms        # chosen suites, quick mode (under ~5 minutes for all but train,
-                                         # whose one quick case takes an estimated ~2)
-    python -m bench readme               # rebuild the README's results section from bench/results/
+    python -m bench                      # every suite, full mode (train the longest: its timings and its
+                                         # longest-sequence search)
+    python -m bench --quick norms        # chosen suites, quick mode (fewer cases, shorter timing windows)
+    python -m bench results              # rebuild the generated tables of docs/results.md from bench/results/
     python -m bench summary --out DIR    # one line per suite of the run in DIR
     python -m bench static               # no GPU: every kernel compiled for sm_90a and sm_80 (bench/static.py)
     python -m bench host                 # no GPU: each op's and block's host time per call, launches stubbed,
@@ -51,16 +50,16 @@ def load_suite(name: str) -> harness.Suite:
 
 def _parse(argv):
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("suites", nargs="*", help=f"'readme', 'summary', or suites among {', '.join(SUITES)} (default: all)")
+    parser.add_argument("suites", nargs="*", help=f"'results' (rebuild docs/results.md's tables), 'summary', or suites among {', '.join(SUITES)} (default: all)")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and shorter timing windows")
     parser.add_argument("--out", type=Path, help="results folder (default: bench/results/<gpu-name>/)")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU only, tiny cases through the Triton interpreter, to prove the pipeline runs "
                         "(CI does this); its timings say nothing about speed and --out is required")
     args = parser.parse_args(argv)
-    unknown = [s for s in args.suites if s not in SUITES and s not in ("readme", "summary")]
+    unknown = [s for s in args.suites if s not in SUITES and s not in ("results", "summary")]
     if unknown:
-        parser.error(f"unknown suite(s) {', '.join(unknown)}; choose from {', '.join(SUITES)} or 'readme'")
+        parser.error(f"unknown suite(s) {', '.join(unknown)}; choose from {', '.join(SUITES)}, 'results' or 'summary'")
     return args
 
 
@@ -72,9 +71,8 @@ def main(argv=None) -> int:
     if args.suites == ["summary"]:
         print(report.summary(args.out or report.device_folder(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")))
         return 0
-    if args.suites == ["readme"]:
-        report.update_readme()
-        print(f"updated {report.README}")
+    if args.suites == ["results"]:
+        print(f"updated {report.update_results_page()}")
         return 0
     if args.smoke and args.out is None:
         print("--smoke needs --out: its timings are meaningless and never go to bench/results/", file=sys.stderr)

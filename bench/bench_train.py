@@ -39,8 +39,9 @@ Providers:
 Timing: the first step (Triton JIT, torch.compile's compile, AdamW's moments) runs before anything is
 timed, and its wall time is recorded as ``extra["first_step_s"]``; one more warm-up step; then the
 median, 20th and 80th percentile of steps timed with CUDA events, as many as fill a window of 4 s
-(quick: 1.5 s), at least 10 (quick: 5). triton.testing.do_bench sizes its loop from a 100 ms window,
-which is one sample of a step this long, so this suite counts its own samples (``extra["samples"]``).
+(quick: 1.5 s), at least 10 (quick: 5). triton.testing.do_bench sizes its loop from a short window
+(its ``rep``), which holds one sample of a step this long, so this suite counts its own samples
+(``extra["samples"]``).
 The metric is tokens per second; ``extra["TFLOP/s"]`` gives the step's model FLOPs per second
 (``planner.explain_policies(...).step_flops``: no remat, recomputation not counted).
 
@@ -59,8 +60,8 @@ Longest trainable sequence (full mode only; slow): ``fused_remat.training.capaci
 training step, fits unless CUDA runs out of memory; ``auto`` plans for the memory left at each length) and its
 search ``largest_fitting`` (doubling, then bisection, here in steps of 1024 tokens), per provider,
 within a budget of 16 GiB set with ``torch.cuda.set_per_process_memory_fraction``. A fixed budget
-keeps the probes short (a step costs N^2: on a whole 80 GB card ``full`` fits close to a million
-tokens, and one probe there takes minutes) and gives the same numbers on any card that has 16 GiB;
+keeps the probes short (a step costs N^2, and near a whole card's capacity one probe is long) and
+gives the same numbers on any card that has 16 GiB;
 ``python -m fused_remat.train --find-max-seq-len`` asks the question for a whole card. The compile
 peer compiles with automatic dynamic shapes: its blocks compile twice, not once per probed length.
 

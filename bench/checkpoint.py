@@ -32,10 +32,10 @@ trainer's own checkpoint code, as ``training/loop.py`` does:
 Bytes per rank: the files each rank wrote. DCP names a rank's data ``__<rank>_<n>.distcp``; rank 0
 also writes DCP's ``.metadata`` and the trainer's ``run.pt``, and all of the single file. Under DDP
 every rank holds every tensor, and DCP deduplicates them, spreading the writes over the ranks.
-DCP stores every tensor (every shard of one, under FSDP2) as its own record, with about 1.5 KB of
-framing each, and an index of them in ``.metadata``: next to the single file, a sharded checkpoint
-is larger by that fixed amount, which for the tiny preset's 1.1 MB is 20-30% more and for
-gpt2-medium's 3.4 GiB a tenth of a percent or less.
+DCP stores every tensor (every shard of one, under FSDP2) as its own record with framing of its
+own, and an index of them in ``.metadata``: next to the single file, a sharded checkpoint is larger
+by that fixed amount, which weighs on a tiny model's checkpoint and vanishes beside a large one's
+(``total MiB`` in bench/results/checkpoint).
 
 Peak RSS: ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` of each rank at the end, so the peak of the
 whole job (model, the training step, the save and the load), one job per row.

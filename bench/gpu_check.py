@@ -2,8 +2,8 @@
 
 ``gpu_check_<stage>.json`` beside the stage's log: the machine (device, NVIDIA driver, torch,
 Triton, CUDA, Python, date, commit), the stage's exit status and seconds, and its summary, the
-log's last lines and every FAILED or ERROR line. ``python -m bench readme`` turns the records into
-the README's table of GPU check stages (``bench/report.py``).
+log's last lines and every FAILED or ERROR line. ``python -m bench results`` turns the records into
+the table of GPU check stages in docs/results.md (``bench/report.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ _FAILURE = re.compile(r"^(FAILED|ERROR)\b")
 
 
 def summary(log: str) -> list[str]:
-    """What a reader of the README needs from a stage's log: its failures, then its last lines."""
+    """What a reader of the stages' table needs from a stage's log: its failures, then its last lines."""
     lines = [line.rstrip() for line in log.splitlines() if line.strip()]
     failures = [line for line in lines if _FAILURE.match(line)][:FAILURE_LINES]
     tail = [line for line in lines[-SUMMARY_LINES:] if line not in failures]

@@ -17,7 +17,7 @@
 # Default: every stage, in that order; name some to run only those (one device call each). Each
 # stage writes its log and gpu_check_<stage>.json (device, driver, torch, Triton, exit status, its
 # summary) under DIR (default bench/results/<gpu>/, beside the benchmark suites' JSON); commit
-# them, then `python -m bench readme` puts them in the README's Results. Each stage stops itself
+# them, then `python -m bench results` puts them in docs/results.md. Each stage stops itself
 # after STAGE_SECONDS (default 540) so that a call's 10 minutes leave time to fetch the results.
 #
 # A 15-minute lease (one machine start, about a minute, then one 10-minute call) fits install, block,

@@ -55,7 +55,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "bench" / "results" / "host"
 TARGET = "sm_90a"
-DTYPE = "float32"  # a CPU without bf16 instructions takes milliseconds for a tiny bf16 matrix product
+DTYPE = "float32"  # a CPU without bf16 instructions is slow at even a tiny bf16 matrix product
 
 DEVICE = "cpu"
 TOKENS = 8

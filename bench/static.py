@@ -383,7 +383,7 @@ TUTORIAL_DQ_CONFIGS = ((128, 32, 4, 5), (128, 64, 8, 3))
 # tl.range(..., warp_specialize=True), under the tutorial's register cap (maxnreg: 168 at D=128, else
 # 80; the tutorial keys 168 on fp16 too, the one dtype it tunes, and these yardsticks run bf16). From its
 # autotuning space (BLOCK_M 64/128, BLOCK_N 32/64/128, 2-4 stages, 4/8 warps), what compiles without
-# spilling under the cap and launches: at 80 registers a 128-key tile spills (476 B at D 64 and 128), and
+# spilling under the cap and launches: at 80 registers a 128-key tile spills (at D 64 and 128), and
 # at 8 warps the partitions add up to 20 warps, too many for 168 registers each in one SM.
 TUTORIAL_WS_CONFIGS = {64: ((128, 64, 4, 3), (128, 64, 4, 2), (64, 64, 4, 3)),
                        128: ((128, 128, 4, 3), (128, 128, 4, 2), (128, 64, 4, 3))}
@@ -1509,7 +1509,7 @@ def main(argv=None) -> int:
         print(f"wrote {md_path}")
         return 0
     os.environ.pop("TRITON_INTERPRET", None)  # compile, never interpret
-    # Triton 3.9 fuses multiply-adds by default but warns that 3.10 will not: pin what GPUs run today
+    # Triton 3.9 fuses multiply-adds by default but warns that 3.10 will not: pin the fused form GPUs run
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     if args.case_json:
         spec = json.loads(args.case_json)

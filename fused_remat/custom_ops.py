@@ -29,7 +29,8 @@ from .flops import attention_op_flops, document_pairs, flop_formula, visible_pai
 
 # Each operator twice: its implementation as a plain function (``direct``), and the custom operator
 # (``dispatched``). An eager call on tensors that launch goes straight to the implementation: the
-# dispatcher would run the same function after tens of microseconds of host time. A call that
+# dispatcher would run the same function after its own host work (schema checks, dispatch keys,
+# the Python wrapper), on every call and for nothing. A call that
 # something records or transforms goes through the operator (``traced``). Inside an operator's
 # implementation (the block's) calls always take ``direct``: only the outer operator is seen.
 direct = types.SimpleNamespace()

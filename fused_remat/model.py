@@ -79,7 +79,7 @@ class ModelConfig:
 
 # Byte-level by default (vocab 256): ``--vocab-size`` replaces it for tokenized data.
 PRESETS = {
-    # Small enough for a CPU running the Triton interpreter: a few seconds per step.
+    # Small enough for a CPU running the Triton interpreter.
     "tiny": ModelConfig(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=192),
     "gpt2-small": ModelConfig(dim=768, n_layers=12, n_heads=12, activation="gelu_tanh"),
     "gpt2-medium": ModelConfig(dim=1024, n_layers=24, n_heads=16, activation="gelu_tanh"),

@@ -36,8 +36,8 @@ def _gelu_and_derivative(x, APPROXIMATE_TANH: tl.constexpr):
     """gelu(x) and d gelu / dx for fp32 x."""
     if APPROXIMATE_TANH:
         # 0.5 (1 + tanh(z)) is sigmoid(2 z): formed from e = exp(-2|z|) <= 1 as 1 / (1 + e) or
-        # e / (1 + e), never as 1 + tanh, which cancels for negative x (at x = -4.3, 1 + tanh is
-        # 6e-6 and only about 1% accurate in fp32: on an H200 the fp16 output was 1.7 ulps off). Likewise
+        # e / (1 + e), never as 1 + tanh, which cancels for negative x (a tiny difference of two
+        # numbers near 1 keeps few correct bits in fp32; docs/tuning.md has the case). Likewise
         # sigmoid's complement for the derivative's 1 - tanh^2 = 4 sigmoid (1 - sigmoid).
         sqrt_2_over_pi = 0.7978845608028654
         inner = sqrt_2_over_pi * (x + 0.044715 * x * x * x)

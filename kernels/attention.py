@@ -288,7 +288,7 @@ def _visible(queries, keys, Nq, Nk, window, CHECK_KEYS: tl.constexpr, CAUSAL: tl
 def _tanh(x, APPROX: tl.constexpr):
     """tanh of fp32 x. Compiled: the hardware's tanh.approx.f32 (one MUFU op, relative error about
     2^-11) where APPROX, for 16-bit inputs whose own rounding of the scores is coarser; else
-    libdevice's __nv_tanhf (a few ulp, about 40 instructions). Interpreted, where neither exists:
+    libdevice's __nv_tanhf (a few ulp, many more instructions). Interpreted, where neither exists:
     (e^2x - 1) / (e^2x + 1) in float64, clamped where fp32's tanh is +-1."""
     if INTERPRETED:
         e = tl.exp(2.0 * tl.minimum(tl.maximum(x.to(tl.float64), -20.0), 20.0))
@@ -434,9 +434,9 @@ def _attn_fwd_inner(
 @triton.jit
 def _rescaled(acc, alpha, HALVES: tl.constexpr):
     """acc * alpha per row. HALVES: one column half at a time, the same products. Warp-specialized
-    on Blackwell, the rescaling runs in a partition of 4 warps at 88 registers a thread (Triton's
+    on Blackwell, the rescaling runs in a partition of 4 warps with few registers a thread (Triton's
     choice), each thread one row of the tensor-memory accumulator: a whole row of 128 fp32 columns
-    spills there (660 B at D=128, sm_100a), half a row does not."""
+    does not fit those registers and spills, half a row does not (docs/tuning.md)."""
     if HALVES:
         rows: tl.constexpr = acc.shape[0]
         cols: tl.constexpr = acc.shape[1]

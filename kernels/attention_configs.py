@@ -25,83 +25,34 @@ TUNE_KEY = ["N_CTX_Q_KEY", "N_CTX_K_KEY", "HEAD_DIM", "CAUSAL", "WINDOW", "SOFTC
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and GPU family: 100 = Blackwell (sm_100a) and
 # newer, 90 = Hopper (sm_90), 80 = Ampere/Ada. Forward and dQ stream key tiles past a resident query
-# tile; dK/dV streams query tiles past a resident key tile (its BLOCK_N is the resident side). Chosen from the compiled
-# form at bf16, D 64/128 (and 256 where a list says so):
-# - Hopper: every dot a warpgroup MMA (HGMMA) doing each multiply-add once. Left out: 8-warp tiles
-#   with 64 query rows in fwd/dQ (both warpgroups recompute S and dP), dK/dV key tiles below 64
-#   rows (BLOCK_N = 32: wgmma needs M >= 64, so mma.sync instead) and 8-warp dK/dV tiles of 64 key
-#   rows (M16/M32 N64 w8: repeated work across warpgroups). In: the large tiles that fit the shared
-#   memory limit without spilling, such as fwd M128 N128 w8 s3 and dQ M128 N128 w8 s2, dK/dV
-#   M64 N128 w8 (the fewest instructions per multiply-add; two stages leave registers and shared
-#   memory to spare; spill-free at D=128 causal on Triton 3.9, 677 against the tutorial's 738, where
-#   3.6 spills 4 B) and M16 N128 w8 (spill-free with GQA at D=128, where the larger tiles spill).
-#   Warp specialization is not among them: tl.range(warp_specialize=True) left the forward loop
-#   unchanged at 8 warps (the same SASS, no register reallocation) and failed in Triton 3.9's
-#   NVGPUWarpSpecialization pass at 4 warps, on sm_90a (Blackwell's forward takes it, below).
-#   dK/dV at D=256 (HEAD_DIMS): no wgmma tile keeps dK and dV in registers. A warpgroup's wgmma
-#   covers 64 key rows, so a tile without repeated work holds at least 64 rows x 256 columns x 2
-#   fp32 accumulators per 128 threads, 256 registers a thread: every such tile spills (2 KB a thread
-#   and more, 128 spill loads and 128 spill stores an iteration of the hot loop), and the 8-warp
-#   tiles of 64 key rows that halve that repeat S^T and dP^T in both warpgroups (M16 N64 w8: no
-#   spills, but 1.5x the multiply-adds and 4669 warp instructions per million useful ones). M64 N32
-#   w8 s2 takes mma.sync (32 key rows, below wgmma's 64), its 8 warps along the 64 query rows and
-#   the head dim: no spills (at most 242 registers, causal and GQA, Triton 3.6 and 3.9), each
-#   multiply-add once, 1472 warp instructions per million useful multiply-adds, against 2457 for the
-#   least-spilling wgmma tile (M16 N128 w8 s3) and 1339-1379 for the other two that fit (M32 N64 w4
-#   s4, M32 N128 w8 s3), whose counts include those 256 spill instructions an iteration (bf16, MHA,
-#   Triton 3.9). It is the D=256 dK/dV list.
-# - A100 (mma.sync, HMMA): as on Hopper, each multiply-add once and no spills. Triton lays out the
-#   warps of all the chained products of a hot loop alike, following the accumulator's (rows: the
-#   resident tile; columns: the head dim): along its rows, 16 a warp, when it has at least as many
-#   rows as columns, else along its columns, 8 a warp; a product narrower than the warps' span is
-#   computed by several warps at once (mma_sync_work, which the pruner applies at each head dim:
-#   e.g. fwd M64 N64 w8 repeats everything twice at D=64 and nothing at D=128). In, among others:
-#   fwd M128 N128 w8 and M128 N64 w8 (the fewest instructions per multiply-add at D 64 and 128),
-#   M64 N64 w8 and M32 N64 w8 for D=256; dQ M128 N64 w8 (D 64), M128 N32 w8 (D 128), M32 N64 w8
-#   and M32 N32 w4 (D 256; the first spills on Triton 3.6 without a causal mask); dK/dV M16 N128 w8
-#   (the fewest at D 64 and 128), M128 N32 w8 and M64 N32 w8 (warps along the head dim) and M64 N16
-#   w8 (the one tile without spills at D=256 with causal GQA). Left out: the tiles that
-#   repeat work at every head dim 64-256 (fwd and dQ M64 N32 w8; dK/dV M16 N64 w8, M32 N64 w8,
-#   M16 N32 w4, M32 N32 w8), those that spill at most head dims where they fit (fwd M64 N128 w4;
-#   dQ M64 N128 w8, M64 N64 w4; dK/dV M64 N128 w8, M32 N128 w8, M32 N64 w4, M64 N32 w4) and fwd
-#   M64 N64 w8 s3 (s2 instead: s3 is over the shared memory estimate at D=256, the head dim it is for).
-# - Blackwell (sm_100a, tcgen05.mma: issued by one thread for the whole CTA, its accumulator in
-#   tensor memory): every dot a tcgen05 MMA doing each multiply-add once (but dK/dV's D=256 mma.sync
-#   tile below), no spills, within shared memory (smem_estimate's Blackwell terms) and the SM's 512
-#   tensor-memory columns (tmem_columns); compiled for sm_100a with Triton 3.9, bf16 (fp16 taken as
-#   the same), D 64/128/256, causal and not, MHA and GQA 4:1. Forward: first the warp-specialized
-#   tiles (5-tuples: the fifth element is the register cap, maxnreg; make_configs), M128 N128 w4 s2
-#   and s3 and M128 N64 w4 s3 at D 64 and 128 (HEAD_DIMS; at D=256 they exceed shared memory), on
-#   Triton 3.9 and later (warp_specialization_compiles): M128 N128 w4 s2 issues 681 warp
-#   instructions per million useful multiply-adds at D=128 and 1234 at D=64, the tutorial's
-#   warp-specialized forward 679 and 1575; under a causal, window or document mask they keep 8 B
-#   a thread in local memory outside every loop (bench.static.spill_free). Then the Hopper list,
-#   without spills at D 64 and 128 (M128 N128 w8 s3 at D=128: 896, the tutorial's pointer and TMA
-#   forwards 946 and 900 at that tile); at D=256 M64 N64 w4 s3 spills without a causal mask (SPILLS).
-#   dQ: first the warp-specialized M128 N64 w4 s2 and s3 (register cap 168; D 64 and 128, Triton 3.9
-#   on): 395 and 783 warp instructions per million useful multiply-adds at D 128 and 64, against 524
-#   and 997 for the tiles below, no spills under any mask (128-key tiles need more tensor memory than
-#   an SM has once specialized: 704 columns); then the Hopper list but M128 N128 w8 s3 (never fewer
-#   instructions than s2, and over the shared memory from D=128), no spills anywhere; at D=256 also M64 N64 w4 s2 and M128 N32 w8 s2
-#   (HEAD_DIMS; 501 and 821 instructions, no spills), where the s3 tiles exceed a block's shared
-#   memory (M128 N32 w8 s3: 240 KiB, no block fits an SM). dK/dV: dK and dV accumulate in tensor
-#   memory, not registers, so 4 warps hold a 128-key tile: M64 N128 w4 s2 without GQA at D 64 and
-#   128 (the fewest instructions: 893-908 and 481-496, the tutorial's 1244-1251 and 683-702),
-#   M64 N128 w8 s2 (D=64 with GQA: 1347-1362, and MHA), M32 N128 w4 s3 (MHA, and D=64 GQA without
-#   a causal mask). With GQA at D=128 every 128-key tile spills (84 to 3376 B: SPILLS); M64 N64 w8
-#   s2 (8 warps on 64 key rows) is spill-free at D 64 and 128, MHA and GQA (1148-1163 with GQA at
-#   D=128). At D=256 the 128-key tiles need more tensor memory than an SM has (M16 N128 w8 and
-#   M32 N128 w8: Triton required 576-768 of 512 columns and compiles a trap) or shared memory;
-#   M32 N64 w4 s2 (HEAD_DIMS) is spill-free without GQA (704-711) and spills 3.3-4.9 KB with it, as
-#   does every tcgen05 tile tried at D=256 with GQA (M16/M32/M64 N64, 4 and 8 warps: 700 B to 5.2 KB),
-#   so D=256 also has Hopper's mma.sync M64 N32 w8 s2 (HEAD_DIMS: 32 key rows, below tcgen05's 64;
-#   spill-free at D=256 causal or not, MHA and GQA, each multiply-add once, 1335-1362). Left out of
-#   the Hopper dK/dV list: M64 N128 w8 s3 (more instructions than s2 wherever both compiled),
-#   M32 N128 w8 s3 and M16 N128 w8 s3 (no fewer instructions than M32 N128 w4 s3 at D 64 and 128,
-#   spill with GQA at D=128, and trap at D=256) and M32 N64 w4 s4 (spills with GQA at D=128; s2
-#   issues fewer instructions at D=256 in less shared memory). dK/dV is not warp-specialized: its
-#   128-key tiles need 576-896 tensor-memory columns once specialized (a trap), M32 N128 w4 spills
-#   516 B, and M64 N64 w4 issues 504 against M64 N128 w4's 496 unspecialized.
+# tile; dK/dV streams query tiles past a resident key tile (its BLOCK_N is the resident side). A fifth
+# element is a register cap (maxnreg) and asks for the warp-specialized loop (make_configs). Chosen
+# from the compiled form at bf16, D 64/128 (and 256 where HEAD_DIMS says): each list holds the tiles
+# that do each multiply-add once, fit shared memory and do not spill at the head dims they are
+# offered, among them those with the fewest hot-loop warp instructions per useful multiply-add. The
+# figures behind each choice: docs/tuning.md and bench/results/static/static.md.
+# - Hopper: every dot a warpgroup MMA (HGMMA). Left out: 8-warp tiles whose two warpgroups would
+#   both compute the same S and dP (64 query rows in fwd/dQ, 64 key rows in dK/dV) and dK/dV key
+#   tiles below 64 rows (wgmma needs M >= 64, so mma.sync instead). No warp specialization: on sm_90a
+#   it leaves the forward loop unchanged at 8 warps and fails to compile at 4. dK/dV at D=256: a
+#   warpgroup's wgmma covers 64 key rows, so a tile without repeated work keeps dK and dV in more
+#   registers than a thread has and spills in its hot loop; the D=256 list is an mma.sync tile of 32
+#   key rows (M64 N32 w8 s2, its 8 warps along the query rows and the head dim), which does not.
+# - Ampere (mma.sync, HMMA): Triton lays out the warps of all the chained products of a hot loop like
+#   the accumulator's (mma_sync_work), so a product narrower than the warps' span is computed by
+#   several warps at once; the pruner drops those tiles per head dim, and the list leaves out the
+#   tiles that repeat work at every head dim or spill at most of those where they fit.
+# - Blackwell (tcgen05.mma: issued by one thread for the whole CTA, its accumulator in tensor
+#   memory): within shared memory (smem_estimate's Blackwell terms) and the SM's tensor memory
+#   (tmem_columns). The forward and dQ lists start with warp-specialized tiles at D 64 and 128, on
+#   Triton 3.9 and later (warp_specialization_compiles): the fewest instructions per multiply-add
+#   (at D=256 they exceed shared memory). Specialized, the loop's products are double-buffered, so
+#   128-key dQ tiles need more tensor memory than an SM has. dK/dV accumulates dK and dV in tensor
+#   memory, not registers, so 4 warps hold a 128-key tile. It is not warp-specialized: specialized,
+#   its 128-key tiles exceed tensor memory or spill, and a 64-key tile issues no fewer instructions
+#   than the unspecialized 128-key one. With GQA the 128-key dK/dV tiles spill at D=128 (M64 N64 w8
+#   s2 does not); at D=256 the 128-key ones exceed tensor memory and every tcgen05 tile spills with
+#   GQA, so D=256 also has Hopper's mma.sync M64 N32 w8 s2.
 SHAPES = {
     "fwd": {
         90: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 2)],
@@ -199,7 +150,7 @@ VARIANT_SPILLS = {
     (90, "dkdv", (64, 128, 8)): [((128,), {"window", "softcap", "varlen"}, None),
                                  ((64,), {"window", "varlen"}, None, "3.6")],
     # With GQA only: dK/dV's loop over the group's heads (M32 N64 w4 at D=128 under a window or
-    # documents, and M32/M16 N128 w8 on 3.6: 24-672 B); MHA compiled spill-free on 3.6 and 3.9. M16
+    # documents, and M32/M16 N128 w8 on 3.6); MHA compiled spill-free on 3.6 and 3.9. M16
     # N128 w8 spills under documents only when causal too, which SPILLS' causal GQA entry covers.
     (90, "dkdv", (32, 64, 4)): [((128,), {"window", "varlen"}, True),
                                 ((64,), {"window", "softcap", "varlen"}, None, "3.6")],
@@ -231,9 +182,9 @@ VARIANT_FLAGS = {"window": "WINDOW", "softcap": "SOFTCAP", "varlen": "VARLEN"}
 # tile sits in registers, so fp32 gets one small tile per kernel and padded head dim (the entry of
 # the smallest key at or above it), chosen from ptxas -v over D 64/128/256, causal and not, MHA and
 # GQA, sm_90a and sm_80, Triton 3.6 and 3.9. Larger tiles spill heavily, and from D=128 on ptxas
-# gives up allocating registers altogether (the old M64 N32 w4 did both). These stay within the
-# spill budget the compile-target tests assert (tests/test_compile_targets.py, FP32_SPILL_BUDGET);
-# at D=256 no fwd or dQ tile of these kernels avoids spilling, and M16 N16 w8 spills least.
+# gives up allocating registers altogether. These stay within the spill budget the compile-target
+# tests assert (tests/test_compile_targets.py, FP32_SPILL_BUDGET); at D=256 no fwd or dQ tile of
+# these kernels avoids spilling, and M16 N16 w8 spills least.
 FP32_SHAPES = {
     "fwd": {64: (16, 32, 4, 2), 256: (16, 16, 8, 2)},
     "dq": {64: (16, 32, 4, 2), 256: (16, 16, 8, 2)},
@@ -304,17 +255,14 @@ def smem_estimate(config, head_dim: int, elem: int, kernel: str, family: int = 9
     rest. Close to what the compiled kernels request (the ``shared`` column of static.json) on sm_90a
     and sm_80. On Blackwell (family 100) the tcgen05 backward keeps more in shared memory: dQ up to
     one BLOCK_N x head-dim tile more, dK/dV up to two BLOCK_M x head-dim tiles more (the operands of
-    its tensor-memory MMAs; every fwd, dQ and dK/dV tile compiled for sm_100a, Triton 3.9, bf16 and
-    fp16, D 64/128/256: the forward 1-2 KiB below the estimate, dQ and dK/dV 0-2 KiB below it with
-    these terms, e.g. dQ M128 N32 w8 s3 at D=256 240 KiB against 226 KiB without them), which this
-    adds; and 1 KiB for a warp-specialized kernel's barriers between partitions (448-576 B more
-    than the rest of the estimate wherever it compiled)."""
+    its tensor-memory MMAs), which this adds: without them the estimate lets through tiles that no
+    SM can hold. And 1 KiB for a warp-specialized kernel's barriers between partitions."""
     rows = config.kwargs
     streamed, resident = ("BLOCK_M", "BLOCK_N") if kernel == "dkdv" else ("BLOCK_N", "BLOCK_M")
     estimate = (config.num_stages * 2 * rows[streamed] + RESIDENT_TILES[kernel] * rows[resident]) * head_dim * elem + 2048
     if family >= 100:
         estimate += {"fwd": 0, "dq": rows["BLOCK_N"], "dkdv": 2 * rows["BLOCK_M"]}[kernel] * head_dim * elem
-    if rows.get("WARP_SPECIALIZE"):  # the barriers between partitions: 448-576 B more where compiled
+    if rows.get("WARP_SPECIALIZE"):  # the barriers between partitions
         estimate += 1024
     return estimate
 
@@ -326,13 +274,11 @@ def tmem_columns(kernel: str, config, head_dim: int) -> int:
     (BLOCK_M) and dK and dV (head dim). Their rows are the resident tile (tcgen05's M): at 64 rows
     an accumulator takes 64 of the 128 lanes (Triton allocates 64 rows for it), so two can share
     columns (half the count); below 64 rows Triton takes mma.sync, no tensor memory (0). A model,
-    not Triton's allocator: it agrees with every sm_100a compile read (Triton 3.9, bf16 and fp16,
-    fwd, dQ and dK/dV at D 64/128/256) on which fit the 512 columns and which Triton refuses, e.g.
-    dK/dV M16 N128 w8 and M32 N128 w8 at D=256 (576 here; Triton required 576-768); the kernels
-    also keep bf16 operands (P, dS) in tensor memory, within what a model of at most 512 leaves.
-    Warp-specialized, the products of an iteration (S, dP) are double-buffered, so that the MMA
-    partition computes the next while the others read this one: counted twice (dQ M128 N128 w4 at
-    D=128: Triton required 704 columns, here 640; M128 N64 w4 allocated 512)."""
+    not Triton's allocator: it agrees with the sm_100a compiles on which fit the 512 columns and
+    which Triton refuses (tests/test_compile_blackwell.py, TMEM_FACTS); the kernels also keep bf16
+    operands (P, dS) in tensor memory, within what a model of at most 512 leaves. Warp-specialized,
+    the products of an iteration (S, dP) are double-buffered, so that the MMA partition computes the
+    next while the others read this one: counted twice."""
     rows = config.kwargs
     resident, streamed = (rows["BLOCK_N"], rows["BLOCK_M"]) if kernel == "dkdv" else (rows["BLOCK_M"], rows["BLOCK_N"])
     if resident < 64:
@@ -380,10 +326,9 @@ def mma_sync_work(kernel: str, config, head_dim: int) -> float:
     dK/dV; columns: the head dim), all warps along its rows (16 rows a warp) where it has at least
     as many rows as columns, else all along its columns (8 columns a warp). Where a product is
     narrower than the warps' span, the warps beyond it compute the same multiply-adds again. This is
-    bench/static.py's mma_work_ratio of each of the 1040 sm_80 attention kernels compiled while
-    choosing SHAPES (fwd, dQ, dK/dV; BLOCK_M and BLOCK_N 16 to 128, 4 and 8 warps, D 64/128/256,
-    causal and not, MHA and GQA, the masks of real batches; Triton 3.6 and 3.9), and
-    tests/test_compile_targets.py holds it to the compiled ratio. Hopper's wgmma is not modelled."""
+    bench/static.py's mma_work_ratio of every sm_80 attention kernel compiled while choosing SHAPES
+    (docs/tuning.md), and tests/test_compile_targets.py holds it to the compiled ratio. Hopper's
+    wgmma is not modelled."""
     m, n, warps = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps
     resident, streamed = (n, m) if kernel == "dkdv" else (m, n)
     if resident >= head_dim:

@@ -15,19 +15,18 @@ from triton.runtime.jit import JITFunction
 
 # Every launch asks for fused multiply-adds (FFMA): Triton 3.6 to 3.9 fuse a multiply feeding an add
 # by default, 3.10 will not (3.9 warns where TRITON_DEFAULT_FP_FUSION is unset), and the hot loops
-# were measured and tuned fused. ``enable_fp_fusion`` is a compile option of Triton's NVIDIA and AMD
-# backends (3.6 and 3.9): the autotuner passes launch keywords on to every configuration it compiles,
-# and the interpreter drops them.
+# were tuned on their fused compiled form. ``enable_fp_fusion`` is a compile option of Triton's
+# NVIDIA and AMD backends (3.6 and 3.9): the autotuner passes launch keywords on to every
+# configuration it compiles, and the interpreter drops them.
 FP_FUSION = {"enable_fp_fusion": True}
 
 # The row-wise kernels (norms, activations) ask for the opposite: every multiply and add rounds on
 # its own. Their outputs are rebuilt by other kernels (a norm's or activation's backward rebuilds the
 # forward's output for the next weight gradient), and every remat point must give the same bits;
-# with fusion on, the compiler contracts the same source differently in the two kernels (on an
-# H200, exact GELU's rebuilt output and dx differed from the forward's and from the no-rebuild
-# backward's, and LayerNorm's dx over one column came out as w*dy's rounding error times rstd
-# instead of 0). They are memory-bound, so the separate FMUL and FADD should cost instructions,
-# not time (their compiled form is in bench/results/static; no GPU has timed them yet).
+# with fusion on, the compiler may contract the same source differently in the two kernels (what
+# that broke on a GPU: docs/design.md, Triton portability facts). They are memory-bound, so the
+# separate FMUL and FADD should cost instructions, not time (their compiled form is in
+# bench/results/static; what has been timed: docs/tuning.md).
 SEPARATE_ROUNDING = {"enable_fp_fusion": False}
 
 
@@ -48,14 +47,14 @@ def persistent_program_count(device: torch.device, work_items: int, per_sm: int 
 
 def next_power_of_2(n: int) -> int:
     """The least power of two >= n (1 for n <= 1), in plain integers: ``triton.next_power_of_2`` is
-    a constexpr function in Triton 3.9 whose wrapper costs microseconds a call, and a block's step
-    asks about twenty times on the host."""
+    a constexpr function in Triton 3.9 whose wrapper is slow to call on the host, and a block's step
+    asks many times."""
     return 1 << (max(int(n), 1) - 1).bit_length()
 
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division in plain integers (``triton.cdiv`` is a constexpr function in Triton 3.9,
-    microseconds a call on the host)."""
+    slow to call on the host)."""
     return -(-a // b)
 
 

@@ -26,8 +26,8 @@ from .launch import (SEPARATE_ROUNDING, KeptKernel, LaunchPlans, cdiv, launch_co
 from .limits import MAX_NORM_WIDTH
 from .precision import load_tile, round_to, store_tile
 
-# Widest row held in registers. Backward holds more per element (x, dy, w, x-hat) and spills past
-# 8192 columns at 16 warps on sm_90 (checked with ptxas), so it streams sooner.
+# Widest row held in registers. Backward holds more per element (x, dy, w, x-hat), so it spills at
+# a narrower row than forward (ptxas on sm_90 at 16 warps) and streams sooner.
 MAX_SINGLE_PASS_N = {"forward": 16384, "backward": 8192}
 STREAM_BLOCK_N = 4096
 

@@ -100,7 +100,7 @@ def test_masked_forward_spills_only_at_partition_entry(compiled):
     """Causal, the warp-specialized forward keeps two registers a thread across setmaxnreg in local
     memory (bench.static.PARTITION_ENTRY_SPILL), none in any partition's loop; the row rescaling
     in column halves (kernels/attention.py, _rescaled) is what keeps the rescaling partition's
-    88 registers from spilling the accumulator row."""
+    few registers from spilling the accumulator row."""
     row = compiled(FORWARD_CAUSAL, "_attn_fwd")
     assert "partitions" in row and spill_free(row), (row["spill_stores"], row["spill_loads"], row["hot_loop"]["mix"])
 
@@ -140,13 +140,13 @@ FORWARD_PLAIN = Case("attention_fwd", "bfloat16", 128, causal=False, config=(128
 TUTORIAL_BACKWARD = Case("tutorial_bwd", "bfloat16", 128, config=(128, 32, 4, 5), dkdv_config=(32, 128, 4, 5))
 NAMES = {"_attn_fwd": "fwd", "_attn_bwd_dq": "dq", "_attn_bwd_dkdv": "dkdv"}
 # (case, kernel, the yardstick's case and kernel, the bound on ours / the yardstick's warp instructions
-# per million useful multiply-adds; None: no yardstick at that head dim). Measured (Triton 3.9): fwd
-# 681 against the warp-specialized tutorial's 679 (681 against 682 causal): three integer instructions
-# more an iteration, address arithmetic of runtime strides where the tutorial's tensors are
-# contiguous, hence the 1.005; the forward without warp specialization 896 against the tutorial's
-# 900 without it; dQ 396 against 748 (warp-specialized, M128 N64 w4 s2 at D=128; 524 at M128 N128
-# w8 s2 without) and 773 with causal GQA at M128 N64 w8 s3 (the causal yardstick 768); dK/dV 496 against 683; with causal GQA 1163, 1.7x: the price of no spills
-# (there the 128-key tiles take 489-711 but spill 84-3376 B).
+# per million useful multiply-adds; None: no yardstick at that head dim). The bounds, whose compiled
+# figures are in docs/tuning.md: the warp-specialized forward may issue a few integer instructions
+# more an iteration than the tutorial's (address arithmetic of runtime strides where the tutorial's
+# tensors are contiguous), hence 1.005; dQ with causal GQA, held to the yardstick without a causal
+# mask, which the causal yardstick itself exceeds, hence 1.05; dK/dV with causal GQA takes the
+# 64-key tile, hence 1.75: the price of no spills (the 128-key tiles issue fewer instructions there
+# but spill).
 PICKS = [
     (FORWARD, "_attn_fwd", (YARDSTICK, "_tutorial_ws_attn_fwd"), 1.005),
     (FORWARD_CAUSAL, "_attn_fwd", (YARDSTICK_CAUSAL, "_tutorial_ws_attn_fwd"), 1.005),
@@ -258,7 +258,7 @@ def test_blackwell_picks_fit_and_do_not_spill():
     """Every sm_100a pick (no compile), every dtype the MMAs take, D 64/128/256, causal and not, MHA
     and GQA: within shared memory by the family-100 estimate and within tensor memory, none that
     SPILLS lists, never a dK/dV tile of 128 keys at D=256 (M16/M32 N128 w8 compiled to a trap,
-    576-768 of 512 columns), and with GQA only the tiles without spills: M64 N64 w8 s2 at D=128 and
+    beyond the 512 columns), and with GQA only the tiles without spills: M64 N64 w8 s2 at D=128 and
     the mma.sync M64 N32 w8 s2 at D=256."""
     from fused_remat.kernels.attention_configs import (SMEM_LIMIT, TMEM_COLUMNS, make_configs, smem_estimate,
                                                        spills, tmem_columns)
@@ -308,8 +308,8 @@ def test_blackwell_tensor_memory_check_drops_traps(monkeypatch):
 # Compiled for sm_100a (Triton 3.9, bf16): whether Triton allocated the tensor memory (at most 512
 # columns) or refused (OutOfResources, the kernel compiled to a trap), against tmem_columns' count.
 TMEM_FACTS = [
-    ("dkdv", (16, 128, 8, 2), 256, False),  # Triton required 576-768 columns
-    ("dkdv", (32, 128, 8, 2), 256, False),  # 608-768
+    ("dkdv", (16, 128, 8, 2), 256, False),  # a trap: more than 512 columns
+    ("dkdv", (32, 128, 8, 2), 256, False),
     ("dkdv", (16, 128, 8, 3), 256, False),
     ("dkdv", (32, 64, 4, 2), 256, True),
     ("dkdv", (16, 64, 8, 3), 256, True),
@@ -320,8 +320,8 @@ TMEM_FACTS = [
     ("fwd", (128, 128, 8, 3), 128, True),
     ("fwd", (128, 32, 8, 2), 256, True),
     ("fwd", (128, 128, 4, 2, 168), 128, True),  # warp-specialized: S double-buffered
-    ("dq", (128, 64, 4, 2, 168), 128, True),  # 512 allocated
-    ("dq", (128, 128, 4, 2, 168), 128, False),  # Triton required 704
+    ("dq", (128, 64, 4, 2, 168), 128, True),  # double-buffered, within 512
+    ("dq", (128, 128, 4, 2, 168), 128, False),  # double-buffered, beyond 512
 ]
 
 
@@ -335,9 +335,9 @@ def test_tmem_columns_model_matches_the_compiles():
 
 
 def test_blackwell_smem_estimate():
-    """dQ M128 N32 w8 s3 at D=256 compiled for sm_100a to 245872 B of shared memory (no block fits
-    an SM): the Hopper estimate (226 KiB) lets it through, the family-100 one does not. The forward
-    and Hopper's estimates are as before."""
+    """dQ M128 N32 w8 s3 at D=256 compiled for sm_100a to more shared memory than an SM has (the
+    bytes asserted below; no block fits): the Hopper estimate lets it through, the family-100 one
+    does not. The forward and Hopper's estimates are as before."""
     from fused_remat.kernels.attention_configs import SMEM_LIMIT, make_configs, smem_estimate
 
     config = make_configs([(128, 32, 8, 3)])[0]

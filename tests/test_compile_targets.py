@@ -7,7 +7,7 @@ cached for the session, shared by xdist workers. Per compiled kernel, separate t
 - ``fits``: it compiled and its shared memory is within the target's per-block limit;
 - ``no_spills``: ptxas reports no spill stores or loads; fp32 attention (FFMA dots, every product
   in registers) instead ``few_spills``: within FP32_SPILL_BUDGET, and never ptxas giving up
-  register allocation (32 registers and a stack of kilobytes, what its old tiles compiled to);
+  register allocation (its sign: at most 32 registers and a stack above 1 KiB);
 - ``hgmma``: on sm_90a, every attention dot is a Hopper warpgroup MMA (HGMMA), no mma.sync (HMMA);
 - ``not_serialized``: on sm_90a, ptxas does not report advisory C7515 (wgmma serialized);
 - ``work_once``: the hot loop's MMAs execute exactly the multiply-adds needed (no warp or warpgroup
@@ -31,7 +31,7 @@ not among them: the autotuner's pruning keeps, per target, only configurations w
 one, at D=256 in dK/dV only: there the one tile without spills takes mma.sync (see
 test_hopper_dkdv_at_head_dim_256_spill_free).
 
-CI runs a small subset (a few minutes on 2 cores). ``FUSED_REMAT_COMPILE_ALL=1`` adds every
+CI runs a small subset. ``FUSED_REMAT_COMPILE_ALL=1`` adds every
 configuration the attention autotuner can pick, every dtype, head dims 64/128/256, causal and not,
 MHA and GQA, and every norm/activation/RoPE variant, marked ``compile_targets_full`` (select with
 ``-m compile_targets_full``). The expectations for the full set outside bf16 D 64/128 (fp16, fp32,
@@ -54,8 +54,9 @@ from bench.static import main as static_main
 
 FULL = os.environ.get("FUSED_REMAT_COMPILE_ALL") == "1"
 PROPERTIES = ("fits", "no_spills", "few_spills", "hgmma", "not_serialized", "work_once", "copy_engine")
-# fp32 attention's spill budget per thread by head dim (bytes): its tiles (kernels/attention_configs.py,
-# FP32_SHAPES) measured 0-44 B at D 64/128 and 376-448 B at D=256 (fwd and dQ) on Triton 3.6/3.9.
+# fp32 attention's spill budget per thread by head dim (bytes): room above what its tiles
+# (kernels/attention_configs.py, FP32_SHAPES) spill on Triton 3.6 and 3.9, more at D=256, where no
+# fwd or dQ tile is spill-free (docs/tuning.md).
 FP32_SPILL_BUDGET = {64: 64, 128: 64, 256: 512}
 MMA_KERNELS = ("_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv")
 
@@ -408,8 +409,8 @@ def test_mma_sync_work_is_the_compiled_ratio(facts_cache):
 # Hopper's dK/dV at D=256: no wgmma tile keeps dK and dV in registers (kernels/attention_configs.py),
 # so the list there is one mma.sync tile, M64 N32 w8 s2. The bound it is held to: the hot-loop warp
 # instructions per useful multiply-add of the least-spilling wgmma tile of the list, M16 N128 w8 s3
-# (16 query rows a step; 2 KB a thread stored and more, 128 spill loads and 128 spill stores an
-# iteration), compiled beside it for the same launch.
+# (16 query rows a step, and still spill loads and stores in every iteration), compiled beside it
+# for the same launch.
 HOPPER_D256_DKDV = (64, 32, 8, 2)
 HOPPER_D256_CASE = Case("attention_bwd", "bfloat16", 256, causal=True, gqa=True, config=(64, 16, 4, 3),
                         dkdv_config=HOPPER_D256_DKDV)
@@ -471,8 +472,8 @@ YARDSTICKS = {
     "_attn_bwd_dkdv": (("tutorial_bwd",), ("_tutorial_attn_bwd_dkdv",)),
 }
 # dK/dV may issue up to 2% more: its TMA pipeline's barrier and phase bookkeeping costs a few
-# instructions an iteration that the yardstick's cp.async loads do not (measured 324 against 323
-# at D=64, Triton 3.9); the forward and dQ must be at or below.
+# instructions an iteration that the yardstick's cp.async loads do not (docs/tuning.md); the
+# forward and dQ must be at or below.
 SLACK = {"_attn_fwd": 1.0, "_attn_bwd_dq": 1.0, "_attn_bwd_dkdv": 1.02}
 
 

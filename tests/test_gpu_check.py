@@ -1,6 +1,6 @@
 """bench/gpu_check.sh, the first-GPU-contact script, in its CPU dry run: every stage runs in
-miniature and leaves its record, which `python -m bench readme` turns into the README's table, so
-that the script is known to work before the rare GPU window it is written for."""
+miniature and leaves its record, which `python -m bench results` turns into the table of stages in
+docs/results.md, so that the script is known to work before the rare GPU window it is written for."""
 
 import json
 import os
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.report import readme_section
+from bench.report import results_section
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ("install", "block", "train", "tests", "bench", "capacity")
@@ -31,7 +31,7 @@ def test_every_stage_runs_in_its_dry_run_and_records_itself(tmp_path):
         assert record["summary"], f"{stage}: an empty summary"
         assert f"== {stage} (exit 0" in run.stdout
     assert (out / "train_main" / "metrics.jsonl").exists() and (out / "find_max" / "max_seq_len.json").exists()
-    section = readme_section(tmp_path / "results")
+    section = results_section(tmp_path / "results")
     assert "GPU check on cpu" in section
     for stage in STAGES:
         assert f"| {stage} | 0 |" in section

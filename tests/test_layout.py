@@ -1,12 +1,15 @@
 """The layout docs/design.md describes, checked on the source: the one direction of imports (kernels
 below the op library, the training application and the integrations above it, all as plain import
-statements), and its Layout section against the files git tracks."""
+statements), and its Layout section against the files git tracks; and that code and tests leave
+history and measured figures to docs/, bench/results/ and the commit log."""
 
 import ast
+import io
 import re
 import shutil
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -73,7 +76,7 @@ def test_kernel_limits_import_without_triton():
 DESIGN = REPO / "docs" / "design.md"
 # Folders whose files the Layout lists one by one: (folder, file suffix or "" for every file).
 LISTED_PER_FILE = (("fused_remat/", ".py"), ("fused_remat/training/", ""), ("fused_remat/integrations/", ""),
-                   ("kernels/", ""), ("bench/", ".py"), ("tests/", ".py"))
+                   ("fused_remat/integrations/huggingface/", ""), ("kernels/", ""), ("bench/", ".py"), ("tests/", ".py"))
 
 
 def _layout_paths() -> list[str]:
@@ -117,9 +120,50 @@ _CODE_SUFFIXES = (".py", ".sh", ".toml", ".cfg", "Makefile")
 def test_no_tracker_numbers_or_dates_in_code_or_tests():
     found = []
     for name in _tracked_files():
-        if name.startswith(("docs/", "bench/results/")) or not name.endswith(_CODE_SUFFIXES):
+        if name.startswith(("docs/", "bench/results/")) or not name.endswith(_CODE_SUFFIXES) or not (REPO / name).is_file():
             continue
         for number, line in enumerate((REPO / name).read_text().splitlines(), 1):
             if _HISTORY.search(line):
                 found.append(f"{name}:{number}: {line.strip()}")
     assert not found, "tracker numbers or dates in code (move them to docs/ or the commit message):\n" + "\n".join(found)
+
+
+# A measured figure (a number with a unit of time or throughput) in a comment or a docstring: the
+# figure belongs in bench/results/ (generated) or docs/tuning.md, the comment keeps the reason.
+# Only prose is read: comments (tokenize) and bare string statements (ast: docstrings), so code
+# such as ``timeout_ms = 5`` and strings a test asserts in a generated report pass.
+_MEASUREMENT = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:\s*-\s*\d+(?:\.\d+)?)?\s*"
+                          r"(?:us|µs|μs|ns|ms|[GMT]i?B/s|TFLOP/s|TFLOPS|TFLOPs)(?![\w/])")
+
+
+def _prose(source: str) -> list[tuple[int, str]]:
+    """(line number, text) of every comment and every line of a bare string statement in ``source``."""
+    lines = [(token.start[0], token.string) for token in tokenize.generate_tokens(io.StringIO(source).readline)
+             if token.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            lines += [(node.lineno + offset, text) for offset, text in enumerate(node.value.value.splitlines())]
+    return sorted(lines)
+
+
+def test_measurement_pattern_reads_only_figures():
+    found = {"# 12 ms on the GPU", "# 3.5 µs a call", "# 0.5-2 us", "# 1,200 GB/s", "# 750 TFLOP/s",
+             "# 3 TB/s", "# 95 TFLOPS"}
+    passed = {"# timeout_ms", "# 2 users", "# ms per step", "# GB/s against hidden size", "# 7.6 TFLOP of work",
+              "# sm_90 use", "# v1.2 ms_per_step"}
+    assert all(_MEASUREMENT.search(text) for text in found), [t for t in found if not _MEASUREMENT.search(t)]
+    assert not any(_MEASUREMENT.search(text) for text in passed), [t for t in passed if _MEASUREMENT.search(t)]
+    source = 'timeout_ms = 12\nlabel = "4 ms"\n\n\ndef f():\n    """Took 4 ms."""\n    return 1  # 9 us\n'
+    assert [number for number, text in _prose(source) if _MEASUREMENT.search(text)] == [6, 7]
+
+
+def test_no_measurements_in_code_comments_or_docstrings():
+    found = []
+    for name in _tracked_files():
+        if name.startswith(("docs/", "bench/results/")) or not name.endswith(".py") or not (REPO / name).is_file():
+            continue
+        for number, text in _prose((REPO / name).read_text()):
+            if _MEASUREMENT.search(text):
+                found.append(f"{name}:{number}: {text.strip()}")
+    assert not found, ("measured figures in comments or docstrings (keep the reason there, move the figure to "
+                       "bench/results/ or docs/tuning.md):\n" + "\n".join(found))

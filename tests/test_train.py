@@ -27,7 +27,7 @@ from fused_remat.planner import Precision, explain_policies
 from fused_remat.remat import Remat
 
 UNIFORM_LOSS = math.log(256)
-# Small enough for the interpreter: about a second per step on a CI core.
+# Small enough for the interpreter on a CI core.
 SHORT = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "2", "--eval-batches", "2"]
 TRAJECTORY_KEYS = ("step", "loss", "lr", "grad_norm", "val_loss")
 
@@ -42,7 +42,7 @@ def _trajectory(out: Path) -> list[tuple]:
 
 @pytest.fixture(autouse=True)
 def _reference_kernels():
-    """The reference backend where the kernels are not the point (it is about 12x faster on a CPU);
+    """The reference backend where the kernels are not the point (it is much faster on a CPU);
     the tests that are about the kernels ask for ``triton_backend``, which overrides this. A patch of
     its own: a test's monkeypatch.undo() leaves it in place, and a --backend that the CLI writes into
     the environment is undone after the test."""

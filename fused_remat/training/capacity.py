@@ -39,7 +39,7 @@ from .loop import describe_backend
 from .step import forward_loss, make_optimizer, train_step
 
 GRANULARITY = {"cuda": 256, "cpu": 32}
-MAX_SEQ_LEN = 1 << 18  # 262,144 tokens: a longer probe step takes minutes on an H100
+MAX_SEQ_LEN = 1 << 18  # 262,144 tokens: a probe step costs N^2, and a longer one is too slow to search
 # (label, block implementation, remat): the baselines first, then ours.
 CANDIDATES = (
     ("reference, eager", "reference", "none"),

@@ -10,7 +10,7 @@
     torchrun --nproc_per_node 8 -m fused_remat.train --distributed fsdp --context-parallel 4 --seq-len 131072 ...
 
 Without CUDA the kernels run in Triton's interpreter (so only the tiny preset is practical), or
-with ``--backend reference`` as plain PyTorch, about 12x faster. The run's folder (``--out``)
+with ``--backend reference`` as plain PyTorch, much faster. The run's folder (``--out``)
 receives ``checkpoint.pt`` (atomic, rotated, on an interval, on Ctrl-C and on an error),
 ``metrics.jsonl`` (one strict JSON record per step, validation loss where evaluated) and
 ``training.png``.
@@ -112,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                         "stops; 0: stop at the first (default 0)")
     parser.add_argument("--backend", choices=BACKENDS,
                         help="fused_remat's kernels: triton (compiled on a GPU, Triton's interpreter on a CPU), "
-                        "reference (plain PyTorch: about 12x faster on a CPU), auto (default: triton where it can run; "
+                        "reference (plain PyTorch: the fast choice on a CPU), auto (default: triton where it can run; "
                         f"on a CPU the interpreter); default: ${BACKEND_ENV} if set, else auto")
     parser.add_argument("--distributed", choices=STRATEGIES, help="under torchrun only: ddp (default) or fsdp (FSDP2)")
     parser.add_argument("--context-parallel", type=int, metavar="N",

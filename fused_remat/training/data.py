@@ -127,8 +127,8 @@ class TokenData:
     def fingerprint(self) -> str:
         """What a resumed run must find again: the splits' sizes and a hash of their contents, not
         where they live (the same file at another path resumes; another file of the same name does
-        not). The hash reads FINGERPRINT_BLOCKS evenly spaced blocks of each split, so it costs a few
-        milliseconds on a file larger than memory."""
+        not). The hash reads FINGERPRINT_BLOCKS evenly spaced blocks of each split, so its cost does
+        not grow with the file, even one larger than memory."""
         digest = hashlib.sha256()
         for split in (self.train, self.val):
             digest.update(f"{split.numel()}:{split.dtype}".encode())
