@@ -824,7 +824,7 @@ def _eager_block_function():
     """The block Function, never traced by torch.compile (a graph break, not an error): with x
     offloaded, the copies to and from host memory run on a side stream with events, which
     torch.compile does not trace. Made on first use: torch.compiler.disable imports the compiler
-    (about a second), which a model without offloaded layers should not pay at import."""
+    (slow), which a model without offloaded layers should not pay at import."""
     global _eager_apply
     if _eager_apply is None:
         _eager_apply = torch.compiler.disable(_BlockFunction.apply)
