@@ -369,16 +369,29 @@ def _attend(attended: torch.Tensor, g: _BlockCall, seqs: _Sequences) -> tuple[to
 
 
 def _forward_pass(x: torch.Tensor, w: _Weights, g: _BlockCall, seqs: _Sequences) -> tuple[_Activations, torch.Tensor]:
-    """Runs the block on x (T, dim). Returns (activations, y (T, dim)); the norm and activation
-    outputs are held on to only where the point keeps them."""
+    """Runs the block on x (T, dim). Returns (activations, y (T, dim)); a norm or activation output
+    is let go after the product that reads it unless the point keeps it, and y is written over
+    fc2's output where their dtypes agree."""
+    kept_outputs = {}
+
+    def read(name: str, output: torch.Tensor) -> None:
+        if not g.remat.rebuilds(name):
+            kept_outputs[name] = output
+
     y1, mean1, rstd1, _ = _norm_forward(x, w.norm1, g)
     qkv = w.linear("qkv", y1, w.qkv, w.qkv_bias)
+    read("y1", y1)
+    del y1
     o, lse = _attend(_attention_input(qkv, w, g, seqs), g, seqs)
     y2, mean2, rstd2, h = _norm_forward(x, w.norm2, g, residual=w.linear("out_proj", o, w.out, w.out_bias))
     u = w.linear("fc1", y2, w.fc1, w.fc1_bias)
+    read("y2", y2)
+    del y2
     a = _activation_forward(u, g)
-    y = h + w.linear("fc2", a, w.fc2, w.fc2_bias)
-    kept_outputs = {name: value for name, value in (("y1", y1), ("y2", y2), ("a", a)) if not g.remat.rebuilds(name)}
+    mlp = w.linear("fc2", a, w.fc2, w.fc2_bias)
+    read("a", a)
+    del a
+    y = mlp.add_(h) if mlp.dtype == h.dtype else h + mlp  # a sum is the same either way round
     return _Activations(qkv, o, lse, h, u, mean1, rstd1, mean2, rstd2, **kept_outputs), y
 
 

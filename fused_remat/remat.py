@@ -254,6 +254,54 @@ def kept_bytes_per_token(policy: Remat, widths: dict[str, int], residual_bytes: 
     return sum(widths[k.width_key] * size[k.dtype] for k in policy.kept())
 
 
+def peak_bytes_per_token(policy: Remat, widths: dict[str, int], residual_bytes: int, compute_bytes: int,
+                         qk_norm: bool = False) -> int:
+    """The most bytes per token one block's forward + backward holds at once under ``policy``, on
+    the eager path where the backward frees each activation at its last use (``block._backward_pass``),
+    from ``widths`` (``block_widths``) and the dtypes as in ``kept_bytes_per_token``. Counted: what
+    the point keeps, the block's output y (held by the caller until the backward is done) and each
+    moment's transients; left out: x and the incoming gradient dy (the caller's), and what does not
+    grow with the tokens (the weights' gradients, the norms' per-program partial sums). Exact for
+    the named points; for a ``keep:`` point whose replay stops before fc1 an upper bound. The
+    step's peak is the largest of these moments:
+
+    - forward, attention (with qk_norm, its normalized copy of qkv), norm 2 beside out_proj's
+      output, fc2's output beside the activation's (and y beside it, in another dtype);
+    - the replay (a point that replays): all of ``cheap``'s tensors and norm 2's output, at fc1;
+    - backward, the activation's (its input gradient; both outputs go into buffers that are done);
+      norm 2's (its input and output gradients, its rebuilt output); attention's (do, dqkv and two
+      fp32 rows per head); norm 1's (its input and output gradients, its rebuilt output).
+    """
+    policy = Remat.parse(policy, owner="policy")
+    c = compute_bytes
+    width = widths["dim"] * c  # norm outputs, the dim-wide products and their gradients
+    residual = widths["dim"] * residual_bytes  # h, y, and the residual stream's gradients
+    qkv, o, u, a = (widths[key] * c for key in ("qkv", "attention", "pre_activation", "ffn"))
+    lse = 4 * widths["heads"]
+    stats = 4 * (widths["mean"] + widths["rstd"])  # one norm's
+    copy = qkv if qk_norm else 0
+    cast = 0 if residual_bytes == c else width  # dy and dh in the compute dtype
+    kept = {name: width if name in policy.keeps else 0 for name in ("y1", "y2")}
+    kept_a = a if "a" in policy.keeps else 0
+    attention_half = qkv + o + lse + stats + kept["y1"]
+    cheap = qkv + o + lse + residual + u + 2 * stats  # what backward starts from, kept or replayed
+    fc2 = attention_half + stats + residual + u + kept["y2"] + width
+    forward = [  # fc2's output becomes y (written over it; beside it in another dtype)
+        attention_half + copy,
+        attention_half + 2 * width + stats + residual,
+        fc2 + a,
+        fc2 + kept_a + residual if cast else 0,
+    ]
+    backward = [  # beside y
+        cheap + kept["y1"] + kept["y2"] + width if policy.replays else 0,
+        cheap + kept["y1"] + kept["y2"] + a + cast,
+        cheap + kept["y1"] + width + residual + width - kept["y2"],
+        attention_half + residual + cast + o + qkv + copy + 8 * widths["heads"],
+        stats + residual + qkv + width + residual + width - kept["y1"],
+    ]
+    return max(max(forward), residual + max(backward))
+
+
 def replay_flops_per_token(point: Remat, widths: dict[str, int], attention_pairs_per_token: float) -> float:
     """Matrix-product FLOPs per token that ``point``'s replay runs, from ``widths``
     (``block_widths``): the qkv projection for qkv, attention's forward for its output and

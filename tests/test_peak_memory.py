@@ -7,7 +7,9 @@ import torch
 
 import fused_remat
 from fused_remat import custom_ops, reference
+from fused_remat.block import block_widths
 from fused_remat.memory import peak_memory, saved_memory
+from fused_remat.remat import peak_bytes_per_token
 
 DIM, HEADS, TOKENS = 32, 2, 16
 
@@ -207,3 +209,26 @@ def test_block_peaks_at_or_below_its_peers(config, triton_backend):
         peaks[variant] = _step_under_meters(block, seq=2 * TOKENS)[1].peak_bytes
     assert peaks["cheap"] <= peaks["eager"] and peaks["full"] <= peaks["checkpoint"], peaks
     assert peaks["none"] <= 1.1 * peaks["eager"], peaks
+
+
+FORMULA_CASES = [({}, "none"), ({}, "cheap"), ({}, "full"), (LLAMA, "none"), (LLAMA, "selective"),
+                 (dict(LLAMA, qk_norm=True), "full")]
+
+
+@pytest.mark.parametrize("config,remat", FORMULA_CASES, ids=lambda v: v if isinstance(v, str) else
+                         "-".join(["llama"] * ("activation" in v) + ["qk_norm"] * ("qk_norm" in v)) or "gpt")
+def test_peak_is_the_formula_per_token(config, remat, triton_backend):
+    """remat.peak_bytes_per_token is the meter's peak to the byte: with frozen parameters nothing
+    that does not grow with the tokens is live (no weight gradients), so the peak is tokens times
+    the formula, and a change that holds one more tensor anywhere in the step fails here."""
+    _, block = _config_block(config, remat)
+    block.requires_grad_(False)
+    tokens = 2 * TOKENS
+    x = torch.randn(1, tokens, DIM, requires_grad=True)
+    dy = torch.randn_like(x)
+    torch.autograd.grad(block(x), x, dy)  # warm
+    with peak_memory("cpu") as peak:
+        torch.autograd.grad(block(x), x, dy)
+    widths = block_widths(DIM, HEADS, block.n_kv_heads, None, block.norm, block.activation)
+    expected = peak_bytes_per_token(remat, widths, 4, 4, qk_norm=block.q_norm is not None)
+    assert peak.peak_bytes == tokens * expected, peak.report()
