@@ -12,8 +12,11 @@ a random gradient, with respect to x and every parameter:
 - transient_bytes: peak minus saved, what the call needs beyond what it keeps;
 - peak / eager: each peak over the eager reference block's for the same block and length.
 
-Bytes per token (the difference between the two lengths over the token difference) are fitted for
-peak and saved. The peers: ``eager`` (``fused_remat.reference.TransformerBlock``) and
+Bytes per token: the same step at the longest length with the parameters frozen (no weight
+gradients, nothing else that does not grow with the tokens), its peak over the tokens, beside
+``fused_remat.remat.peak_bytes_per_token`` for our points (tests/test_peak_memory.py holds the two
+equal to the byte). A step at T tokens peaks at about T times that plus what all variants share
+(the weights' gradients), so the per-token ratio is the ratio at long sequences. The peers: ``eager`` (``fused_remat.reference.TransformerBlock``) and
 ``checkpoint`` (the same block under ``torch.utils.checkpoint``, its ``remat="full"``). Byte counts
 on the CPU are the allocator's request sizes; a GPU's caching allocator rounds each up to 512 B.
 
@@ -51,6 +54,21 @@ def build_block(config: dict, variant: str):
         return TransformerBlock.from_reference(block, remat=variant)
     block.remat = "full" if variant == "checkpoint" else "none"
     return block
+
+
+def frozen_peak(config: dict, variant: str, seq: int) -> int:
+    """The peak of one warm forward + backward with frozen parameters (the gradient of x only)."""
+    import torch
+
+    from fused_remat.memory import peak_memory
+
+    block = build_block(config, variant).requires_grad_(False)
+    x = torch.randn(1, seq, config["dim"], device=DEVICE, dtype=getattr(torch, DTYPE), requires_grad=True)
+    dy = torch.randn_like(x)
+    torch.autograd.grad(block(x), x, dy)
+    with peak_memory(DEVICE) as peak:
+        torch.autograd.grad(block(x), x, dy)
+    return peak.peak_bytes
 
 
 def measure_case(config: dict, variant: str, seq: int) -> dict:
@@ -96,19 +114,31 @@ def run(blocks: dict[str, dict], lengths: tuple[int, ...], variants: tuple[str, 
     return rows
 
 
-def bytes_per_token(rows: list[dict]) -> list[dict]:
-    """Per block and variant, the slope of peak and saved bytes between the shortest and longest length."""
+def bytes_per_token(blocks: dict[str, dict], seq: int, variants: tuple[str, ...]) -> list[dict]:
+    """Per block and variant at ``seq`` tokens: saved bytes and the frozen-parameter peak per token,
+    and the formula's peak for our points."""
+    import torch
+
+    from fused_remat.block import TransformerBlock, block_widths
+    from fused_remat.memory import saved_memory
+    from fused_remat.remat import peak_bytes_per_token
+
     fits = []
-    for name in dict.fromkeys(r["block"] for r in rows):
-        for variant in dict.fromkeys(r["variant"] for r in rows):
-            case = sorted((r for r in rows if r["block"] == name and r["variant"] == variant), key=lambda r: r["tokens"])
-            if len(case) < 2 or case[0]["tokens"] == case[-1]["tokens"]:
-                continue
-            short, long = case[0], case[-1]
-            tokens = long["tokens"] - short["tokens"]
-            fits.append({"block": name, "variant": variant, "tokens": [short["tokens"], long["tokens"]],
-                         "peak_per_token": (long["peak_bytes"] - short["peak_bytes"]) / tokens,
-                         "saved_per_token": (long["saved_bytes"] - short["saved_bytes"]) / tokens})
+    for name, config in blocks.items():
+        block = TransformerBlock(**config, device="meta")
+        widths = block_widths(block.dim, block.n_heads, block.n_kv_heads, block.ffn_dim, block.norm, block.activation,
+                              block.head_dim)
+        for variant in variants:
+            module = build_block(config, variant)
+            with saved_memory(list(module.parameters())) as saved:
+                module(torch.randn(1, seq, config["dim"], device=DEVICE, dtype=getattr(torch, DTYPE), requires_grad=True))
+            fits.append({"block": name, "variant": variant, "tokens": seq, "saved_per_token": saved.bytes / seq,
+                         "peak_per_token": frozen_peak(config, variant, seq) / seq,
+                         "formula": peak_bytes_per_token(variant, widths, 4, 4, qk_norm=block.q_norm is not None)
+                         if variant in POLICIES else None})
+    for fit in fits:
+        eager = next((f for f in fits if f["block"] == fit["block"] and f["variant"] == "eager"), None)
+        fit["peak_over_eager"] = fit["peak_per_token"] / eager["peak_per_token"] if eager else None
     return fits
 
 
@@ -138,11 +168,15 @@ def markdown(rows: list[dict], fits: list[dict], env: dict) -> str:
         lines.append(f"| {row['block']} | {row['tokens']} | {row['variant']} | {row['saved_bytes']:,d} | "
                      f"{row['peak_bytes']:,d} | {row['transient_bytes']:,d} | {ratio} |")
     if fits:
-        lines += ["", "Bytes per token, from the difference between the two lengths:", "",
-                  "| block | variant | saved B/token | peak B/token |", "|---|---|---:|---:|"]
+        lines += ["", f"Bytes per token at {fits[0]['tokens']} tokens, parameters frozen (no weight gradients): "
+                  "saved, the meter's peak, our formula (`remat.peak_bytes_per_token`), the peak over eager's:", "",
+                  "| block | variant | saved B/token | peak B/token | formula B/token | peak / eager |",
+                  "|---|---|---:|---:|---:|---:|"]
         for fit in fits:
+            formula = "-" if fit["formula"] is None else f"{fit['formula']:,d}"
+            ratio = "-" if fit["peak_over_eager"] is None else f"{fit['peak_over_eager']:.2f}"
             lines.append(f"| {fit['block']} | {fit['variant']} | {fit['saved_per_token']:,.1f} | "
-                         f"{fit['peak_per_token']:,.1f} |")
+                         f"{fit['peak_per_token']:,.1f} | {formula} | {ratio} |")
     lines += ["", "Peers: eager is `fused_remat.reference.TransformerBlock`; checkpoint is the same block under "
               "`torch.utils.checkpoint` (its `remat=\"full\"`). Their attention is PyTorch's CPU SDPA here, whose "
               "temporaries are not CUDA's. Our kernels run in Triton's interpreter, which holds each launch's "
@@ -176,7 +210,7 @@ def main(argv=None) -> int:
         return 2
     started = time.perf_counter()
     rows = run(blocks, tuple(args.lengths), tuple(args.variants))
-    fits = bytes_per_token(rows)
+    fits = bytes_per_token(blocks, max(args.lengths), tuple(args.variants))
     env = environment()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "peak.json").write_text(json.dumps({"environment": env, "rows": rows, "per_token": fits}, indent=1) + "\n")
