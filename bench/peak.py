@@ -20,6 +20,12 @@ equal to the byte). A step at T tokens peaks at about T times that plus what all
 ``checkpoint`` (the same block under ``torch.utils.checkpoint``, its ``remat="full"``). Byte counts
 on the CPU are the allocator's request sizes; a GPU's caching allocator rounds each up to 512 B.
 
+A model's training step: a ``LanguageModel`` of ``--model-layers`` such blocks (default 12), one
+warm forward + backward of the loss at ``--model-tokens`` tokens with every parameter's gradient
+already allocated (zeroed, not None), so that its peak is what lives above the weights, their
+gradients and the optimizer's state; ours per policy beside the reference blocks eager and under
+``torch.utils.checkpoint``.
+
 Results: ``bench/results/peak/peak.json`` and ``peak.md`` (or ``--out``), the machine named.
 """
 
@@ -41,6 +47,7 @@ POLICIES = ("none", "cheap", "selective", "full")
 PEERS = ("eager", "checkpoint")
 VARIANTS = POLICIES + PEERS
 TOP_ENTRIES = 8  # live_at_peak entries kept per case in the JSON
+MODEL_LAYERS, MODEL_TOKENS, MODEL_VOCAB = 12, 64, 64
 
 
 def build_block(config: dict, variant: str):
@@ -98,6 +105,41 @@ def measure_case(config: dict, variant: str, seq: int) -> dict:
             "live_at_peak": [{"bytes": a.bytes, "where": a.where} for a in peak.live_at_peak[:TOP_ENTRIES]]}
 
 
+def model_step_peak(config: dict, variant: str, layers: int, tokens: int) -> int:
+    """The peak above the weights, gradients and optimizer state of one warm training step (loss
+    forward + backward) of a ``layers``-deep model of ``config``'s blocks."""
+    import torch
+
+    from fused_remat.memory import peak_memory
+    from fused_remat.model import LanguageModel, ModelConfig
+
+    model_config = ModelConfig(vocab_size=MODEL_VOCAB, n_layers=layers, rope_theta=config.get("rope_theta"),
+                               **{k: v for k, v in config.items() if k != "rope_theta"})
+    reference_remat = {"eager": "none", "checkpoint": "full"}
+    model = LanguageModel(model_config, reference_remat.get(variant, variant),
+                          block_impl="reference" if variant in reference_remat else "fused",
+                          device=DEVICE, dtype=getattr(torch, DTYPE))
+    ids = torch.randint(0, MODEL_VOCAB, (1, tokens + 1), device=DEVICE)
+    model(ids[:, :-1], ids[:, 1:]).backward()
+    for parameter in model.parameters():
+        parameter.grad.zero_()
+    with peak_memory(DEVICE) as peak:
+        model(ids[:, :-1], ids[:, 1:]).backward()
+    return peak.peak_bytes
+
+
+def model_steps(blocks: dict[str, dict], variants: tuple[str, ...], layers: int, tokens: int) -> list[dict]:
+    rows = [{"block": name, "layers": layers, "tokens": tokens, "variant": variant,
+             "peak_bytes": model_step_peak(config, variant, layers, tokens)}
+            for name, config in blocks.items() for variant in variants]
+    for row in rows:
+        eager = next((r for r in rows if r["block"] == row["block"] and r["variant"] == "eager"), None)
+        row["peak_over_eager"] = row["peak_bytes"] / eager["peak_bytes"] if eager else None
+        print(f"model of {layers} {row['block']} blocks, {tokens} tokens, {row['variant']}: peak {row['peak_bytes']:,d} B",
+              flush=True)
+    return rows
+
+
 def run(blocks: dict[str, dict], lengths: tuple[int, ...], variants: tuple[str, ...]) -> list[dict]:
     rows = []
     for name, config in blocks.items():
@@ -148,7 +190,7 @@ def environment() -> dict:
     return {**machine(), "target": "Triton interpreter", "dtype": DTYPE}
 
 
-def markdown(rows: list[dict], fits: list[dict], env: dict) -> str:
+def markdown(rows: list[dict], fits: list[dict], models: list[dict], env: dict) -> str:
     lines = [
         "# Peak memory of one block's forward + backward",
         "",
@@ -177,6 +219,13 @@ def markdown(rows: list[dict], fits: list[dict], env: dict) -> str:
             ratio = "-" if fit["peak_over_eager"] is None else f"{fit['peak_over_eager']:.2f}"
             lines.append(f"| {fit['block']} | {fit['variant']} | {fit['saved_per_token']:,.1f} | "
                          f"{fit['peak_per_token']:,.1f} | {formula} | {ratio} |")
+    if models:
+        lines += ["", f"A {models[0]['layers']}-layer model's training step at {models[0]['tokens']} tokens (the loss's "
+                  "forward + backward, gradients already allocated): its peak above the weights, gradients and "
+                  "optimizer state:", "", "| blocks | variant | peak B | peak / eager |", "|---|---|---:|---:|"]
+        for row in models:
+            ratio = "-" if row["peak_over_eager"] is None else f"{row['peak_over_eager']:.2f}"
+            lines.append(f"| {row['block']} | {row['variant']} | {row['peak_bytes']:,d} | {ratio} |")
     lines += ["", "Peers: eager is `fused_remat.reference.TransformerBlock`; checkpoint is the same block under "
               "`torch.utils.checkpoint` (its `remat=\"full\"`). Their attention is PyTorch's CPU SDPA here, whose "
               "temporaries are not CUDA's. Our kernels run in Triton's interpreter, which holds each launch's "
@@ -194,6 +243,10 @@ def _parse(argv):
     parser.add_argument("--block", action="append", choices=sorted(BLOCKS), help="this block only (repeatable)")
     parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS), help="sequence lengths")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="what to measure")
+    parser.add_argument("--model-layers", type=int, default=MODEL_LAYERS,
+                        help=f"layers of the model step (default {MODEL_LAYERS}; 0: no model step)")
+    parser.add_argument("--model-tokens", type=int, default=MODEL_TOKENS,
+                        help=f"tokens of the model step (default {MODEL_TOKENS})")
     args = parser.parse_args(argv)
     return args, {name: BLOCKS[name] for name in (args.block or BLOCKS)}
 
@@ -211,10 +264,12 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     rows = run(blocks, tuple(args.lengths), tuple(args.variants))
     fits = bytes_per_token(blocks, max(args.lengths), tuple(args.variants))
+    models = model_steps(blocks, tuple(args.variants), args.model_layers, args.model_tokens) if args.model_layers else []
     env = environment()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "peak.json").write_text(json.dumps({"environment": env, "rows": rows, "per_token": fits}, indent=1) + "\n")
-    table = markdown(rows, fits, env)
+    (args.out / "peak.json").write_text(json.dumps({"environment": env, "rows": rows, "per_token": fits,
+                                                    "model_steps": models}, indent=1) + "\n")
+    table = markdown(rows, fits, models, env)
     (args.out / "peak.md").write_text(table)
     print(table)
     print(f"results in {args.out} ({time.perf_counter() - started:.0f} s)")

@@ -226,7 +226,7 @@ class _Activations:
             tensor = getattr(self, name)
             setattr(self, name, None)
             if tensor is not None and name in self.owned:
-                _free(tensor)
+                tensor.untyped_storage().resize_(0)  # as _free does
 
     def take(self, name: str) -> torch.Tensor | None:
         """The activation ``name`` as a buffer to write over (the caller frees it when done), or
@@ -372,24 +372,22 @@ def _forward_pass(x: torch.Tensor, w: _Weights, g: _BlockCall, seqs: _Sequences)
     """Runs the block on x (T, dim). Returns (activations, y (T, dim)); a norm or activation output
     is let go after the product that reads it unless the point keeps it, and y is written over
     fc2's output where their dtypes agree."""
-    kept_outputs = {}
-
-    def read(name: str, output: torch.Tensor) -> None:
-        if not g.remat.rebuilds(name):
-            kept_outputs[name] = output
-
+    keeps, kept_outputs = g.remat.keeps, {}
     y1, mean1, rstd1, _ = _norm_forward(x, w.norm1, g)
     qkv = w.linear("qkv", y1, w.qkv, w.qkv_bias)
-    read("y1", y1)
+    if "y1" in keeps:
+        kept_outputs["y1"] = y1
     del y1
     o, lse = _attend(_attention_input(qkv, w, g, seqs), g, seqs)
     y2, mean2, rstd2, h = _norm_forward(x, w.norm2, g, residual=w.linear("out_proj", o, w.out, w.out_bias))
     u = w.linear("fc1", y2, w.fc1, w.fc1_bias)
-    read("y2", y2)
+    if "y2" in keeps:
+        kept_outputs["y2"] = y2
     del y2
     a = _activation_forward(u, g)
     mlp = w.linear("fc2", a, w.fc2, w.fc2_bias)
-    read("a", a)
+    if "a" in keeps:
+        kept_outputs["a"] = a
     del a
     y = mlp.add_(h) if mlp.dtype == h.dtype else h + mlp  # a sum is the same either way round
     return _Activations(qkv, o, lse, h, u, mean1, rstd1, mean2, rstd2, **kept_outputs), y
@@ -668,8 +666,8 @@ class _BlockFunction(torch.autograd.Function):
         # or pool what it packs), their addresses, so that backward can tell they are still these
         # and free each at its last use
         ctx.kept_addresses = None
-        if not custom_ops.traced(x.device) and _no_saved_tensor_hooks():
-            ctx.kept_addresses = [t.data_ptr() for t, keeps in zip(output[1:], _slots_kept(g.remat)) if keeps]
+        if not custom_ops.traced(x.device) and _SAVED_TENSOR_HOOKS is not None and _SAVED_TENSOR_HOOKS(True) is None:
+            ctx.kept_addresses = [t.data_ptr() for t in output[1:] if t is not None]
         ctx.mark_non_differentiable(*[t for t in output[1:] if t is not None])
         ctx.set_materialize_grads(False)  # the kept activations' gradients come as None, not zeros
 
@@ -702,9 +700,10 @@ class _BlockFunction(torch.autograd.Function):
                                            *[next(dparams) if has else None for has in ctx.has_param], *dlora)
 
 
-def _no_saved_tensor_hooks() -> bool:
-    hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return hooks is not None and hooks(True) is None
+# Whether saved-tensor hooks are active, and whether this backward may run again (None where this
+# torch lacks them: then nothing kept is freed early)
+_SAVED_TENSOR_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_KEEP_GRAPH = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
 
 
 def _owned_kept(kept_addresses: list[int] | None, kept: list) -> frozenset[str]:
@@ -712,11 +711,11 @@ def _owned_kept(kept_addresses: list[int] | None, kept: list) -> frozenset[str]:
     their last use: none if a saved-tensor hook packed them, if this backward may run again
     (retain_graph) or if a CUDA graph is being captured; else those whose memory is still the one
     the forward kept."""
-    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    if kept_addresses is None or keep_graph is None or keep_graph() or backend.graph_capturing():
+    if kept_addresses is None or _KEEP_GRAPH is None or _KEEP_GRAPH() or backend.graph_capturing():
         return frozenset()
-    kept = [(slot.name, t) for slot, t in zip(_SLOTS, kept) if t is not None]
-    return frozenset(name for (name, t), address in zip(kept, kept_addresses) if t.data_ptr() == address)
+    names = [slot.name for slot, t in zip(_SLOTS, kept) if t is not None]
+    tensors = [t for t in kept if t is not None]
+    return frozenset(name for name, t, address in zip(names, tensors, kept_addresses) if t.data_ptr() == address)
 
 
 def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, seqs: _Sequences, needs: dict,

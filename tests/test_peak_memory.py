@@ -144,9 +144,11 @@ def test_the_peak_generator_writes_json_and_markdown(tmp_path, monkeypatch):
 
     monkeypatch.setenv("FUSED_REMAT_BACKEND", "triton")
     assert peak.main(["--out", str(tmp_path), "--block", "gpt2-small", "--lengths", "8", "16",
-                      "--variants", "cheap", "eager"]) == 0
+                      "--variants", "cheap", "eager", "--model-layers", "2", "--model-tokens", "8"]) == 0
     data = json.loads((tmp_path / "peak.json").read_text())
     assert {row["variant"] for row in data["rows"]} == {"cheap", "eager"}
+    assert [(row["layers"], row["variant"]) for row in data["model_steps"]] == [(2, "cheap"), (2, "eager")]
+    assert all(row["peak_bytes"] > 0 for row in data["model_steps"])
     for row in data["rows"]:
         assert row["peak_bytes"] >= row["saved_bytes"] > 0
         assert row["transient_bytes"] == row["peak_bytes"] - row["saved_bytes"]
