@@ -10,10 +10,16 @@ model below, which prices every keep-or-rebuild point (``remat.budget_points``),
 measured on the device for the named policies (``measure_policy_costs``) supply those costs.
 
 The planner then picks, among all ways to give each layer a point, the one with the least extra
-compute whose predicted bytes fit the budget: adaptive checkpoint selection, per layer and per
-tensor. Chen et al.'s checkpoint-every-sqrt(n)-layers is the degenerate case with two choices per
-layer (keep everything or keep the input) and a budget fixed at about 2 sqrt(n) layers' worth.
-The layers are identical, so only how many take each point matters (``_cheapest_mix``).
+compute whose predicted peak fits the budget: adaptive checkpoint selection, per layer and per
+tensor. The peak is what every layer keeps, plus what the rest of the model keeps (``head_bytes``),
+plus the largest transient among the layers (``layer_transient_bytes_per_token``: a block step's
+peak per token, ``remat.peak_bytes_per_token``, above what the block keeps): backward reaches the
+layers last to first, and while one runs, the layers below it still hold what they keep. Not
+counted: the loss's chunk of logits while the forward computes it. Chen et al.'s
+checkpoint-every-sqrt(n)-layers is the degenerate case with two choices per layer (keep everything
+or keep the input) and a budget fixed at about 2 sqrt(n) layers' worth.
+The layers are identical, so only how many take each point matters (``_cheapest_mix``, once for
+each transient a plan's largest may be: ``_cheapest_within_peak``).
 
 ``offload`` keeps what ``full`` keeps in host memory instead: its device bytes are zero and its
 cost is ``full``'s plus whatever part of the copies does not hide behind compute. The block input
@@ -38,7 +44,9 @@ import torch
 from .block import TransformerBlock, block_widths
 from .flops import ATTENTION_BACKWARD_FACTOR, attention_flops, visible_pairs
 from .model import ModelConfig
-from .remat import Remat, budget_points, kept_bytes_per_token, replay_flops_per_token, replay_norm_passes
+from .remat import (
+    Remat, budget_points, kept_bytes_per_token, peak_bytes_per_token, replay_flops_per_token, replay_norm_passes,
+)
 
 _FP32 = 4
 
@@ -74,6 +82,22 @@ def layer_bytes_per_token(config: ModelConfig, policy: Remat, precision: Precisi
     """Bytes one fused block keeps for backward per token under ``policy`` in ``memory`` ("device"
     or "host"; the block's own table, ``fused_remat.remat.KEPT_FOR_BACKWARD``)."""
     return kept_bytes_per_token(policy, _widths(config), precision.residual_bytes, precision.compute_bytes, memory)
+
+
+def layer_transient_bytes_per_token(config: ModelConfig, policy: Remat, precision: Precision) -> int:
+    """Bytes per token one fused block's forward + backward holds on the device above what it keeps
+    there: ``remat.peak_bytes_per_token`` less ``layer_bytes_per_token``. The peak counts the block's
+    output y and leaves out its input x, both dim residual-dtype elements per token, and what it
+    keeps counts x, so the two cancel. For GPT-2's shapes in fp32 that is nothing for ``none``, the
+    activation's input gradient for ``cheap`` and the replay besides for ``full``. A host-resident
+    point (``offload``) keeps nothing on the device, and its backward also holds the input of the
+    offloaded layer before it, which ``offload.HostCopy.fetch`` prefetches then: one more layer
+    input (its host bytes), an upper bound where no earlier layer is offloaded. ``ModelConfig`` has
+    no per-head q/k norm, so none is counted (``qk_norm=False``)."""
+    point = Remat.parse(policy, owner="policy")
+    widths, r, c = _widths(config), precision.residual_bytes, precision.compute_bytes
+    peak = peak_bytes_per_token(point, widths, r, c)
+    return peak - kept_bytes_per_token(point, widths, r, c) + kept_bytes_per_token(point, widths, r, c, "host")
 
 
 def head_bytes(config: ModelConfig, tokens: int, precision: Precision) -> int:
@@ -224,8 +248,9 @@ def _now(device: torch.device) -> float:
 @dataclass
 class RematPlan:
     policies: list[Remat]
-    layer_bytes: list[int]  # on the device
+    layer_bytes: list[int]  # kept on the device for backward
     layer_host_bytes: list[int]  # offloaded to host memory
+    layer_transient_bytes: list[int]  # held on the device above layer_bytes while the layer's step runs
     fixed_bytes: int
     layer_extra: list[float]  # extra compute of each layer, as a fraction of its step
     step_flops: float  # the whole model's training step without remat
@@ -237,7 +262,21 @@ class RematPlan:
 
     @property
     def predicted_bytes(self) -> int:
+        """What the model keeps for backward on the device (what the saved-memory meter measures)."""
         return self.fixed_bytes + sum(self.layer_bytes)
+
+    @property
+    def transient_bytes(self) -> int:
+        """The largest layer transient: what one layer's step holds above what it keeps."""
+        return max(self.layer_transient_bytes, default=0)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The step's predicted activation peak, what a byte budget bounds: what the model keeps
+        plus the largest layer transient (backward reaches the layers last to first, and while one
+        runs, those below it still hold what they keep). Not counted: the loss's chunk of logits
+        while the forward computes it."""
+        return self.predicted_bytes + self.transient_bytes
 
     @property
     def host_bytes(self) -> int:
@@ -252,18 +291,22 @@ class RematPlan:
         if self.budget_fraction is not None:
             budget = f"memory_budget {self.budget_fraction:g} (each layer keeps at most that share of what none keeps)"
         else:
-            budget = "no budget" if self.budget is None else f"budget {_mib(self.budget)}"
+            budget = "no budget" if self.budget is None else f"budget {_mib(self.budget)} for the peak"
         width = max((len(policy) for policy in self.policies), default=6)
         lines = [
             f"remat plan for {self.tokens:,} tokens per step, {budget}; extra compute from the {self.cost_source}",
-            f"{'layer':>6}  {'policy':<{width}} {'predicted':>12} {'host memory':>12} {'extra compute':>14}",
+            f"{'layer':>6}  {'policy':<{width}} {'kept':>12} {'transient':>12} {'host memory':>12} {'extra compute':>14}",
         ]
-        rows = zip(self.policies, self.layer_bytes, self.layer_host_bytes, self.layer_extra)
-        for i, (policy, nbytes, host, extra) in enumerate(rows):
-            lines.append(f"{i:>6}  {policy:<{width}} {_mib(nbytes):>12} {_mib(host):>12} {extra:>+13.1%}")
+        rows = zip(self.policies, self.layer_bytes, self.layer_transient_bytes, self.layer_host_bytes,
+                   self.layer_extra)
+        for i, (policy, nbytes, transient, host, extra) in enumerate(rows):
+            lines.append(f"{i:>6}  {policy:<{width}} {_mib(nbytes):>12} {_mib(transient):>12} {_mib(host):>12} "
+                         f"{extra:>+13.1%}")
         lines.append(f"{'head':>6}  {'':<{width}} {_mib(self.fixed_bytes):>12}")
-        lines.append(f"{'total':>6}  {'':<{width}} {_mib(self.predicted_bytes):>12} {_mib(self.host_bytes):>12} "
-                     f"{self.extra_compute:>+13.1%} of a step")
+        lines.append(f"{'total':>6}  {'':<{width}} {_mib(self.predicted_bytes):>12} {'':>12} "
+                     f"{_mib(self.host_bytes):>12} {self.extra_compute:>+13.1%} of a step")
+        lines.append(f"{'peak':>6}  {'':<{width}} {_mib(self.peak_bytes):>12}  kept + the largest layer transient "
+                     f"(remat.peak_bytes_per_token): the step's predicted activation peak")
         return "\n".join(lines)
 
 
@@ -275,35 +318,77 @@ def plan_remat(config: ModelConfig, batch: int, seq_len: int, precision: Precisi
                costs: dict[Remat, float] | None = None, cost_source: str = "FLOP model",
                candidates: tuple[Remat, ...] | None = None, owner: str = "budget",
                attention_pairs: float | None = None) -> RematPlan:
-    """The per-layer points with the least extra compute whose predicted activation bytes (layers
-    plus the embedding, final norm and loss) stay within ``budget``; ``budget=None`` plans the
-    cheapest points outright. ``candidates`` (default: every point ``costs`` prices, which the FLOP
-    model does for each tensor's keep-or-rebuild, measured costs for the named policies) are what
-    a layer may take. Raises ValueError naming ``owner`` (the budget's argument or flag) when even
-    the smallest plan does not fit. ``attention_pairs``: see ``flop_policy_costs``."""
+    """The per-layer points with the least extra compute whose predicted activation peak stays
+    within ``budget``: the bytes the layers keep, plus what the embedding, final norm and loss keep,
+    plus the largest transient among the points the plan uses (``layer_transient_bytes_per_token``;
+    ``RematPlan.peak_bytes``). ``budget=None`` plans the cheapest points outright. ``candidates``
+    (default: every point ``costs`` prices, which the FLOP model does for each tensor's
+    keep-or-rebuild, measured costs for the named policies) are what a layer may take. Raises
+    ValueError naming ``owner`` (the budget's argument or flag) when even the smallest plan's peak
+    does not fit. ``attention_pairs``: see ``flop_policy_costs``."""
     tokens = batch * seq_len
     if costs is None:
         costs = flop_policy_costs(config, batch, seq_len, precision, attention_pairs=attention_pairs)
     candidates = tuple(costs) if candidates is None else tuple(Remat.parse(p, owner="candidates") for p in candidates)
     per_layer = {p: layer_bytes_per_token(config, p, precision) * tokens for p in candidates}
+    transient = {p: layer_transient_bytes_per_token(config, p, precision) * tokens for p in candidates}
     fixed = head_bytes(config, tokens, precision)
-    counts = _cheapest_mix(config.n_layers, {p: (per_layer[p], costs[p]) for p in candidates},
-                           None if budget is None else budget - fixed)
+    counts = _cheapest_within_peak(config.n_layers, {p: (per_layer[p], transient[p], costs[p]) for p in candidates},
+                                   None if budget is None else budget - fixed)
     if counts is None:
-        smallest = fixed + config.n_layers * min(per_layer.values())
-        raise ValueError(f"{owner}: {_mib(budget)} is below the smallest plan's {_mib(smallest)} "
-                         f"({tokens:,} tokens, {config.n_layers} layers); shorten the sequences or the batch")
+        smallest = fixed + min(limit + config.n_layers * min(per_layer[p] for p in candidates if transient[p] <= limit)
+                               for limit in set(transient.values()))
+        raise ValueError(f"{owner}: {_mib(budget)} is below the smallest plan's peak, {_mib(smallest)} "
+                         f"({tokens:,} tokens, {config.n_layers} layers; kept + the largest layer transient); "
+                         f"shorten the sequences or the batch")
     # Most expensive point first (``offload`` and ``full`` on the earliest layers), as the module docstring explains.
     order = sorted(counts.items(), key=lambda item: (-costs[item[0]], -per_layer[item[0]]))
     policies = [p for p, n in order for _ in range(n)]
     return explain_policies(config, batch, seq_len, precision, policies, costs, cost_source, budget, attention_pairs)
 
 
+def _cheapest_within_peak(layers: int, options: dict[Remat, tuple[int, int, float]],
+                          budget: int | None) -> dict[Remat, int] | None:
+    """How many of ``layers`` identical layers take each option (kept bytes, transient bytes, cost)
+    for the least total cost (then the smallest peak) whose kept bytes plus the largest transient
+    among the options it uses stay within ``budget`` (None: any), or None if nothing fits.
+
+    The largest transient is not a sum, so ``_cheapest_mix`` runs once for each value t it may
+    take, over the options whose transient is at most t, within ``budget`` - t. A plan whose largest
+    transient is t is among that run's, and each run's answer fits, so the cheapest answer of all
+    the runs is the cheapest plan: exact. Within a run, an option that another beats or ties on both
+    bytes and cost is left out (swapping it for that one loses nothing)."""
+    best = None
+    for limit in sorted({transient for _, transient, _ in options.values()}):
+        allowed = {p: (nbytes, cost) for p, (nbytes, transient, cost) in options.items() if transient <= limit}
+        counts = _cheapest_mix(layers, _undominated(allowed), None if budget is None else budget - limit)
+        if counts is None:
+            continue
+        cost = _rounded(sum(options[p][2] * n for p, n in counts.items()))
+        peak = sum(options[p][0] * n for p, n in counts.items()) + max(options[p][1] for p in counts)
+        if best is None or (cost, peak) < best[0]:
+            best = ((cost, peak), counts)
+    return None if best is None else best[1]
+
+
+def _undominated(options: dict[Remat, tuple[int, float]]) -> dict[Remat, tuple[int, float]]:
+    """``options`` (bytes, cost) less each that another has at no more bytes and no more cost (of
+    options that tie on both, the first)."""
+    kept, cheapest = {}, math.inf
+    for point, (nbytes, cost) in sorted(options.items(), key=lambda item: (item[1][0], _rounded(item[1][1]))):
+        if _rounded(cost) < cheapest:  # fewer bytes than none kept so far, so it must cost less
+            kept[point], cheapest = (nbytes, cost), _rounded(cost)
+    return kept
+
+
 def _cheapest_mix(layers: int, options: dict[Remat, tuple[int, float]], budget: int | None) -> dict[Remat, int] | None:
     """How many of ``layers`` identical layers take each option (bytes, cost) for the least total
     cost (then the fewest bytes) within ``budget`` bytes, or None if nothing fits. Dynamic
     programming over layers that keeps, per layer count, only the mixes no other mix beats on both
-    bytes and cost: exact, and small where a brute force over options ** layers is not."""
+    bytes and cost: exact, and small where a brute force over options ** layers is not. Without a
+    budget, every layer takes the cheapest option (then the smallest)."""
+    if budget is None:
+        return {min(options, key=lambda point: (_rounded(options[point][1]), options[point][0])): layers}
     mixes = [(0, 0.0, {})]  # (bytes, cost, counts), cheapest first within each byte total
     for _ in range(layers):
         grown = {}
@@ -334,9 +419,10 @@ def explain_policies(config: ModelConfig, batch: int, seq_len: int, precision: P
                      costs: dict[Remat, float] | None = None, cost_source: str = "FLOP model",
                      budget: int | None = None, attention_pairs: float | None = None,
                      budget_fraction: float | None = None) -> RematPlan:
-    """The plan table for given per-layer policies: predicted bytes and extra compute of each
-    (``attention_pairs``: see ``flop_policy_costs``); ``budget`` (bytes) or ``budget_fraction``
-    (``memory_budget``) is the budget they were chosen for, if any."""
+    """The plan table for given per-layer policies: the bytes each keeps, its transient and its
+    extra compute, and the step's predicted peak (``RematPlan.peak_bytes``; ``attention_pairs``:
+    see ``flop_policy_costs``); ``budget`` (bytes) or ``budget_fraction`` (``memory_budget``) is
+    the budget they were chosen for, if any."""
     tokens = batch * seq_len
     if costs is None:
         costs = flop_policy_costs(config, batch, seq_len, precision, attention_pairs=attention_pairs)
@@ -345,6 +431,7 @@ def explain_policies(config: ModelConfig, batch: int, seq_len: int, precision: P
     return RematPlan(
         policies=[Remat.parse(p, owner="policies") for p in policies], layer_bytes=[layer_bytes_per_token(config, p, precision) * tokens for p in policies],
         layer_host_bytes=[layer_bytes_per_token(config, p, precision, "host") * tokens for p in policies],
+        layer_transient_bytes=[layer_transient_bytes_per_token(config, p, precision) * tokens for p in policies],
         fixed_bytes=head_bytes(config, tokens, precision), layer_extra=[costs[p] for p in policies], step_flops=step,
         layer_step_flops=layer_flops, budget=budget, cost_source=cost_source, tokens=tokens,
         budget_fraction=budget_fraction,

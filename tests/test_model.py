@@ -1,5 +1,6 @@
 """The language model and the remat planner: the model matches its reference twin, every policy
-mix trains identically, and the planner's predicted bytes are what the saved-memory meter measures."""
+mix trains identically, the planner's predicted bytes are what the saved-memory meter measures, and
+its plans fit their budget at their peak (kept + the largest layer transient)."""
 
 import dataclasses
 import itertools
@@ -9,12 +10,14 @@ import re
 import pytest
 import torch
 
+from fused_remat.block import block_widths
 from fused_remat.memory import saved_memory
 from fused_remat.model import LanguageModel, ModelConfig, preset, resolve_policies
 from fused_remat.planner import (
-    Precision, explain_policies, flop_policy_costs, layer_bytes_per_token, measure_policy_costs, plan_remat,
+    Precision, explain_policies, flop_policy_costs, layer_bytes_per_token, layer_transient_bytes_per_token,
+    measure_policy_costs, plan_remat,
 )
-from fused_remat.remat import Remat
+from fused_remat.remat import Remat, budget_points, kept_bytes_per_token, peak_bytes_per_token
 
 # Three layers so that mixed plans have something to mix; GQA and RoPE as the LLaMA preset.
 CONFIG = ModelConfig(vocab_size=200, dim=32, n_layers=3, n_heads=2, n_kv_heads=1, ffn_dim=48)
@@ -152,28 +155,83 @@ def test_predicted_bytes_match_the_meter(config, precision, device, triton_backe
 
 def test_plans_fit_their_budget_and_spend_the_least_recompute(device, triton_backend):
     batch, seq = 2, 24
-    smallest = explain_policies(CONFIG, batch, seq, FP32, ["full"] * 3).predicted_bytes
-    largest = explain_policies(CONFIG, batch, seq, FP32, ["cheap"] * 3).predicted_bytes
+    smallest = explain_policies(CONFIG, batch, seq, FP32, ["full"] * 3).peak_bytes
+    largest = explain_policies(CONFIG, batch, seq, FP32, ["cheap"] * 3).peak_bytes
     model = LanguageModel(CONFIG, "cheap", device=device)
     tokens = _tokens(CONFIG, batch, seq, device)
     previous_extra = math.inf
     for budget in torch.linspace(smallest, largest + 1000, 7).long().tolist():
         plan = plan_remat(CONFIG, batch, seq, FP32, budget)
-        assert plan.predicted_bytes <= budget
+        assert plan.peak_bytes <= budget
         assert plan.layer_extra == sorted(plan.layer_extra, reverse=True), "replayed layers first"
         assert plan.extra_compute <= previous_extra
         previous_extra = plan.extra_compute
         model.set_remat(plan.policies)
-        assert _measured_bytes(model, tokens, FP32)[0] <= budget
+        assert _measured_bytes(model, tokens, FP32)[0] + plan.transient_bytes <= budget
     assert plan.policies == ["cheap"] * 3 and plan.extra_compute == 0
-    with pytest.raises(ValueError, match="budget: .* is below the smallest plan"):
+    with pytest.raises(ValueError, match="budget: .* is below the smallest plan's peak"):
         plan_remat(CONFIG, batch, seq, FP32, smallest - 1, candidates=("cheap", "full"))
-    everything_offloaded = explain_policies(CONFIG, batch, seq, FP32, ["offload"] * 3).predicted_bytes
-    # Below full everywhere, offloading fits; at these tiny sizes its copies do not hide, so only as
-    # few layers as the budget needs are offloaded.
-    assert plan_remat(CONFIG, batch, seq, FP32, smallest - 1).policies == ["offload", "full", "full"]
-    with pytest.raises(ValueError, match="budget: .* is below the smallest plan"):
+    everything_offloaded = explain_policies(CONFIG, batch, seq, FP32, ["offload"] * 3).peak_bytes
+    # Below full's peak everywhere, offloading fits: an offloaded layer holds its input only while its
+    # backward runs (and the one before it, prefetched), so with three layers only offloading all
+    # of them peaks below full everywhere.
+    assert everything_offloaded < smallest
+    assert plan_remat(CONFIG, batch, seq, FP32, smallest - 1).policies == ["offload"] * 3
+    with pytest.raises(ValueError, match="budget: .* is below the smallest plan's peak"):
         plan_remat(CONFIG, batch, seq, FP32, everything_offloaded - 1)
+
+
+def test_a_plan_is_priced_at_its_peak_not_at_what_it_keeps():
+    """A budget between what cheap everywhere keeps and its peak (kept + the largest layer
+    transient) does not take cheap everywhere: the plan that fits replays something, and fits with
+    its own transient; at cheap's peak, cheap everywhere fits."""
+    batch, seq = 2, 24
+    cheap = explain_policies(CONFIG, batch, seq, FP32, ["cheap"] * 3)
+    assert cheap.transient_bytes == batch * seq * layer_transient_bytes_per_token(CONFIG, "cheap", FP32) > 0
+    assert cheap.peak_bytes == cheap.predicted_bytes + cheap.transient_bytes
+    between = cheap.predicted_bytes + cheap.transient_bytes // 2
+    plan = plan_remat(CONFIG, batch, seq, FP32, between)
+    assert plan.policies != ["cheap"] * 3 and plan.extra_compute > 0
+    assert plan.predicted_bytes + plan.transient_bytes == plan.peak_bytes <= between
+    assert plan_remat(CONFIG, batch, seq, FP32, cheap.peak_bytes).policies == ["cheap"] * 3
+    named = plan_remat(CONFIG, batch, seq, FP32, between, candidates=("none", "cheap", "selective", "full"))
+    assert "cheap" in named.policies and named.policies != ["cheap"] * 3 and named.peak_bytes <= between
+
+
+@pytest.mark.parametrize("config", [CONFIG, LLAMA_LIKE], ids=["gpt", "llama"])
+@pytest.mark.parametrize("precision", [FP32, AUTOCAST_BF16], ids=["fp32", "autocast-bf16"])
+def test_a_layer_transient_is_its_peak_above_what_it_keeps(config, precision):
+    """What a layer's step holds above what it keeps is remat.peak_bytes_per_token less what it keeps
+    on the device (its output y counted there, its input x here, the same bytes), and for offload,
+    which keeps nothing on the device, the layer input prefetched besides; the plan's peak adds the
+    largest of its layers' to what they keep."""
+    widths = block_widths(config.dim, config.n_heads, config.n_kv_heads, config.ffn_dim, config.norm,
+                          config.activation)
+    r, c = precision.residual_bytes, precision.compute_bytes
+
+    def transient(point):
+        return layer_transient_bytes_per_token(config, point, precision)
+
+    for point in (*Remat, *budget_points()):
+        kept = kept_bytes_per_token(point, widths, r, c)
+        host = kept_bytes_per_token(point, widths, r, c, "host")
+        assert transient(point) == peak_bytes_per_token(point, widths, r, c) - kept + host >= 0, point
+    assert transient("offload") == transient("full") + 2 * config.dim * r
+    plan = explain_policies(config, 2, 8, precision, ["offload", "full"] + ["cheap"] * (config.n_layers - 2))
+    assert plan.layer_transient_bytes[:2] == [16 * transient("offload"), 16 * transient("full")]
+    assert plan.peak_bytes == plan.predicted_bytes + 16 * max(transient("offload"), transient("cheap"))
+
+
+def test_gpt2_layer_transients_in_fp32():
+    """GPT-2's shapes (F = 4h) in fp32: none holds nothing beyond what it keeps, cheap the
+    activation's input gradient, full besides that what cheap keeps beyond x (replayed)."""
+    config = preset("gpt2-small")
+    widths = block_widths(config.dim, config.n_heads, config.n_kv_heads, config.ffn_dim, config.norm,
+                          config.activation)
+    transient = {p: layer_transient_bytes_per_token(config, p, FP32) for p in ("none", "cheap", "full")}
+    assert transient["none"] == 0
+    assert transient["cheap"] == 4 * widths["pre_activation"] == 4 * 4 * config.dim
+    assert transient["full"] == transient["cheap"] + kept_bytes_per_token("cheap", widths, 4, 4) - 4 * config.dim
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -183,39 +241,46 @@ def test_plan_is_optimal_against_brute_force(seed):
     batch, seq = 1, 4096
     costs = {"none": 0.0, "cheap": torch.rand((), generator=generator).item() * 0.05, "full": 0.3}
     bytes_of = {p: layer_bytes_per_token(config, p, AUTOCAST_BF16) * batch * seq for p in ("none", "cheap", "full")}
+    transient = {p: layer_transient_bytes_per_token(config, p, AUTOCAST_BF16) * batch * seq for p in bytes_of}
     head = explain_policies(config, batch, seq, AUTOCAST_BF16, []).fixed_bytes
-    for budget in (head + 6 * bytes_of["full"], head + 3 * bytes_of["cheap"] + 3 * bytes_of["full"],
-                   head + 6 * bytes_of["cheap"] + 2 * (bytes_of["none"] - bytes_of["cheap"])):
+
+    def peak(assignment):
+        return head + sum(bytes_of[p] for p in assignment) + max(transient[p] for p in assignment)
+
+    for budget in (peak(["full"] * 6), peak(["cheap"] * 3 + ["full"] * 3), peak(["cheap"] * 3 + ["full"] * 3) - 1,
+                   peak(["cheap"] * 6), peak(["cheap"] * 6) + 2 * (bytes_of["none"] - bytes_of["cheap"])):
         plan = plan_remat(config, batch, seq, AUTOCAST_BF16, budget, costs=costs,
                           candidates=("none", "cheap", "full"))
         best = min(sum(costs[p] for p in assignment)
-                   for assignment in itertools.product(bytes_of, repeat=6)
-                   if head + sum(bytes_of[p] for p in assignment) <= budget)
+                   for assignment in itertools.product(bytes_of, repeat=6) if peak(assignment) <= budget)
         assert sum(plan.layer_extra) == pytest.approx(best)
-        assert plan.predicted_bytes <= budget
+        assert plan.peak_bytes == peak(plan.policies) <= budget
 
 
 def test_a_plan_per_layer_and_per_tensor_is_optimal_against_brute_force():
     """Every layer may take any keep-or-rebuild point (the FLOP model prices them all): the plan's
-    extra compute is the least over every assignment of points to the 3 layers within the budget."""
+    extra compute is the least over every assignment of points to the 3 layers whose peak (kept +
+    the largest layer transient) is within the budget."""
     config = preset("gpt2-small", n_layers=3)
     batch, seq = 1, 2048
     costs = flop_policy_costs(config, batch, seq, AUTOCAST_BF16)
     bytes_of = {p: layer_bytes_per_token(config, p, AUTOCAST_BF16) * batch * seq for p in costs}
+    transient = {p: layer_transient_bytes_per_token(config, p, AUTOCAST_BF16) * batch * seq for p in costs}
     head = explain_policies(config, batch, seq, AUTOCAST_BF16, []).fixed_bytes
-    cheap, full = bytes_of[Remat.CHEAP], bytes_of[Remat.FULL]
+    cheap = 3 * bytes_of[Remat.CHEAP] + transient[Remat.CHEAP]
+    full = 3 * bytes_of[Remat.FULL] + transient[Remat.FULL]
     totals = {}
     for assignment in itertools.combinations_with_replacement(costs, 3):
-        nbytes = sum(bytes_of[p] for p in assignment)
+        nbytes = sum(bytes_of[p] for p in assignment) + max(transient[p] for p in assignment)
         extra = sum(costs[p] for p in assignment)
         totals[nbytes] = min(extra, totals.get(nbytes, math.inf))
     points_used = set()
     for fraction in (0.1, 0.3, 0.45, 0.6, 0.8, 0.95):
-        budget = head + int(3 * (full + fraction * (cheap - full)))
+        budget = head + int(full + fraction * (cheap - full))
         plan = plan_remat(config, batch, seq, AUTOCAST_BF16, budget)
         best = min(extra for nbytes, extra in totals.items() if head + nbytes <= budget)
         assert sum(plan.layer_extra) == pytest.approx(best, rel=1e-9, abs=1e-12)
-        assert plan.predicted_bytes <= budget
+        assert plan.peak_bytes <= budget
         points_used.update(plan.policies)
     assert any(str(point).startswith("keep:") for point in points_used), "the per-tensor points are planned"
 
@@ -229,6 +294,8 @@ def test_plan_table_lists_every_layer():
     plan = plan_remat(CONFIG, 1, 64, AUTOCAST_BF16, budget=None)
     table = plan.table()
     assert table.count("cheap") == 3 and "total" in table and "FLOP model" in table
+    assert "transient" in table and "kept + the largest layer transient" in table
+    assert re.search(r"^ +peak +[\d,.]+ MiB", table, re.MULTILINE)
 
 
 @pytest.mark.gpu

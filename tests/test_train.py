@@ -17,13 +17,14 @@ import pytest
 import torch
 
 from fused_remat.training import checkpoint as checkpoints
-from fused_remat.training import cli, loop
+from fused_remat.training import capacity, cli, loop
 from fused_remat.training.checkpoint import CheckpointError, CheckpointWriteError, load_checkpoint, save_checkpoint
 from fused_remat.training.config import TrainConfig, parse_size
 from fused_remat.training.data import Batch
 from fused_remat.training.step import batch_loss
+from fused_remat.memory import saved_memory
 from fused_remat.model import LanguageModel, preset
-from fused_remat.planner import Precision, explain_policies
+from fused_remat.planner import Precision, explain_policies, layer_transient_bytes_per_token
 from fused_remat.remat import Remat
 
 UNIFORM_LOSS = math.log(256)
@@ -287,14 +288,18 @@ def test_bad_settings_give_a_clear_error(arguments, message, tmp_path, capsys):
 
 
 def test_remat_auto_prints_its_plan_and_trains(tmp_path, capsys):
+    """A byte budget just below cheap's peak (what it keeps + its transient; more than it keeps)
+    makes the planner replay more than cheap does, and the plan prints its peak."""
     fp32 = Precision(torch.float32, torch.float32)
-    one_full = explain_policies(preset("tiny"), 2, 32, fp32, ["full", "cheap"]).predicted_bytes
+    cheap = explain_policies(preset("tiny"), 2, 32, fp32, ["cheap", "cheap"])
+    budget = cheap.peak_bytes - 1
+    assert budget > cheap.predicted_bytes
     out = tmp_path / "run"
-    assert cli.main([*SHORT, "--steps", "1", "--remat", "auto", "--memory-budget", f"{one_full + 100}B",
+    assert cli.main([*SHORT, "--steps", "1", "--remat", "auto", "--memory-budget", f"{budget}B",
                        "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "remat plan" in printed and "budget" in printed
-    assert re.search(r"remat (full|keep:\S+) x1, (cheap|keep:\S+) x1", printed), "one layer replays more than the other"
+    assert "remat plan" in printed and "budget" in printed and "kept + the largest layer transient" in printed
+    assert re.search(r"remat (selective|full|keep:\S+) \(all layers\)", printed), "each layer replays"
 
 
 def test_a_memory_budget_fraction_lets_each_layer_choose_and_trains_the_same_bits(tmp_path, capsys):
@@ -395,6 +400,28 @@ def test_find_max_seq_len_on_cpu_ranks_the_policies(tmp_path, capsys, triton_bac
     printed = capsys.readouterr().out
     assert "longest trainable sequence" in printed
     assert "fused_remat full: probing" in printed and "tokens: fits (" in printed and "tokens: does not fit (" in printed
+
+
+def test_find_max_seq_len_on_cpu_counts_the_largest_layer_transient(triton_backend):
+    """On CPU a length fits when the saved bytes (the meter) plus the largest layer transient plus
+    16 bytes per parameter fit the budget: a budget that holds the saved bytes and the weights but
+    not the transient does not fit. Our block's transient is the formula's
+    (planner.layer_transient_bytes_per_token); the reference block's, which has none, is measured."""
+    config, fp32, seq = preset("tiny"), Precision(torch.float32, torch.float32), 64
+    probe = capacity.TrainStepProbe(config, "fused", "cheap", 1, fp32, torch.device("cpu"), None)
+    probe.model.set_remat(["full", "cheap"])
+    checkpointed = capacity.TrainStepProbe(config, "reference", "full", 1, fp32, torch.device("cpu"), None)
+    for each, transient in ((probe, seq * layer_transient_bytes_per_token(config, "full", fp32)),
+                            (checkpointed, checkpointed.largest_transient(seq))):
+        with saved_memory(exclude=each.model.parameters()) as meter:
+            each._loss(torch.randint(0, config.vocab_size, (1, seq + 1)))
+        saved = meter.device_bytes + config.n_layers * seq * config.dim * 4 * (each is checkpointed)  # its hidden x
+        assert each.largest_transient(seq) == transient > 0
+        fitting = saved + transient + 16 * each.parameters
+        for budget, fits in ((fitting, True), (fitting - 1, False), (fitting - transient // 2, False)):
+            each.budget = budget
+            assert each(seq) is fits, (each.model.block_impl, budget)
+    assert probe.largest_transient(seq) > seq * layer_transient_bytes_per_token(config, "cheap", fp32), "the largest"
 
 
 def _torchrun(strategy: str, out: Path, *extra: str) -> subprocess.CompletedProcess:

@@ -4,8 +4,15 @@ reference block eager and under torch.utils.checkpoint — "how much longer can 
 On a GPU a length fits when one full training step (forward, backward, AdamW update) at
 ``--batch-size`` runs without running out of CUDA memory; ``--memory-budget`` caps the memory
 the process may use, to ask the question for a smaller card. On CPU there is no allocator to
-exhaust, so a length fits when the bytes autograd keeps (the saved-memory meter) plus 16 bytes
-per parameter (fp32 weights, gradients, two AdamW moments) stay within ``--memory-budget``.
+exhaust, so a length fits when the step's predicted peak plus 16 bytes per parameter (fp32
+weights, gradients, two AdamW moments) stays within ``--memory-budget``: the bytes autograd keeps
+(the saved-memory meter) plus the largest transient among the model's layers at that length
+(``planner.layer_transient_bytes_per_token``, from ``remat.peak_bytes_per_token``: what one
+layer's step holds above what it keeps; the layers below it still hold theirs), as the planner
+prices a plan (``RematPlan.peak_bytes``). The reference block, eager or under
+torch.utils.checkpoint, has no such formula: its transient is measured instead, on a copy of one of
+its blocks at that length (the peak-memory meter's high-water mark of a forward and backward, less
+what the block keeps), so that checkpoint's replay counts as ours does.
 Lengths are searched by doubling, then bisection, in multiples of ``GRANULARITY``, to within
 1/64 of the answer (a probe at long lengths is a slow step), up to ``MAX_SEQ_LEN``.
 
@@ -23,6 +30,7 @@ attention output and gradients), which a GPU run would have to confirm.
 
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import time
@@ -30,9 +38,9 @@ from collections.abc import Callable
 
 import torch
 
-from ..memory import saved_memory
+from ..memory import peak_memory, saved_memory
 from ..model import LanguageModel, ModelConfig
-from ..planner import Precision, plan_remat
+from ..planner import Precision, layer_transient_bytes_per_token, plan_remat
 from .config import TrainConfig
 from .distributed import Distributed
 from .loop import describe_backend
@@ -129,6 +137,8 @@ class TrainStepProbe:
             return False
 
     def _saved_bytes_fit(self, tokens) -> bool:
+        """On CPU: the saved bytes (the meter) plus the largest layer transient plus 16 bytes per
+        parameter within the budget (the module docstring)."""
         with saved_memory(exclude=self.model.parameters()) as meter:
             loss = self._loss(tokens)
         del loss
@@ -138,7 +148,43 @@ class TrainStepProbe:
             # hooks of its own, which hide it from the meter's: count those inputs here.
             hidden = self.batch * (tokens.shape[1] - 1) * self.config.dim * self.precision.residual_bytes
             saved += hidden * self.model.remat.count("full")
-        return saved + 16 * self.parameters <= self.budget
+        transient = self.largest_transient(tokens.shape[1] - 1)
+        return saved + transient + 16 * self.parameters <= self.budget
+
+    def largest_transient(self, seq_len: int) -> int:
+        """The most bytes one layer's step holds above what it keeps, over the model's layers at
+        ``seq_len``: for our block the formula (``planner.layer_transient_bytes_per_token``), for
+        the reference block, which has none, measured (``_measured_transient``)."""
+        if self.model.block_impl == "reference":
+            one_per_policy = {block.remat: block for block in self.model.blocks}.values()
+            return max(self._measured_transient(block, seq_len) for block in one_per_policy)
+        return self.batch * seq_len * max(layer_transient_bytes_per_token(self.config, policy, self.precision)
+                                          for policy in self.model.remat)
+
+    def _measured_transient(self, block: torch.nn.Module, seq_len: int) -> int:
+        """One block's forward and backward (the gradient of its input only, on a frozen copy) at
+        ``seq_len``: the peak-memory meter's high-water mark, which counts the output y and not the
+        input x, less what the block keeps (the saved-memory meter; under torch.utils.checkpoint,
+        x, which its own hooks hide), as ``remat.peak_bytes_per_token`` less what a point keeps."""
+        block = copy.deepcopy(block).requires_grad_(False)
+        x = torch.randn(self.batch, seq_len, self.config.dim, device=self.device, dtype=self.precision.residual,
+                        requires_grad=True)
+        dy = torch.randn_like(x)
+        autocast = torch.autocast(self.device.type, dtype=self.precision.compute,
+                                  enabled=self.precision.compute != self.precision.residual)
+
+        def step():
+            with autocast:
+                y = block(x)
+            torch.autograd.grad(y, x, dy)
+
+        step()  # warm
+        with saved_memory(exclude=block.parameters()) as saved, autocast:
+            block(x)
+        kept = saved.device_bytes + (x.numel() * x.element_size() if block.remat == "full" else 0)
+        with peak_memory(self.device) as peak:
+            step()
+        return peak.peak_bytes - kept
 
 
 def _reporting(fits: Callable[[int], bool]) -> Callable[[int], bool]:
@@ -170,7 +216,8 @@ def find_max_seq_len(config: TrainConfig, run: Distributed) -> int:
     parallel = config.context_parallel
     granularity = GRANULARITY[device.type] * parallel  # a multiple of 2N: every rank holds two equal chunks
     criterion = ("one training step without CUDA out-of-memory" if device.type == "cuda"
-                 else "saved activations (meter) + 16 B/parameter within --memory-budget")
+                 else "saved activations (meter) + the largest layer transient (remat.peak_bytes_per_token; "
+                      "the reference block's measured) + 16 B/parameter within --memory-budget")
     candidates = CANDIDATES
     if parallel > 1:
         criterion += f", per rank of --context-parallel {parallel} (one process at seq_len / {parallel})"

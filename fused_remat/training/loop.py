@@ -85,8 +85,8 @@ def resolve_remat(config: TrainConfig, model_config: ModelConfig, device: torch.
 
 def default_activation_budget(model_config: ModelConfig, device: torch.device, shards: int = 1) -> int:
     """On a GPU: free memory, less fp32 weights, gradients and two AdamW moments (16 bytes per
-    parameter, split over ``shards`` processes under FSDP), less 10% for the allocator and the
-    transient buffers of one layer's backward."""
+    parameter, split over ``shards`` processes under FSDP), less 10% for the allocator and what the
+    planner's peak leaves out (the loss's chunk of logits; it counts the largest layer transient)."""
     if device.type != "cuda":
         raise ValueError("--remat auto on CPU needs --memory-budget (there is no device memory to measure)")
     free, _ = torch.cuda.mem_get_info(device)
