@@ -226,7 +226,7 @@ class _Activations:
             tensor = getattr(self, name)
             setattr(self, name, None)
             if tensor is not None and name in self.owned:
-                tensor.untyped_storage().resize_(0)  # as _free does
+                tensor.untyped_storage().resize_(0)  # _free, inline: this runs for every activation
 
     def take(self, name: str) -> torch.Tensor | None:
         """The activation ``name`` as a buffer to write over (the caller frees it when done), or
@@ -735,22 +735,23 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, seqs: 
         grads[f"{linear}.weight"] = _weight_grad(needs[f"{linear}.weight"], grad_out, inputs, named[f"{linear}.weight"])
         adapter_grads.extend(w.adapter_grads(linear, grad_out, inputs))
 
-    def linear_and_norm_backward(linear: str, weight: torch.Tensor, grad_out: torch.Tensor, norm: str,
-                                 norm_input: torch.Tensor, output: str, residual_grad: torch.Tensor) -> torch.Tensor:
-        """Back through a linear layer and the norm whose output it reads: the layer's weight
-        gradients, and the norm's input gradient plus ``residual_grad``, returned. ``grad_out``,
-        the layer's output gradient, is freed after its last use; so are the norm's statistics."""
+    def linear_and_norm_backward(linear: str, weight: torch.Tensor, grad_out: torch.Tensor, n: int,
+                                 norm_input: torch.Tensor, residual_grad: torch.Tensor) -> torch.Tensor:
+        """Back through a linear layer and norm ``n`` (1 or 2), whose output y{n} it reads: the
+        layer's weight gradients, and the norm's input gradient plus ``residual_grad``, returned.
+        ``grad_out``, the layer's output gradient, is freed after its last use; so are the norm's
+        statistics."""
+        output, norm = f"y{n}", f"norm{n}"
         kept = getattr(acts, output) is not None
         if kept:
             weight_grads(linear, grad_out, getattr(acts, output))
             acts.drop(output)
         d_output = w.input_grad(linear, grad_out, weight)
-        index = norm[-1]
         dx_norm, grads[f"{norm}.weight"], grads[f"{norm}.bias"], rebuilt = _norm_backward(
-            d_output, norm_input, getattr(w, norm), getattr(acts, f"mean{index}"), getattr(acts, f"rstd{index}"),
+            d_output, norm_input, getattr(w, norm), getattr(acts, f"mean{n}"), getattr(acts, f"rstd{n}"),
             residual_grad, not kept, g)
         del d_output
-        acts.drop(f"mean{index}", f"rstd{index}")
+        acts.drop(f"mean{n}", f"rstd{n}")
         if not kept:
             weight_grads(linear, grad_out, rebuilt)
         _free(grad_out)
@@ -769,7 +770,7 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, seqs: 
     del a, dz
 
     grads["fc1.bias"] = _bias_grad(needs["fc1.bias"], du, named["fc1.bias"])
-    dh = linear_and_norm_backward("fc1", w.fc1, du, "norm2", acts.h, "y2", dy)
+    dh = linear_and_norm_backward("fc1", w.fc1, du, 2, acts.h, dy)
     acts.drop("h")
     del du
 
@@ -800,7 +801,7 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, seqs: 
     acts.drop("qkv")
 
     grads["qkv.bias"] = _bias_grad(needs["qkv.bias"], dqkv, named["qkv.bias"])
-    grads["x"] = linear_and_norm_backward("qkv", w.qkv, dqkv, "norm1", x, "y1", dh)
+    grads["x"] = linear_and_norm_backward("qkv", w.qkv, dqkv, 1, x, dh)
     del dqkv
     grads = {name: grad for name, grad in grads.items() if name == "x" or needs[name]}
     grads["lora"] = [grad for _, pair in sorted(adapter_grads, key=lambda item: item[0]) for grad in pair]

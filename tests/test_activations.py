@@ -308,6 +308,11 @@ def test_empty_inputs_launch_nothing(shape, spies, device):
         (lambda a, b, buf: swiglu_bwd(a, a, a, dup=a[:1].expand(3, 5)), ValueError, "dup must be writable in place"),
         (lambda a, b, buf: swiglu_bwd(a, a, a, dgate=buf[:, :5].half()), TypeError, "dgate has dtype"),
         (lambda a, b, buf: gelu_fwd(a, approximate="erf"), ValueError, "approximate"),
+        (lambda a, b, buf: gelu_bwd(a, a, dx=b), ValueError, r"gelu_bwd: dx has shape \(3, 6\) but x has \(3, 5\)"),
+        (lambda a, b, buf: gelu_bwd(a, a, rebuild_output=True, y=buf[:, :5].half()), TypeError,
+         "gelu_bwd: y has dtype torch.float16 but x has"),
+        (lambda a, b, buf: swiglu_bwd(a, a, a, rebuild_output=True, y=buf[:, ::2]), ValueError,
+         "y must be writable in place"),
     ],
 )
 def test_launchers_reject_mismatched_arguments(call, error, match, device):
