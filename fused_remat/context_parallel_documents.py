@@ -1,0 +1,286 @@
+"""Context parallelism over packed documents: every document split over the ranks, attention within documents.
+
+Layout (per-document zigzag, as TransformerEngine's THD layout): the B x S tokens of a batch are one
+stream of documents (``cu_seqlens``, FlashAttention 2's offsets). Each document of n tokens is cut
+into 2W pieces, and rank r of W holds pieces r and 2W-1-r of every document, in document order.
+Causal work is then balanced per document, not only per row: the two pieces' prefixes add up to the
+same length on every rank. A document's n = 2W q + e tokens give each piece q, and e of them one
+more: the extra tokens go round the piece numbers from document to document (a running offset), so
+that every rank holds exactly (B x S) / W tokens (B x S divisible by 2W) whatever the lengths.
+Documents shorter than 2W tokens leave some pieces empty.
+
+Attention (the all-gather scheme Llama 3 trained its long-context stage with): each rank gathers
+every rank's k and v, then attends its own queries with ``attention_varlen``. Each local piece is
+one varlen sequence whose keys are its document's prefix up to the piece's end (from the window's
+left edge, with one); the kernel's bottom-right causal alignment then puts every query at its true
+position, masked tiles are skipped, and no key outside the query's document is seen. The prefixes
+of all local pieces are copied out of the gathered k and v once per call (``key_index``).
+
+Backward gathers k and v again (only the local q, k, v, o and lse are kept, as one process keeps),
+computes every piece's gradients with the varlen kernel (dK and dV unrounded, fp32), adds them into
+a buffer laid out as the gather was, and reduce-scatters it: each rank receives the sum for its own
+keys, rounded once.
+
+Costs, per rank and layer, for a batch of T = B x S tokens and Hkv key/value heads of width D: the
+gathered k and v (T x Hkv x D each) and their prefix copy (about T (1 + 1/(2W)) rows without a
+window) live during the attention call; forward moves (W-1)/W of 2 T Hkv D elements in, backward
+that again plus 2 T Hkv D fp32 elements through the reduce-scatter. With GQA's few k/v heads that is
+a small share of the activations; the ring (``context_parallel``) keeps 2 blocks instead, for dense
+rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from . import custom_ops
+from .flops import document_pairs
+from .kernels.limits import check_attention_args, check_window
+
+_OP = "document_attention"
+
+
+def _all_gather(output: torch.Tensor, local: torch.Tensor, group) -> None:
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(output, local, group=group)
+
+
+def _reduce_scatter(output: torch.Tensor, full: torch.Tensor, group) -> None:
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(output, full, group=group)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DocumentShards:
+    """One rank's share of a batch of packed documents (``shard_documents``): which tokens it holds,
+    their positions, and the varlen layout its attention runs with. Index tensors are on the
+    batch's device; sizes are plain ints."""
+
+    rank: int
+    world: int
+    total: int  # tokens in the whole batch
+    causal: bool
+    window: tuple[int, int]
+    global_index: torch.Tensor  # (total / world,) int64: the batch token each local token is
+    positions: torch.Tensor  # (total / world,) int64: each local token's position in its document
+    cu_seqlens_q: torch.Tensor  # (2 x documents + 1,) int32: the local pieces, in local order
+    cu_seqlens_k: torch.Tensor  # (2 x documents + 1,) int32: each piece's keys in the prefix layout
+    key_index: torch.Tensor  # (keys,) int64: the prefix layout's rows of the gathered buffer's k (v: + local)
+    first_keys: int  # the first pieces' keys: key_index[:first_keys] holds no row twice, nor does the rest
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def local(self) -> int:
+        return self.total // self.world
+
+    def shard(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """This rank's tokens of the whole batch ``x`` (``total`` along ``dim``), in local order."""
+        if x.shape[dim] != self.total:
+            raise ValueError(f"{_OP}: shard takes the whole batch ({self.total} tokens along dim {dim}), "
+                             f"got {x.shape[dim]}")
+        return x.index_select(dim, self.global_index.to(x.device))
+
+    def pairs(self) -> int:
+        """(query, key) pairs this rank's attention computes per head."""
+        return document_pairs(self.cu_seqlens_q, self.cu_seqlens_k, self.causal, self.window)
+
+
+def _piece_sizes(lengths: torch.Tensor, pieces: int) -> torch.Tensor:
+    """(documents, pieces) int64: each document's tokens over ``pieces`` pieces, the remainders
+    going round the piece numbers from one document to the next."""
+    base, extra = lengths // pieces, lengths % pieces
+    offset = (torch.cumsum(extra, 0) - extra) % pieces  # where each document's extra tokens start
+    k = torch.arange(pieces)
+    return base[:, None] + (((k[None, :] - offset[:, None]) % pieces) < extra[:, None]).long()
+
+
+def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The concatenation of arange(s, s + n) for each (s, n), int64."""
+    total = int(lengths.sum())
+    if total == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    ends = torch.cumsum(lengths, 0)
+    return torch.arange(total) - torch.repeat_interleave(ends - lengths - starts, lengths)
+
+
+def _offsets(lengths: torch.Tensor) -> torch.Tensor:
+    return torch.cat((torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0))).to(torch.int32)
+
+
+def shard_documents(cu_seqlens: torch.Tensor, world: int, rank: int, *, causal: bool = True,
+                    window: tuple[int, int] = (-1, -1)) -> DocumentShards:
+    """Rank ``rank``'s share of the documents that ``cu_seqlens`` packs (int32 offsets over the
+    batch's B x S tokens, FlashAttention 2's layout; the total divisible by 2 x ``world``), for
+    attention with ``causal`` and ``window`` (a causal window's left edge bounds the keys each piece
+    needs; a window to the right is not supported: the pieces' keys end where their queries do).
+    Reads the offsets on the host, once per batch."""
+    if not isinstance(world, int) or world < 1 or not isinstance(rank, int) or not 0 <= rank < world:
+        raise ValueError(f"{_OP}: rank must be in 0..world-1 for world >= 1, got rank {rank!r}, world {world!r}")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
+            or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{_OP}: cu_seqlens must be a 1-D int32 tensor of documents + 1 offsets, got "
+                         f"{cu_seqlens if not isinstance(cu_seqlens, torch.Tensor) else (cu_seqlens.dtype, tuple(cu_seqlens.shape))}")
+    left, right = check_window(_OP, window)
+    if right >= 0 and not (causal and right == 0):
+        raise ValueError(f"{_OP}: context parallelism over documents takes a window with no right edge "
+                         f"(causal, or right = -1 without causal), got window {window} with causal={causal}")
+    if not causal and left >= 0:
+        raise ValueError(f"{_OP}: context parallelism over documents takes a left window edge only with causal "
+                         f"attention, got window {window} with causal=False")
+    offsets = cu_seqlens.detach().to("cpu", torch.int64)
+    lengths = torch.diff(offsets)
+    total = int(offsets[-1])
+    if int(offsets[0]) != 0 or bool((lengths < 0).any()):
+        raise ValueError(f"{_OP}: cu_seqlens must start at 0 and not decrease, got {offsets.tolist()[:8]}...")
+    pieces = 2 * world
+    if total % pieces:
+        raise ValueError(f"{_OP}: the batch's {total} tokens must be divisible by 2 x the context-parallel size "
+                         f"({pieces}) so that every rank holds as many")
+    sizes = _piece_sizes(lengths, pieces)  # (documents, 2W)
+    piece_starts = torch.cumsum(sizes, 1) - sizes  # within each document
+    document_starts = offsets[:-1]
+
+    def held(r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rank r's pieces in local order, piece r of every document then piece 2W-1-r of every
+        document (one document: the dense zigzag layout): (document, start within it, size) each."""
+        chosen = torch.tensor([r, pieces - 1 - r])
+        return (document_starts.repeat(2), piece_starts[:, chosen].T.flatten(), sizes[:, chosen].T.flatten())
+
+    def batch_tokens(r: int) -> torch.Tensor:
+        documents, starts, counts = held(r)
+        return _ranges(documents + starts, counts)
+
+    # Where each batch token sits in the gathered buffer: rank r's k rows at r x 2L .. r x 2L + L - 1,
+    # its v rows the next L (all_gather of each rank's stacked (k, v), L local tokens).
+    local = total // world
+    gathered_row = torch.empty(total, dtype=torch.int64)
+    for r in range(world):
+        gathered_row[batch_tokens(r)] = torch.arange(local) + r * 2 * local
+    documents, starts, counts = held(rank)
+    full_lengths = lengths.repeat(2)
+    ends = starts + counts if causal else full_lengths
+    key_starts = torch.zeros_like(starts) if left < 0 else (starts - left).clamp(min=0)
+    key_starts = torch.where(counts > 0, key_starts, ends)  # an empty piece needs no keys
+    key_counts = ends - key_starts
+    device = cu_seqlens.device
+    return DocumentShards(
+        rank=rank, world=world, total=total, causal=bool(causal), window=(left, right),
+        global_index=batch_tokens(rank).to(device), positions=_ranges(starts, counts).to(device),
+        cu_seqlens_q=_offsets(counts).to(device), cu_seqlens_k=_offsets(key_counts).to(device),
+        key_index=gathered_row[_ranges(documents + key_starts, key_counts)].to(device),
+        first_keys=int(key_counts[:key_counts.numel() // 2].sum()),
+        max_seqlen_q=int(counts.max()), max_seqlen_k=int(key_counts.max()))
+
+
+def unshard_documents(parts: list[torch.Tensor], shards: list[DocumentShards], dim: int = 0) -> torch.Tensor:
+    """The whole batch from every rank's local part (``parts[r]`` and ``shards[r]`` from rank r)."""
+    full = parts[0].new_empty((*parts[0].shape[:dim], shards[0].total, *parts[0].shape[dim + 1:]))
+    for part, shard in zip(parts, shards):
+        full.index_copy_(dim, shard.global_index.to(part.device), part)
+    return full
+
+
+def _prefix_keys(k: torch.Tensor, v: torch.Tensor, shards: DocumentShards, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's k and v gathered (one collective), then laid out as the local pieces' key prefixes."""
+    gathered = k.new_empty((2 * shards.world * k.shape[0], *k.shape[1:]))
+    _all_gather(gathered, torch.cat((k, v)), group)
+    return gathered.index_select(0, shards.key_index), gathered.index_select(0, shards.key_index + k.shape[0])
+
+
+def _documents(shards: DocumentShards):
+    from .kernels.attention import Documents
+
+    return Documents(shards.cu_seqlens_q, shards.cu_seqlens_k, shards.max_seqlen_q, shards.max_seqlen_k)
+
+
+def document_attention_fwd(q, k, v, shards: DocumentShards, group, scale: float, softcap: float = 0.0, *, out=None):
+    """Forward (no autograd) on the local tokens q (L, Hq, D), k and v (L, Hkv, D) of ``shards``.
+    Returns (o (L, Hq, D) in q's dtype, ``out`` when given; lse (Hq, L) fp32)."""
+    from .kernels.attention import attention_fwd
+
+    k_prefix, v_prefix = _prefix_keys(k, v, shards, group)
+    return attention_fwd(q, k_prefix, v_prefix, shards.causal, scale, window=shards.window, softcap=softcap,
+                         documents=_documents(shards), out=out)
+
+
+def document_attention_bwd(do, q, k, v, o, lse, shards: DocumentShards, group, scale: float, softcap: float = 0.0):
+    """Gradients (dq, dk, dv) of document_attention_fwd, in the dtypes and shapes of q, k, v."""
+    from .kernels.attention import attention_bwd
+
+    k_prefix, v_prefix = _prefix_keys(k, v, shards, group)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk_prefix, dv_prefix = (torch.empty(t.shape, device=t.device, dtype=torch.float32) for t in (k_prefix, v_prefix))
+    attention_bwd(do, q, k_prefix, v_prefix, o, lse, shards.causal, scale, window=shards.window, softcap=softcap,
+                  documents=_documents(shards), out=(dq, dk_prefix, dv_prefix))
+    del k_prefix, v_prefix
+    # Back to the gathered layout. Within each half of the pieces (first pieces, then second) no key
+    # row repeats, so each index_add_ writes a row once: the sum's order is fixed, run after run.
+    local = k.shape[0]
+    full = torch.zeros((2 * shards.world * local, *k.shape[1:]), device=k.device, dtype=torch.float32)
+    for part in (slice(0, shards.first_keys), slice(shards.first_keys, None)):
+        rows = shards.key_index[part]
+        full.index_add_(0, rows, dk_prefix[part])
+        full.index_add_(0, rows + local, dv_prefix[part])
+    mine = full.new_empty((2 * local, *k.shape[1:]))
+    _reduce_scatter(mine, full, group)
+    return dq, mine[:local].to(k.dtype), mine[local:].to(v.dtype)
+
+
+@custom_ops.cached_forward_signature
+class _DocumentAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(q, k, v, shards, group, scale: float, softcap: float):
+        return document_attention_fwd(q, k, v, shards, group, scale, softcap)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, shards, group, scale, softcap = inputs
+        o, lse = output
+        # Everything kept for backward, in one place: the local q, k, v, o and lse, as one process's
+        # attention keeps. Backward gathers k and v again.
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.shards, ctx.group, ctx.scale, ctx.softcap = shards, group, scale, softcap
+        ctx.mark_non_differentiable(lse)
+
+    @staticmethod
+    def backward(ctx, do, _):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = document_attention_bwd(do, q, k, v, o, lse, ctx.shards, ctx.group, ctx.scale, ctx.softcap)
+        return custom_ops.first_order_only(_OP, dq, dk, dv, None, None, None, None)
+
+
+def check_group(op: str, shards: DocumentShards, group) -> None:
+    """``shards`` must be this rank's share for ``group``'s size."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if (shards.rank, shards.world) != (rank, world):
+        raise ValueError(f"{op}: the document shards are rank {shards.rank} of {shards.world}, but this process is "
+                         f"rank {rank} of the context-parallel group's {world}")
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shards: DocumentShards, group=None, *,
+                       scale: float | None = None, softcap: float = 0.0, return_lse: bool = False):
+    """Attention within documents over a batch split across the ranks of ``group`` (default: the
+    world) by ``shard_documents``, causal and window as the shards were made for.
+
+    Shapes (local, on every rank): q (L, Hq, D); k, v (L, Hkv, D), L = shards.local, the rank's
+    tokens in local order (``shards.shard`` of the whole batch). Returns the local o (L, Hq, D), and
+    with ``return_lse`` the log-sum-exp (Hq, L) fp32 (not differentiable). Equal to
+    ``attention_varlen`` of the whole batch with its ``cu_seqlens``, then sharded. Every rank of the
+    group calls it with its own shards of the same batch."""
+    if not isinstance(shards, DocumentShards):
+        raise TypeError(f"{_OP}: shards must be a DocumentShards (shard_documents), got {type(shards).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.shape[0] != shards.local:
+            raise ValueError(f"{_OP}: {name} must be (local tokens = {shards.local}, heads, head_dim), got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    scale = check_attention_args(_OP, *(t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)), scale)
+    group = dist.group.WORLD if group is None else group
+    check_group(_OP, shards, group)
+    o, lse = _DocumentAttention.apply(q, k, v, shards, group, scale, float(softcap))
+    return (o, lse) if return_lse else o
+
+
+__all__ = ["DocumentShards", "document_attention", "document_attention_bwd", "document_attention_fwd",
+           "shard_documents", "unshard_documents"]

@@ -1,0 +1,133 @@
+"""Context parallelism over packed documents on CPU: gloo ranks, the kernels in Triton's interpreter.
+
+Every rank builds the same whole batch from one seed, keeps its share (``shard_documents``), runs
+``document_attention`` and compares its local outputs and gradients with one process's
+``attention_varlen`` of the whole batch, sharded the same way.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fused_remat.context_parallel_documents import shard_documents, unshard_documents
+from test_context_parallel import run_ranks
+
+# Every size class: documents shorter than a piece (1, 2, 3 tokens), one longer than a rank's share,
+# and documents that cross the pieces' borders anywhere (lengths not divisible by 2W).
+MIXED = [1, 3, 29, 2, 13]  # 48 tokens: divisible by 2W for 2 and 3 ranks
+ONE_DOCUMENT = [48]
+
+
+def _offsets(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _documents_check(rank, world, lengths, q_heads, kv_heads, causal, window, softcap, dtype):
+    from numerics import FLOOR, error
+
+    import fused_remat
+    from fused_remat import reference
+    from fused_remat.context_parallel_documents import document_attention
+
+    gen = torch.Generator().manual_seed(4321)
+    total, head_dim = sum(lengths), 16
+    q, k, v, do = (torch.randn(total, heads, head_dim, generator=gen).to(dtype)
+                   for heads in (q_heads, kv_heads, kv_heads, q_heads))
+    cu = _offsets(lengths)
+    mask = dict(causal=causal, window=window, softcap=softcap)
+
+    def one_process(module, inputs):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        o, lse = module.attention_varlen(*leaves, cu, cu, max(lengths), max(lengths), return_lse=True, **mask)
+        o.backward(do.to(o.dtype))
+        return [o.detach(), lse, *(t.grad for t in leaves)]
+
+    same = one_process(fused_remat, (q, k, v))
+    exact = one_process(reference, (t.double() for t in (q, k, v)))
+
+    shards = shard_documents(cu, world, rank, causal=causal, window=window)
+    assert shards.local == total // world
+    local = [shards.shard(t).requires_grad_() for t in (q, k, v)]
+    o, lse = document_attention(*local, shards, softcap=softcap, return_lse=True)
+    o.backward(shards.shard(do))
+    ours = [o.detach(), lse, *(t.grad for t in local)]
+    for name, got, one, truth in zip(("o", "lse", "dq", "dk", "dv"), ours, same, exact):
+        dim = 1 if name == "lse" else 0
+        assert got.dtype == one.dtype, name
+        one, truth = shards.shard(one, dim), shards.shard(truth, dim)
+        if name in ("o", "lse", "dq") and window[0] < 0:
+            # Each local piece is its own varlen sequence whose keys start where its document does:
+            # the same keys in the same tiles as one process, so these are one process's bits.
+            assert torch.equal(got, one), name
+            continue
+        # dK and dV sum each piece's share over the ranks (fp32, rounded once) in another order than
+        # one process's kernel; under a window the pieces' keys start at its left edge, so the tiles
+        # differ too. Either way: as close to one process as one process is to the truth.
+        finite = torch.isfinite(truth)
+        assert torch.equal(finite, torch.isfinite(got)), name
+        scale = max(truth[finite].abs().max().item(), 1e-6)
+        bound = error(one[finite], truth[finite]) + FLOOR[dtype] * scale
+        assert error(got[finite], one[finite]) <= bound, f"{name}: {error(got[finite], one[finite]):.3e} > {bound:.3e}"
+
+
+@pytest.mark.parametrize("world, lengths, q_heads, kv_heads, causal, window, softcap, dtype", [
+    (2, MIXED, 2, 1, True, (-1, -1), 0.0, torch.float32),
+    (3, MIXED, 2, 2, True, (-1, -1), 0.0, torch.float16),
+    (3, MIXED, 4, 2, True, (5, 0), 0.0, torch.float32),
+    (2, ONE_DOCUMENT, 2, 1, True, (7, -1), 3.0, torch.float32),
+    (2, MIXED, 2, 1, False, (-1, -1), 0.0, torch.float32),
+])
+def test_document_attention_matches_one_process(world, lengths, q_heads, kv_heads, causal, window, softcap, dtype):
+    run_ranks(world, _documents_check, lengths, q_heads, kv_heads, causal, window, softcap, dtype)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_every_token_is_held_once_and_every_rank_holds_as_many(world):
+    lengths = [1, 3, 29, 2, 13, 0, 7, 1, 6]  # 62: padded below to a multiple of 2W
+    lengths.append(-sum(lengths) % (2 * world) + 2 * world)
+    cu = _offsets(lengths)
+    shards = [shard_documents(cu, world, r) for r in range(world)]
+    held = torch.cat([s.global_index for s in shards])
+    assert sorted(held.tolist()) == list(range(sum(lengths)))
+    assert {s.local for s in shards} == {sum(lengths) // world}
+    batch = torch.randn(sum(lengths), 3)
+    assert torch.equal(unshard_documents([s.shard(batch) for s in shards], shards), batch)
+    starts = cu[:-1].long()
+    document = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    for s in shards:  # each token's position is its offset in its own document
+        assert torch.equal(s.positions, s.global_index - starts[document[s.global_index]])
+
+
+def test_one_document_is_the_dense_zigzag_layout():
+    from fused_remat.context_parallel import zigzag_shard
+
+    tokens = torch.arange(48)
+    for rank in range(3):
+        shards = shard_documents(_offsets([48]), 3, rank)
+        assert torch.equal(shards.global_index, zigzag_shard(tokens[None], rank, 3)[0])
+
+
+def test_causal_work_is_balanced_over_the_ranks():
+    # the benchmark's mix at a real scale: many short documents, some long ones
+    lengths = [4096, 17, 900, 2500, 33, 1, 12000, 640, 70, 3000, 8, 5000, 260, 1200]
+    lengths.append(-sum(lengths) % 8)
+    cu = _offsets(lengths)
+    for world in (2, 4):
+        pairs = [shard_documents(cu, world, r).pairs() for r in range(world)]
+        one_process = shard_documents(cu, 1, 0).pairs()
+        assert sum(pairs) == one_process  # nothing masked is computed, nothing visible missed
+        assert max(pairs) <= 1.1 * min(pairs), pairs
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: shard_documents(_offsets([5, 6]), 2, 0), "divisible by 2 x the context-parallel size"),
+    (lambda: shard_documents(_offsets([8]), 2, 2), "rank must be in"),
+    (lambda: shard_documents(torch.tensor([0, 5, 3, 8], dtype=torch.int32), 2, 0), "not decrease"),
+    (lambda: shard_documents(_offsets([8]), 2, 0, causal=False, window=(2, 2)), "window"),
+    (lambda: shard_documents(_offsets([8]), 2, 0, causal=True, window=(2, 3)), "window"),
+    (lambda: shard_documents(torch.tensor([0.0, 8.0]), 2, 0), "cu_seqlens must be"),
+])
+def test_bad_layouts_are_refused_naming_the_argument(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
