@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 
 from . import backend, context_parallel, custom_ops, offload, reference
+from . import context_parallel_documents as cp_documents
 from .backend import autocast_dtype, requested_backend, use_triton
 from .flops import attention_op_flops, document_pairs, flop_formula, matmul_flops, visible_pairs
 from .kernels.limits import SUPPORTED_DTYPES
@@ -56,6 +57,10 @@ class _BlockCall:
     max_seqlen: int = 0  # the longest document when the tokens are packed documents, else 0
     scale: float = 0.0  # attention's softmax scale; 0 for head_dim ** -0.5
     qk_norm: bool = False  # RMSNorm of each q and k head before RoPE (Qwen3)
+    # documents under context parallelism (_Sequences.key_index): the longest piece's keys, and where
+    # the keys of the second pieces start in the key layout; 0 otherwise
+    max_seqlen_k: int = 0
+    first_keys: int = 0
     # low-rank adapters (LoRA), one (linear layer's index in _LINEARS, first output row, rows, dropout
     # seed, scale, dropout probability) each
     adapters: tuple[tuple[int, int, int, int, float, float], ...] = ()
@@ -82,7 +87,8 @@ class _BlockCall:
         floats (eps, softcap, scale), the rest, and the adapters as their integers and their scales; an
         operator's schema takes the policy by name."""
         sizes = [self.batch, self.seq, self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim,
-                 int(self.rms), int(self.causal), *self.window, self.max_seqlen, int(self.qk_norm)]
+                 int(self.rms), int(self.causal), *self.window, self.max_seqlen, int(self.qk_norm), self.max_seqlen_k,
+                 self.first_keys]
         return (sizes, [self.eps, self.softcap, self.scale], self.rope_theta, self.activation, self.remat.value,
                 self.compute_dtype, self.context_parallel, [n for a in self.adapters for n in a[:4]],
                 [x for a in self.adapters for x in a[4:]])
@@ -90,13 +96,14 @@ class _BlockCall:
     @classmethod
     def from_op_args(cls, sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
                      lora_scales) -> _BlockCall:
-        batch, seq, dim, n_heads, n_kv_heads, head_dim, ffn_dim, rms, causal, left, right, max_seqlen, qk_norm = sizes
+        (batch, seq, dim, n_heads, n_kv_heads, head_dim, ffn_dim, rms, causal, left, right, max_seqlen, qk_norm,
+         max_seqlen_k, first_keys) = sizes
         eps, softcap, scale = numbers
         adapters = tuple((*lora_layout[4 * i:4 * i + 4], *lora_scales[2 * i:2 * i + 2])
                          for i in range(len(lora_scales) // 2))
         return cls(batch, seq, dim, n_heads, n_kv_heads, head_dim, ffn_dim, bool(rms), activation, bool(causal), eps,
                    rope_theta, Remat(remat), compute_dtype, context_parallel, (left, right), softcap, max_seqlen, scale,
-                   bool(qk_norm), adapters)
+                   bool(qk_norm), max_seqlen_k, first_keys, adapters)
 
     def context_parallel_group(self):
         """The process group the sequence is split over, or None."""
@@ -260,11 +267,20 @@ class _Sequences:
     """Where the tokens' sequences and positions come from, besides the (B, N) shape: the documents
     packed in the B N tokens (int32 offsets, None: one sequence per row) and the RoPE positions
     ((B, N) ints, None: each row's or each document's own 0, 1, ...), and RoPE's inverse frequencies
-    ((head_dim / 2,) fp32, None: those of the block's rope_theta)."""
+    ((head_dim / 2,) fp32, None: those of the block's rope_theta). Under context parallelism over
+    documents (``DocumentShards``), cu_seqlens holds this rank's pieces, position_ids their tokens'
+    positions, and ``cu_seqlens_k`` and ``key_index`` the pieces' keys in every rank's k and v
+    gathered (``DocumentKeys``)."""
 
     cu_seqlens: torch.Tensor | None = None
     position_ids: torch.Tensor | None = None
     rope_inv_freq: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    key_index: torch.Tensor | None = None
+
+    def document_keys(self, g: _BlockCall, group) -> cp_documents.DocumentKeys:
+        return cp_documents.DocumentKeys(group.size(), g.causal, g.window, self.cu_seqlens, self.cu_seqlens_k,
+                                         self.key_index, g.first_keys, g.max_seqlen, g.max_seqlen_k)
 
     def rope_positions(self, g: _BlockCall) -> torch.Tensor | None:
         if self.position_ids is not None:
@@ -280,7 +296,9 @@ def _rope_qk_(qkv: torch.Tensor, g: _BlockCall, seqs: _Sequences, inverse: bool)
     if inv_freq is None:
         inv_freq = _inverse_frequencies(g.head_dim, g.rope_theta, qkv.device)
     group = g.context_parallel_group()
-    chunk_starts = None if group is None else list(context_parallel.local_chunk_starts(g.seq, group))
+    chunk_starts = None
+    if group is not None and seqs.key_index is None:  # the dense ring's zigzag rows; documents have positions
+        chunk_starts = list(context_parallel.local_chunk_starts(g.seq, group))
     custom_ops.direct.rope_qk_(qkv, inv_freq, g.batch, g.n_heads, g.n_kv_heads, inverse, chunk_starts,
                         seqs.rope_positions(g))
 
@@ -362,10 +380,21 @@ def _attend(attended: torch.Tensor, g: _BlockCall, seqs: _Sequences) -> tuple[to
         return custom_ops.direct.attention_packed_fwd(attended, g.batch, g.n_heads, g.n_kv_heads, *g.attention_mask,
                                                       seqs.cu_seqlens, g.max_seqlen)
     o = attended.new_empty(g.tokens, g.n_heads * g.head_dim)
+    if seqs.key_index is not None:
+        q, k, v = _token_major_qkv(attended, g)
+        _, lse = cp_documents.document_attention_fwd(q, k, v, seqs.document_keys(g, group), group, g.softmax_scale,
+                                                     g.softcap, out=o.view(g.tokens, g.n_heads, g.head_dim))
+        return o, lse
     _, lse = context_parallel.ring_attention_fwd(*custom_ops.split_heads(attended, g.batch, g.n_heads, g.n_kv_heads),
                                                  group, g.causal, g.softmax_scale,
                                                  out=custom_ops.token_major_heads(o, g.batch, g.n_heads))
     return o, lse
+
+
+def _token_major_qkv(qkv: torch.Tensor, g: _BlockCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (T, Hq, D), k and v (T, Hkv, D): views of a packed (T, (Hq + 2 Hkv) D) qkv buffer."""
+    heads = qkv.view(g.tokens, g.n_heads + 2 * g.n_kv_heads, g.head_dim)
+    return heads.split([g.n_heads, g.n_kv_heads, g.n_kv_heads], dim=1)
 
 
 def _forward_pass(x: torch.Tensor, w: _Weights, g: _BlockCall, seqs: _Sequences) -> tuple[_Activations, torch.Tensor]:
@@ -452,7 +481,8 @@ def _slots_kept(remat: Remat) -> list[bool]:
 
 @torch.library.custom_op("fused_remat::block_fwd", mutates_args=())
 def _block_fwd(x: torch.Tensor, cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | None,
-               rope_inv_freq: torch.Tensor | None, params: list[torch.Tensor], has_param: list[bool],
+               rope_inv_freq: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, key_index: torch.Tensor | None,
+               params: list[torch.Tensor], has_param: list[bool],
                lora: list[torch.Tensor], sizes: list[int], numbers: list[float], rope_theta: float | None,
                activation: str, remat: str, compute_dtype: torch.dtype, context_parallel: str, lora_layout: list[int],
                lora_scales: list[float]) -> list[torch.Tensor]:
@@ -460,10 +490,10 @@ def _block_fwd(x: torch.Tensor, cu_seqlens: torch.Tensor | None, position_ids: t
 
     ``params`` holds the block's parameters that exist (``has_param`` says which of _PARAMETERS);
     ``lora`` the adapters' (A, B) pairs in the order of ``_BlockCall.adapters``; ``cu_seqlens``,
-    ``position_ids`` and ``rope_inv_freq`` as in _Sequences."""
+    ``position_ids``, ``rope_inv_freq``, ``cu_seqlens_k`` and ``key_index`` as in _Sequences."""
     g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
                                 lora_scales)
-    return _filled(_block_forward(x, g, _Sequences(cu_seqlens, position_ids, rope_inv_freq),
+    return _filled(_block_forward(x, g, _Sequences(cu_seqlens, position_ids, rope_inv_freq, cu_seqlens_k, key_index),
                                   _with_absent(params, has_param), lora), x)
 
 
@@ -490,7 +520,7 @@ def _autocast_off(device_type: str):
 
 
 @_block_fwd.register_fake
-def _(x, cu_seqlens, position_ids, rope_inv_freq, params, has_param, lora, sizes, numbers, rope_theta, activation,
+def _(x, cu_seqlens, position_ids, rope_inv_freq, cu_seqlens_k, key_index, params, has_param, lora, sizes, numbers, rope_theta, activation,
       remat, compute_dtype, context_parallel, lora_layout, lora_scales):
     g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
                                 lora_scales)
@@ -513,7 +543,8 @@ def _kept_like(kept: Kept, g: _BlockCall, x: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("fused_remat::block_bwd", mutates_args=())
 def _block_bwd(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | None,
-               rope_inv_freq: torch.Tensor | None, kept: list[torch.Tensor], params: list[torch.Tensor],
+               rope_inv_freq: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, key_index: torch.Tensor | None,
+               kept: list[torch.Tensor], params: list[torch.Tensor],
                has_param: list[bool], needs: list[bool], lora: list[torch.Tensor], sizes: list[int],
                numbers: list[float], rope_theta: float | None, activation: str, remat: str, compute_dtype: torch.dtype,
                context_parallel: str, lora_layout: list[int], lora_scales: list[float]) -> list[torch.Tensor]:
@@ -521,7 +552,7 @@ def _block_bwd(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor | Non
     ``lora``] from dy (T, dim), x and the ``_SLOTS`` the forward returned."""
     g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
                                 lora_scales)
-    return _filled(_block_backward(dy, x, g, _Sequences(cu_seqlens, position_ids, rope_inv_freq), kept,
+    return _filled(_block_backward(dy, x, g, _Sequences(cu_seqlens, position_ids, rope_inv_freq, cu_seqlens_k, key_index), kept,
                                    _with_absent(params, has_param), _needed(has_param, needs), lora), x)
 
 
@@ -543,7 +574,7 @@ def _block_backward(dy: torch.Tensor, x: torch.Tensor, g: _BlockCall, seqs: _Seq
 
 
 @_block_bwd.register_fake
-def _(dy, x, cu_seqlens, position_ids, rope_inv_freq, kept, params, has_param, needs, lora, sizes, numbers, rope_theta,
+def _(dy, x, cu_seqlens, position_ids, rope_inv_freq, cu_seqlens_k, key_index, kept, params, has_param, needs, lora, sizes, numbers, rope_theta,
       activation, remat, compute_dtype, context_parallel, lora_layout, lora_scales):
     return [torch.empty_like(x), *(torch.empty_like(p) if need else x.new_empty(0) for p, need in zip(params, needs)),
             *(torch.empty_like(t) for t in lora)]
@@ -558,12 +589,12 @@ def _linear_shapes(g: _BlockCall) -> dict[str, tuple[int, int]]:
             "fc1": (g.dim, widths["pre_activation"]), "fc2": (widths["ffn"], g.dim)}
 
 
-def _attention_pairs(g: _BlockCall, cu_seqlens: torch.Tensor | None) -> int:
+def _attention_pairs(g: _BlockCall, cu_seqlens: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None = None) -> int:
     """(query, key) pairs per head this process computes, over all its sequences or documents: under
     context parallelism its share of the whole sequences', which the zigzag layout makes equal on
-    every rank."""
+    every rank (over documents: its pieces against their keys, ``cu_seqlens_k``)."""
     if cu_seqlens is not None:
-        return document_pairs(cu_seqlens, cu_seqlens, g.causal, g.window)
+        return document_pairs(cu_seqlens, cu_seqlens if cu_seqlens_k is None else cu_seqlens_k, g.causal, g.window)
     group = g.context_parallel_group()
     world = 1 if group is None else group.size()
     return g.batch * (visible_pairs(g.seq * world, g.seq * world, g.causal, g.window) // world)
@@ -584,7 +615,8 @@ def _adapter_flops(g: _BlockCall, lora, layers, backward: bool = False) -> int:
 _REPLAYED_BY = {"qkv": "qkv", "h": "out_proj", "u": "fc1"}
 
 
-def _forward_flops(g: _BlockCall, cu_seqlens: torch.Tensor | None, lora=(), replay: bool = False) -> int:
+def _forward_flops(g: _BlockCall, cu_seqlens: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, lora=(),
+                   replay: bool = False) -> int:
     """The forward's products; ``replay``: those of backward's replay, which runs a linear layer
     only for the tensor the point did not keep, and attention only where it kept neither its output
     nor its log-sum-exp (``_replay``)."""
@@ -595,19 +627,19 @@ def _forward_flops(g: _BlockCall, cu_seqlens: torch.Tensor | None, lora=(), repl
     linear = sum(matmul_flops(g.tokens, *_linear_shapes(g)[name]) for name in layers) + _adapter_flops(g, lora, layers)
     if replay and not g.remat.rebuilds("o"):
         return linear
-    return linear + attention_op_flops(1, g.n_heads, g.head_dim, _attention_pairs(g, cu_seqlens))
+    return linear + attention_op_flops(1, g.n_heads, g.head_dim, _attention_pairs(g, cu_seqlens, cu_seqlens_k))
 
 
 @flop_formula("block_fwd", get_raw=True)
-def _(x, cu_seqlens, position_ids, rope_inv_freq, params, has_param, lora, sizes, numbers, rope_theta, activation,
+def _(x, cu_seqlens, position_ids, rope_inv_freq, cu_seqlens_k, key_index, params, has_param, lora, sizes, numbers, rope_theta, activation,
       remat, compute_dtype, context_parallel, lora_layout, lora_scales, **_) -> int:
     g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
                                 lora_scales)
-    return _forward_flops(g, cu_seqlens, lora=lora)
+    return _forward_flops(g, cu_seqlens, cu_seqlens_k, lora=lora)
 
 
 @flop_formula("block_bwd", get_raw=True)
-def _(dy, x, cu_seqlens, position_ids, rope_inv_freq, kept, params, has_param, needs, lora, sizes, numbers, rope_theta,
+def _(dy, x, cu_seqlens, position_ids, rope_inv_freq, cu_seqlens_k, key_index, kept, params, has_param, needs, lora, sizes, numbers, rope_theta,
       activation, remat, compute_dtype, context_parallel, lora_layout, lora_scales, **_) -> int:
     g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
                                 lora_scales)
@@ -616,8 +648,8 @@ def _(dy, x, cu_seqlens, position_ids, rope_inv_freq, kept, params, has_param, n
     linear = sum(matmul_flops(g.tokens, *shape) * (1 + needed.get(f"{name}.weight", False))
                  for name, shape in _linear_shapes(g).items())
     linear += _adapter_flops(g, lora, _LINEARS, backward=True)
-    attention = attention_op_flops(1, g.n_heads, g.head_dim, _attention_pairs(g, cu_seqlens), backward=True)
-    return linear + attention + _forward_flops(g, cu_seqlens, lora=lora, replay=True)
+    attention = attention_op_flops(1, g.n_heads, g.head_dim, _attention_pairs(g, cu_seqlens, cu_seqlens_k), backward=True)
+    return linear + attention + _forward_flops(g, cu_seqlens, cu_seqlens_k, lora=lora, replay=True)
 
 
 def _needed(has_param, needs) -> dict[str, bool]:
@@ -631,31 +663,39 @@ def _with_absent(params, has_param) -> list[torch.Tensor | None]:
     return [next(given) if has else None for has in has_param]
 
 
+_SEQUENCE_FIELDS = len(fields(_Sequences))
+
+
+def _split_inputs(inputs) -> tuple[list, list, list]:
+    """(the _Sequences fields, the _PARAMETERS, the adapters' factors) of the Function's inputs after x and the call."""
+    params_end = _SEQUENCE_FIELDS + len(_PARAMETERS)
+    return list(inputs[:_SEQUENCE_FIELDS]), list(inputs[_SEQUENCE_FIELDS:params_end]), list(inputs[params_end:])
+
+
 @custom_ops.cached_forward_signature
 class _BlockFunction(torch.autograd.Function):
     """The block's autograd: the two custom operators above, and what is kept between them."""
 
     @staticmethod
-    def forward(x, g: _BlockCall, cu_seqlens, position_ids, rope_inv_freq, *tensors):
-        """``tensors``: the block's _PARAMETERS (None where absent), then each adapter's A and B."""
-        params, lora = tensors[:len(_PARAMETERS)], list(tensors[len(_PARAMETERS):])
+    def forward(x, g: _BlockCall, *inputs):
+        """``inputs``: the _Sequences fields, the block's _PARAMETERS (None where absent), then each
+        adapter's A and B."""
+        sequences, params, lora = _split_inputs(inputs)
         if not custom_ops.through_operators(x.device):
-            return tuple(_block_forward(x, g, _Sequences(cu_seqlens, position_ids, rope_inv_freq), list(params), lora))
+            return tuple(_block_forward(x, g, _Sequences(*sequences), list(params), lora))
         has_param = [p is not None for p in params]
-        return tuple(_block_fwd(x, cu_seqlens, position_ids, rope_inv_freq, [p for p in params if p is not None],
-                                has_param, lora, *g.op_args()))
+        return tuple(_block_fwd(x, *sequences, [p for p in params if p is not None], has_param, lora, *g.op_args()))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, g, cu_seqlens, position_ids, rope_inv_freq, *tensors = inputs
-        params, lora = tensors[:len(_PARAMETERS)], tensors[len(_PARAMETERS):]
+        x, g, *rest = inputs
+        sequences, params, lora = _split_inputs(rest)
         # Everything kept for backward, in one place: x (or, offloaded, its host copy), the policy's
         # activations (``remat.kept()``), the parameters as themselves (no copies; under autocast
         # backward casts them again), the adapters' factors likewise, and the documents' offsets and
         # positions where given (the model's inputs, shared by every layer), and RoPE's frequencies
         # where given.
         ctx.host_copy = offload.HostCopy(x) if g.remat.host_resident else None
-        sequences = (cu_seqlens, position_ids, rope_inv_freq)
         ctx.sequences = [t is not None for t in sequences]
         ctx.save_for_backward(x if ctx.host_copy is None else ctx.host_copy.host,
                               *[t for t in sequences if t is not None],
@@ -678,25 +718,26 @@ class _BlockFunction(torch.autograd.Function):
         if ctx.host_copy is not None:
             x = ctx.host_copy.fetch()
         saved = iter(saved)
-        cu_seqlens, position_ids, rope_inv_freq = [next(saved) if given else None for given in ctx.sequences]
+        sequences = [next(saved) if given else None for given in ctx.sequences]
         saved = list(saved)
         slots_kept = _slots_kept(g.remat)
         n_lora = 2 * len(g.adapters)
         kept_tensors = iter(saved[:sum(slots_kept)])
         params, lora = saved[sum(slots_kept):len(saved) - n_lora], saved[len(saved) - n_lora:]
         kept = [next(kept_tensors) if keeps else None for keeps in slots_kept]
-        needs_params = ctx.needs_input_grad[5:5 + len(_PARAMETERS)]
+        first_param = 2 + _SEQUENCE_FIELDS
+        needs_params = ctx.needs_input_grad[first_param:first_param + len(_PARAMETERS)]
         needs = [need for need, has in zip(needs_params, ctx.has_param) if has]
         if custom_ops.through_operators(dy.device):
-            dx, *grads = _block_bwd(dy, x, cu_seqlens, position_ids, rope_inv_freq, _filled(kept, x), params,
+            dx, *grads = _block_bwd(dy, x, *sequences, _filled(kept, x), params,
                                     ctx.has_param, needs, lora, *g.op_args())
         else:
-            dx, *grads = _block_backward(dy, x, g, _Sequences(cu_seqlens, position_ids, rope_inv_freq), kept,
+            dx, *grads = _block_backward(dy, x, g, _Sequences(*sequences), kept,
                                          _with_absent(params, ctx.has_param), _needed(ctx.has_param, needs), lora,
                                          _owned_kept(ctx.kept_addresses, kept))
         dparams = iter([d if need else None for d, need in zip(grads[:len(needs)], needs)])
-        dlora = [d if need else None for d, need in zip(grads[len(needs):], ctx.needs_input_grad[5 + len(_PARAMETERS):])]
-        return custom_ops.first_order_only(_OP, dx, None, None, None, None,
+        dlora = [d if need else None for d, need in zip(grads[len(needs):], ctx.needs_input_grad[first_param + len(_PARAMETERS):])]
+        return custom_ops.first_order_only(_OP, dx, None, *[None] * _SEQUENCE_FIELDS,
                                            *[next(dparams) if has else None for has in ctx.has_param], *dlora)
 
 
@@ -783,6 +824,12 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, seqs: 
         dqkv = custom_ops.direct.attention_packed_bwd(w.input_grad("out_proj", d_attn, w.out), attended, acts.o, acts.lse,
                                                       g.batch, g.n_heads, g.n_kv_heads, *g.attention_mask,
                                                       seqs.cu_seqlens, g.max_seqlen)
+    elif seqs.key_index is not None:
+        dqkv = torch.empty_like(acts.qkv)
+        heads = (g.tokens, g.n_heads, g.head_dim)
+        cp_documents.document_attention_bwd(
+            w.input_grad("out_proj", d_attn, w.out).view(heads), *_token_major_qkv(attended, g), acts.o.view(heads),
+            acts.lse, seqs.document_keys(g, group), group, g.softmax_scale, g.softcap, out=_token_major_qkv(dqkv, g))
     else:
         dqkv = torch.empty_like(acts.qkv)
         grads_qkv = context_parallel.ring_attention_bwd(
@@ -934,29 +981,45 @@ class TransformerBlock(reference.TransformerBlock):
 
     def forward(self, x: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
                 position_ids: torch.Tensor | None = None, rope_inv_freq: torch.Tensor | None = None,
-                adapters=None) -> torch.Tensor:
+                adapters=None, documents: cp_documents.DocumentShards | None = None) -> torch.Tensor:
         """x (B, N, dim) -> (B, N, dim); ``cu_seqlens``, ``max_seqlen``, ``position_ids``,
         ``rope_inv_freq`` and ``adapters`` as the reference block's (documents packed in the B N
         tokens, RoPE's positions and frequencies, LoRA terms). An adapter's input (the norm or
         activation output a policy does not keep) is the one its layer's weight gradient uses, so
         adapters keep nothing more: their products are recomputed in backward (rank r: a few
-        percent of the layer's)."""
+        percent of the layer's).
+
+        Under context parallelism (``context_parallel`` set), x is this rank's share of the
+        sequences: its two zigzag chunks of each row (``fused_remat.context_parallel``), or with
+        ``documents`` (``shard_documents`` of the whole batch's ``cu_seqlens``, made for this block's
+        causal and window) its pieces of every packed document, B x N of them in local order; the
+        documents then give the positions and masks, so ``cu_seqlens``, ``max_seqlen`` and
+        ``position_ids`` are not given."""
         self._check_input(x)
-        max_seqlen = self._check_sequences(x, cu_seqlens, max_seqlen, position_ids, rope_inv_freq)
+        keys = None
+        if documents is not None:
+            keys = self._document_keys(x, documents, cu_seqlens, max_seqlen, position_ids)
+            cu_seqlens, position_ids = keys.cu_seqlens_q, documents.positions.view(x.shape[:2])
+            max_seqlen = self._check_sequences(x, None, None, None, rope_inv_freq) or keys.max_seqlen_q
+        else:
+            max_seqlen = self._check_sequences(x, cu_seqlens, max_seqlen, position_ids, rope_inv_freq)
         if adapters:
             adapters = reference.check_adapters(_OP, adapters, {name: getattr(self, name) for name in reference.LINEARS})
         else:
             adapters = ()
-        if self.context_parallel is not None and (cu_seqlens is not None or position_ids is not None
-                                                  or rope_inv_freq is not None or self.window != (-1, -1)
-                                                  or self.softcap):
-            raise ValueError(f"{_OP}: context parallelism runs the causal ring only: documents (cu_seqlens), "
-                             "position_ids, rope_inv_freq, a window and a softcap are not supported with it")
+        if self.context_parallel is not None and keys is None and (
+                cu_seqlens is not None or position_ids is not None or rope_inv_freq is not None
+                or self.window != (-1, -1) or self.softcap):
+            raise ValueError(f"{_OP}: context parallelism over whole rows runs the causal ring only: position_ids, "
+                             "rope_inv_freq, a window and a softcap are not supported with it, and documents are "
+                             "given as documents=shard_documents(...) (fused_remat.context_parallel_documents), "
+                             "not cu_seqlens")
         if self.context_parallel is not None:
             if backend.graph_capturing():
                 raise RuntimeError(f"{_OP}: context parallelism's ring communication cannot be captured in a CUDA "
                                    "graph; run this block without graphs")
-            context_parallel.check_local_sequence(_OP, x.shape[1], self.context_parallel)
+            if keys is None:
+                context_parallel.check_local_sequence(_OP, x.shape[1], self.context_parallel)
             if not use_triton(_OP, x.device):
                 raise RuntimeError(f"{_OP}: context parallelism runs the Triton kernels only (CUDA, or the interpreter "
                                    f"with TRITON_INTERPRET=1 on CPU); this call would use the reference block")
@@ -975,11 +1038,14 @@ class TransformerBlock(reference.TransformerBlock):
             remat=self._call_remat(x, max_seqlen, compute_dtype), compute_dtype=compute_dtype,
             context_parallel="" if self.context_parallel is None else self.context_parallel.group_name,
             window=self.window, softcap=self.softcap, max_seqlen=max_seqlen, scale=self.attention_scale or 0.0,
-            qk_norm=self.q_norm is not None,
+            qk_norm=self.q_norm is not None, max_seqlen_k=0 if keys is None else keys.max_seqlen_k,
+            first_keys=0 if keys is None else keys.first_keys,
             adapters=tuple((_LINEARS.index(a.linear), a.first_row, a.b.shape[0], a.seed, float(a.scale), float(a.dropout))
                            for a in adapters),
         )
-        inputs = (x.reshape(call.tokens, self.dim).contiguous(), call, cu_seqlens, position_ids, rope_inv_freq, *params,
+        sequences = _Sequences(cu_seqlens, position_ids, rope_inv_freq, *(() if keys is None else (keys.cu_seqlens_k,
+                                                                                                   keys.key_index)))
+        inputs = (x.reshape(call.tokens, self.dim).contiguous(), call, *vars(sequences).values(), *params,
                   *[t for a in adapters for t in (a.a, a.b)])
         if call.remat.host_resident:
             if backend.graph_capturing():
@@ -990,6 +1056,28 @@ class TransformerBlock(reference.TransformerBlock):
         else:
             y, *_ = custom_ops.apply(_BlockFunction, x.device, *inputs)
         return y.view(x.shape)
+
+    def _document_keys(self, x, documents, cu_seqlens, max_seqlen, position_ids) -> cp_documents.DocumentKeys:
+        """``documents.keys`` after checking that they fit this call: context parallelism on, this
+        rank's share of x's size, made for this block's mask, and no other word on the sequences."""
+        if not isinstance(documents, cp_documents.DocumentShards):
+            raise TypeError(f"{_OP}: documents must be a DocumentShards (shard_documents), got {type(documents).__name__}")
+        if self.context_parallel is None:
+            raise ValueError(f"{_OP}: documents (a DocumentShards) split documents over context-parallel ranks; set "
+                             "the block's context_parallel group, or pass cu_seqlens for one process")
+        if cu_seqlens is not None or max_seqlen is not None or position_ids is not None:
+            raise ValueError(f"{_OP}: documents gives the sequences and positions; cu_seqlens, max_seqlen and "
+                             "position_ids are not given with it")
+        cp_documents.check_group(_OP, documents, self.context_parallel)
+        if x.shape[0] * x.shape[1] != documents.local:
+            raise ValueError(f"{_OP}: x holds {x.shape[0] * x.shape[1]} tokens, but this rank's documents hold "
+                             f"{documents.local}")
+        keys = documents.keys
+        if (keys.causal, keys.window) != (self.causal, tuple(self.window)):
+            raise ValueError(f"{_OP}: documents were sharded for causal={keys.causal}, window={keys.window}, but the "
+                             f"block attends with causal={self.causal}, window={tuple(self.window)}; pass the block's "
+                             "to shard_documents")
+        return keys
 
     def _check_input(self, x) -> None:
         if not isinstance(x, torch.Tensor):

@@ -52,24 +52,41 @@ def _reduce_scatter(output: torch.Tensor, full: torch.Tensor, group) -> None:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class DocumentShards:
-    """One rank's share of a batch of packed documents (``shard_documents``): which tokens it holds,
-    their positions, and the varlen layout its attention runs with. Index tensors are on the
-    batch's device; sizes are plain ints."""
+class DocumentKeys:
+    """What one rank's attention over its pieces needs (``DocumentShards.keys``): the varlen layout
+    of its pieces and of their keys in the gathered k and v. Index tensors are on the batch's
+    device; sizes are plain ints."""
 
-    rank: int
     world: int
-    total: int  # tokens in the whole batch
     causal: bool
     window: tuple[int, int]
-    global_index: torch.Tensor  # (total / world,) int64: the batch token each local token is
-    positions: torch.Tensor  # (total / world,) int64: each local token's position in its document
     cu_seqlens_q: torch.Tensor  # (2 x documents + 1,) int32: the local pieces, in local order
     cu_seqlens_k: torch.Tensor  # (2 x documents + 1,) int32: each piece's keys in the prefix layout
     key_index: torch.Tensor  # (keys,) int64: the prefix layout's rows of the gathered buffer's k (v: + local)
     first_keys: int  # the first pieces' keys: key_index[:first_keys] holds no row twice, nor does the rest
     max_seqlen_q: int
     max_seqlen_k: int
+
+    def pairs(self) -> int:
+        """(query, key) pairs this rank's attention computes per head."""
+        return document_pairs(self.cu_seqlens_q, self.cu_seqlens_k, self.causal, self.window)
+
+    def to(self, device) -> DocumentKeys:
+        return dataclasses.replace(self, cu_seqlens_q=self.cu_seqlens_q.to(device),
+                                   cu_seqlens_k=self.cu_seqlens_k.to(device), key_index=self.key_index.to(device))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DocumentShards:
+    """One rank's share of a batch of packed documents (``shard_documents``): which tokens it holds,
+    their positions in their documents (RoPE's), and its attention's layout (``keys``)."""
+
+    rank: int
+    world: int
+    total: int  # tokens in the whole batch
+    global_index: torch.Tensor  # (total / world,) int64: the batch token each local token is
+    positions: torch.Tensor  # (total / world,) int64: each local token's position in its document
+    keys: DocumentKeys
 
     @property
     def local(self) -> int:
@@ -82,9 +99,9 @@ class DocumentShards:
                              f"got {x.shape[dim]}")
         return x.index_select(dim, self.global_index.to(x.device))
 
-    def pairs(self) -> int:
-        """(query, key) pairs this rank's attention computes per head."""
-        return document_pairs(self.cu_seqlens_q, self.cu_seqlens_k, self.causal, self.window)
+    def to(self, device) -> DocumentShards:
+        return dataclasses.replace(self, global_index=self.global_index.to(device),
+                                   positions=self.positions.to(device), keys=self.keys.to(device))
 
 
 def _piece_sizes(lengths: torch.Tensor, pieces: int) -> torch.Tensor:
@@ -165,13 +182,14 @@ def shard_documents(cu_seqlens: torch.Tensor, world: int, rank: int, *, causal: 
     key_starts = torch.where(counts > 0, key_starts, ends)  # an empty piece needs no keys
     key_counts = ends - key_starts
     device = cu_seqlens.device
-    return DocumentShards(
-        rank=rank, world=world, total=total, causal=bool(causal), window=(left, right),
-        global_index=batch_tokens(rank).to(device), positions=_ranges(starts, counts).to(device),
-        cu_seqlens_q=_offsets(counts).to(device), cu_seqlens_k=_offsets(key_counts).to(device),
+    keys = DocumentKeys(
+        world=world, causal=bool(causal), window=(left, right), cu_seqlens_q=_offsets(counts).to(device),
+        cu_seqlens_k=_offsets(key_counts).to(device),
         key_index=gathered_row[_ranges(documents + key_starts, key_counts)].to(device),
-        first_keys=int(key_counts[:key_counts.numel() // 2].sum()),
-        max_seqlen_q=int(counts.max()), max_seqlen_k=int(key_counts.max()))
+        first_keys=int(key_counts[:key_counts.numel() // 2].sum()), max_seqlen_q=int(counts.max()),
+        max_seqlen_k=int(key_counts.max()))
+    return DocumentShards(rank=rank, world=world, total=total, global_index=batch_tokens(rank).to(device),
+                          positions=_ranges(starts, counts).to(device), keys=keys)
 
 
 def unshard_documents(parts: list[torch.Tensor], shards: list[DocumentShards], dim: int = 0) -> torch.Tensor:
@@ -182,57 +200,61 @@ def unshard_documents(parts: list[torch.Tensor], shards: list[DocumentShards], d
     return full
 
 
-def _prefix_keys(k: torch.Tensor, v: torch.Tensor, shards: DocumentShards, group) -> tuple[torch.Tensor, torch.Tensor]:
+def _prefix_keys(k: torch.Tensor, v: torch.Tensor, keys: DocumentKeys, group) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's k and v gathered (one collective), then laid out as the local pieces' key prefixes."""
-    gathered = k.new_empty((2 * shards.world * k.shape[0], *k.shape[1:]))
+    gathered = k.new_empty((2 * keys.world * k.shape[0], *k.shape[1:]))
     _all_gather(gathered, torch.cat((k, v)), group)
-    return gathered.index_select(0, shards.key_index), gathered.index_select(0, shards.key_index + k.shape[0])
+    return gathered.index_select(0, keys.key_index), gathered.index_select(0, keys.key_index + k.shape[0])
 
 
-def _documents(shards: DocumentShards):
+def _documents(keys: DocumentKeys):
     from .kernels.attention import Documents
 
-    return Documents(shards.cu_seqlens_q, shards.cu_seqlens_k, shards.max_seqlen_q, shards.max_seqlen_k)
+    return Documents(keys.cu_seqlens_q, keys.cu_seqlens_k, keys.max_seqlen_q, keys.max_seqlen_k)
 
 
-def document_attention_fwd(q, k, v, shards: DocumentShards, group, scale: float, softcap: float = 0.0, *, out=None):
-    """Forward (no autograd) on the local tokens q (L, Hq, D), k and v (L, Hkv, D) of ``shards``.
+def document_attention_fwd(q, k, v, keys: DocumentKeys, group, scale: float, softcap: float = 0.0, *, out=None):
+    """Forward (no autograd) on a rank's local tokens q (L, Hq, D), k and v (L, Hkv, D) (``keys``: its
+    ``DocumentShards.keys``).
     Returns (o (L, Hq, D) in q's dtype, ``out`` when given; lse (Hq, L) fp32)."""
     from .kernels.attention import attention_fwd
 
-    k_prefix, v_prefix = _prefix_keys(k, v, shards, group)
-    return attention_fwd(q, k_prefix, v_prefix, shards.causal, scale, window=shards.window, softcap=softcap,
-                         documents=_documents(shards), out=out)
+    k_prefix, v_prefix = _prefix_keys(k, v, keys, group)
+    return attention_fwd(q, k_prefix, v_prefix, keys.causal, scale, window=keys.window, softcap=softcap,
+                         documents=_documents(keys), out=out)
 
 
-def document_attention_bwd(do, q, k, v, o, lse, shards: DocumentShards, group, scale: float, softcap: float = 0.0):
+def document_attention_bwd(do, q, k, v, o, lse, keys: DocumentKeys, group, scale: float, softcap: float = 0.0, *,
+                           out=None):
     """Gradients (dq, dk, dv) of document_attention_fwd, in the dtypes and shapes of q, k, v."""
     from .kernels.attention import attention_bwd
 
-    k_prefix, v_prefix = _prefix_keys(k, v, shards, group)
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    k_prefix, v_prefix = _prefix_keys(k, v, keys, group)
+    dq, dk, dv = out or (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     dk_prefix, dv_prefix = (torch.empty(t.shape, device=t.device, dtype=torch.float32) for t in (k_prefix, v_prefix))
-    attention_bwd(do, q, k_prefix, v_prefix, o, lse, shards.causal, scale, window=shards.window, softcap=softcap,
-                  documents=_documents(shards), out=(dq, dk_prefix, dv_prefix))
+    attention_bwd(do, q, k_prefix, v_prefix, o, lse, keys.causal, scale, window=keys.window, softcap=softcap,
+                  documents=_documents(keys), out=(dq, dk_prefix, dv_prefix))
     del k_prefix, v_prefix
     # Back to the gathered layout. Within each half of the pieces (first pieces, then second) no key
     # row repeats, so each index_add_ writes a row once: the sum's order is fixed, run after run.
     local = k.shape[0]
-    full = torch.zeros((2 * shards.world * local, *k.shape[1:]), device=k.device, dtype=torch.float32)
-    for part in (slice(0, shards.first_keys), slice(shards.first_keys, None)):
-        rows = shards.key_index[part]
+    full = torch.zeros((2 * keys.world * local, *k.shape[1:]), device=k.device, dtype=torch.float32)
+    for part in (slice(0, keys.first_keys), slice(keys.first_keys, None)):
+        rows = keys.key_index[part]
         full.index_add_(0, rows, dk_prefix[part])
         full.index_add_(0, rows + local, dv_prefix[part])
     mine = full.new_empty((2 * local, *k.shape[1:]))
     _reduce_scatter(mine, full, group)
-    return dq, mine[:local].to(k.dtype), mine[local:].to(v.dtype)
+    dk.copy_(mine[:local])
+    dv.copy_(mine[local:])
+    return dq, dk, dv
 
 
 @custom_ops.cached_forward_signature
 class _DocumentAttention(torch.autograd.Function):
     @staticmethod
     def forward(q, k, v, shards, group, scale: float, softcap: float):
-        return document_attention_fwd(q, k, v, shards, group, scale, softcap)
+        return document_attention_fwd(q, k, v, shards.keys, group, scale, softcap)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -247,7 +269,7 @@ class _DocumentAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = document_attention_bwd(do, q, k, v, o, lse, ctx.shards, ctx.group, ctx.scale, ctx.softcap)
+        dq, dk, dv = document_attention_bwd(do, q, k, v, o, lse, ctx.shards.keys, ctx.group, ctx.scale, ctx.softcap)
         return custom_ops.first_order_only(_OP, dq, dk, dv, None, None, None, None)
 
 
@@ -282,5 +304,5 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shards
     return (o, lse) if return_lse else o
 
 
-__all__ = ["DocumentShards", "document_attention", "document_attention_bwd", "document_attention_fwd",
+__all__ = ["DocumentKeys", "DocumentShards", "document_attention", "document_attention_bwd", "document_attention_fwd",
            "shard_documents", "unshard_documents"]

@@ -191,11 +191,13 @@ class LanguageModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
                 cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, documents=None) -> torch.Tensor:
         """Logits (B, N, vocab), or with ``targets`` the mean loss. ``cu_seqlens``: documents packed
         in the B N tokens (int32 offsets; each attends only within itself, and RoPE restarts at each),
         ``max_seqlen`` the longest (read once from the offsets when None), ``position_ids`` (B, N)
-        RoPE positions instead; every layer gets them."""
+        RoPE positions instead; every layer gets them. Under context parallelism, packed documents
+        come as ``documents`` (``fused_remat.context_parallel_documents.shard_documents`` of the whole
+        batch's offsets), and tokens and targets are this rank's share (``documents.shard``)."""
         self._check_tokens("tokens", tokens)
         if targets is not None:
             # Before the blocks run: a bad target would otherwise surface only after the whole forward.
@@ -210,6 +212,11 @@ class LanguageModel(nn.Module):
             raise ValueError("LanguageModel: max_seqlen is given without cu_seqlens")
         if position_ids is not None:
             sequences["position_ids"] = position_ids
+        if documents is not None:
+            if self.context_parallel is None:
+                raise ValueError("LanguageModel: documents (a DocumentShards) split documents over context-parallel "
+                                 "ranks; build the model with context_parallel=group, or pass cu_seqlens")
+            sequences["documents"] = documents
         poison = None
         if backend.graph_capturing():
             # A graph can neither read the ids on the host nor raise on replay: an id out of range

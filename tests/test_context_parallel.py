@@ -249,10 +249,10 @@ def _train(out, processes: int, *extra: str):
 
 def test_training_on_a_dp_by_cp_mesh_matches_data_parallel_alone(tmp_path, triton_backend):
     """4 ranks as 2 (dp, FSDP2) x 2 (cp) train as 2 DDP ranks holding whole sequences: the same
-    batches per data-parallel replica, the same losses and gradient norms, step by step."""
+    batches per data-parallel replica, the same losses and gradient norms, step by step. Whole rows
+    (the ring); tests/test_context_parallel_documents.py trains with documents."""
     from test_train import _metrics
 
-    # The ring does not carry document masks: both runs attend over whole rows.
     _train(tmp_path / "dp", 2, "--distributed", "ddp", "--document-boundary", "none")
     _train(tmp_path / "mesh", 4, "--distributed", "fsdp", "--context-parallel", "2", "--document-boundary", "none")
     plain, mesh = _metrics(tmp_path / "dp"), _metrics(tmp_path / "mesh")

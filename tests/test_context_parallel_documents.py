@@ -114,8 +114,8 @@ def test_causal_work_is_balanced_over_the_ranks():
     lengths.append(-sum(lengths) % 8)
     cu = _offsets(lengths)
     for world in (2, 4):
-        pairs = [shard_documents(cu, world, r).pairs() for r in range(world)]
-        one_process = shard_documents(cu, 1, 0).pairs()
+        pairs = [shard_documents(cu, world, r).keys.pairs() for r in range(world)]
+        one_process = shard_documents(cu, 1, 0).keys.pairs()
         assert sum(pairs) == one_process  # nothing masked is computed, nothing visible missed
         assert max(pairs) <= 1.1 * min(pairs), pairs
 
@@ -131,3 +131,70 @@ def test_causal_work_is_balanced_over_the_ranks():
 def test_bad_layouts_are_refused_naming_the_argument(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def _model_check(rank, world, remat, n_kv_heads, window, lengths):
+    """A whole model under context parallelism over documents: the loss and every gradient equal one
+    process's with the same documents (the tolerances of test_context_parallel's dense check)."""
+    import torch.distributed as dist
+
+    from fused_remat.model import IGNORE_INDEX, LanguageModel, ModelConfig
+
+    torch.manual_seed(11)
+    config = ModelConfig(vocab_size=32, dim=32, n_layers=2, n_heads=2, n_kv_heads=n_kv_heads, ffn_dim=48,
+                         window=window)
+    total = sum(lengths)
+    tokens = torch.randint(0, config.vocab_size, (total + 1,))
+    inputs, targets = tokens[:-1], tokens[1:].clone()
+    targets[5] = IGNORE_INDEX
+    cu = _offsets(lengths)
+
+    def loss_and_grads(model, inputs, targets, **documents):
+        loss = model(inputs, targets, **documents)
+        return loss.detach(), torch.autograd.grad(loss, list(model.parameters()))
+
+    whole = LanguageModel(config, remat)
+    expected_loss, expected_grads = loss_and_grads(whole, inputs.view(2, -1), targets.view(2, -1), cu_seqlens=cu)
+    split = LanguageModel(config, remat, context_parallel=dist.group.WORLD)
+    split.load_state_dict(whole.state_dict())
+    shards = shard_documents(cu, world, rank, causal=True, window=split.blocks[0].window)
+    loss, grads = loss_and_grads(split, shards.shard(inputs).view(2, -1), shards.shard(targets).view(2, -1),
+                                 documents=shards)
+    for grad in grads:
+        dist.all_reduce(grad)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+    for (name, _), got, expected in zip(split.named_parameters(), grads, expected_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("world, remat, n_kv_heads, window", [
+    (2, "cheap", 1, (-1, -1)), (3, "full", 2, (-1, -1)), (2, "none", 1, (6, 0))])
+def test_language_model_over_documents_matches_one_process(world, remat, n_kv_heads, window):
+    run_ranks(world, _model_check, remat, n_kv_heads, window, MIXED)
+
+
+@pytest.mark.parametrize("corpus", ["default", "mixed documents"])
+def test_training_with_documents_on_two_ranks_matches_one_process(corpus, tmp_path, triton_backend):
+    """--context-parallel 2 with documents: the losses, gradient norms and validation losses of three
+    steps equal one process's with the same documents. The default corpus (its files are its
+    documents, longer than a row) and a token file whose documents of 1 to 40 tokens start anywhere."""
+    from test_context_parallel import _train
+    from test_train import _metrics
+
+    data = []
+    if corpus == "mixed documents":
+        gen = torch.Generator().manual_seed(3)
+        tokens = torch.randint(1, 1000, (6000,), generator=gen, dtype=torch.int32)
+        tokens[torch.randint(0, 6000, (400,), generator=gen)] = 0  # token 0 begins a document
+        (tmp_path / "tokens.bin").write_bytes(tokens.to(torch.uint16).numpy().tobytes())
+        data = ["--data", str(tmp_path / "tokens.bin"), "--vocab-size", "1000", "--document-boundary", "0"]
+    one = _train(tmp_path / "one", 1, *data, "--steps", "3", "--eval-interval", "3")
+    assert "document masking on" in one.stdout
+    _train(tmp_path / "cp", 2, *data, "--context-parallel", "2", "--steps", "3", "--eval-interval", "3")
+    ours, theirs = _metrics(tmp_path / "cp"), _metrics(tmp_path / "one")
+    assert [r["step"] for r in ours] == [0, 1, 2]
+    for split, whole in zip(ours, theirs):
+        for key in ("loss", "grad_norm", "val_loss"):
+            assert (key in split) == (key in whole)
+            if key in split:
+                assert split[key] == pytest.approx(whole[key], rel=1e-5), key

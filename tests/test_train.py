@@ -156,19 +156,16 @@ def test_a_step_attends_within_the_documents_of_its_batch():
     assert not torch.equal(model(inputs, targets), expected)
 
 
-def test_document_masking_is_on_where_the_data_marks_documents_and_refused_with_context_parallel():
+def test_document_masking_is_on_where_the_data_marks_documents_with_or_without_context_parallel():
     assert TrainConfig.build("cpu").document_masking
     assert not TrainConfig.build("cpu", document_boundary="none").document_masking
     assert not TrainConfig.build("cpu", data="tokens.bin").document_masking
     marked = TrainConfig.build("cpu", data="tokens.bin", document_boundary="50256")
     assert marked.document_masking and marked.document_boundary == 50256
-    with pytest.raises(ValueError, match=r"^--context-parallel 2 cannot keep attention within documents .*the "
-                                         r"default corpus's files .*pass --document-boundary none"):
-        TrainConfig.build("cpu", seq_len=32, context_parallel=2)
-    with pytest.raises(ValueError, match="--context-parallel 2 .*--document-boundary 7 marks documents"):
-        TrainConfig.build("cpu", seq_len=32, context_parallel=2, data="tokens.bin", document_boundary="7")
-    for unmasked in (dict(document_boundary="none"), dict(data="tokens.bin"), dict(find_max_seq_len=True)):
-        assert TrainConfig.build("cpu", seq_len=32, context_parallel=2, **unmasked).context_parallel == 2
+    for documents in (dict(), dict(data="tokens.bin", document_boundary="7"), dict(document_boundary="none")):
+        config = TrainConfig.build("cpu", seq_len=32, context_parallel=2, **documents)
+        assert config.context_parallel == 2
+        assert config.document_masking == (documents.get("document_boundary") != "none")
 
 
 def test_ctrl_c_checkpoints_and_exits(tmp_path):
@@ -265,7 +262,6 @@ def test_the_reference_block_alone_defaults_to_its_eager_policy():
     (["--memory-budget", "-0.1"], "--memory-budget -0.1: a bare number is a fraction in [0, 1]"),
     (["--memory-budget", "40GiB"], "--memory-budget 40GiB (bytes) is the budget that --remat auto plans for"),
     (["--document-boundary", "eos"], "--document-boundary must be a token id (an integer >= 0) or none, got 'eos'"),
-    (["--context-parallel", "2"], "--context-parallel 2 cannot keep attention within documents"),
 ])
 def test_bad_arguments_exit_with_a_usage_error(arguments, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:

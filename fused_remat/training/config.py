@@ -149,13 +149,6 @@ class TrainConfig:
         if "document_boundary" in values:
             values["document_boundary"] = _parse_document_boundary(values["document_boundary"])
         masking = _document_masking(values.get("document_boundary"), values.get("data"))
-        # --find-max-seq-len steps on random tokens, which have no documents to mask.
-        if parallel > 1 and masking and not values.get("find_max_seq_len"):
-            marked_by = ("the default corpus's files are its documents" if values.get("document_boundary") is None
-                         else f"--document-boundary {values['document_boundary']} marks documents")
-            raise ValueError(f"--context-parallel {parallel} cannot keep attention within documents (the ring passes no "
-                             f"document masks), and {marked_by}: pass --document-boundary {NO_DOCUMENTS} to attend "
-                             "over whole rows")
         if values.get("cuda_graphs"):
             _check_cuda_graphs(device_type, values, masking)
         if values["preset"] not in PRESETS:

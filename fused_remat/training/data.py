@@ -57,8 +57,12 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ..context_parallel_documents import DocumentShards
 
 BYTE_VOCAB_SIZE = 256
 NO_DOCUMENTS = "none"  # document_boundary: attention spans whole rows, whatever the data marks
@@ -151,10 +155,14 @@ class Batch:
     targets: torch.Tensor
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int | None = None
+    # under context parallelism: this rank's share of the documents (``loop.local_batch``), which
+    # then replaces cu_seqlens and max_seqlen
+    documents: DocumentShards | None = None
 
     def to(self, device: torch.device | str) -> Batch:
         cu_seqlens = None if self.cu_seqlens is None else self.cu_seqlens.to(device)
-        return Batch(self.inputs.to(device), self.targets.to(device), cu_seqlens, self.max_seqlen)
+        documents = None if self.documents is None else self.documents.to(device)
+        return Batch(self.inputs.to(device), self.targets.to(device), cu_seqlens, self.max_seqlen, documents)
 
     def causal_attention_pairs(self) -> int:
         """The (query, key) pairs causal attention scores: n (n + 1) / 2 summed over the segments

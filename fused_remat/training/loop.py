@@ -25,6 +25,7 @@ import torch
 
 from ..backend import requested_backend, use_triton
 from ..block import block_widths
+from ..context_parallel_documents import shard_documents
 from ..flops import visible_pairs
 from ..model import LanguageModel, ModelConfig
 from ..planner import RematPlan, explain_policies, measure_policy_costs, plan_remat
@@ -201,10 +202,20 @@ def validation_loss(model, batches: list[token_data.Batch], device, compute_dtyp
     return total / len(batches)
 
 
-def local_batch(batch: token_data.Batch, run: Distributed) -> token_data.Batch:
-    """This rank's part of ``batch``: its zigzag chunks of every row under context parallelism,
-    which TrainConfig allows only without documents (the chunks would cut their offsets)."""
-    return dataclasses.replace(batch, inputs=run.shard_sequence(batch.inputs), targets=run.shard_sequence(batch.targets))
+def local_batch(batch: token_data.Batch, run: Distributed, window: tuple[int, int]) -> token_data.Batch:
+    """This rank's part of ``batch`` under context parallelism: its zigzag chunks of every row, or
+    with documents its pieces of every document (``shard_documents``, for causal attention under
+    the model's ``window``), laid out as rows of seq_len / N tokens."""
+    if run.context_parallel == 1:
+        return batch
+    if batch.cu_seqlens is None:
+        return dataclasses.replace(batch, inputs=run.shard_sequence(batch.inputs),
+                                   targets=run.shard_sequence(batch.targets))
+    shards = shard_documents(batch.cu_seqlens, run.context_parallel, run.rank % run.context_parallel, causal=True,
+                             window=window)
+    rows = batch.inputs.shape[0]
+    return token_data.Batch(shards.shard(batch.inputs.flatten()).view(rows, -1),
+                            shards.shard(batch.targets.flatten()).view(rows, -1), documents=shards)
 
 
 # A checkpoint holds the fp32 weights and AdamW's two fp32 moments: 12 bytes a parameter.
@@ -315,7 +326,7 @@ def _train(config: TrainConfig, run: Distributed, stop: StopRequest) -> int:
             load_training_state(model, optimizer, state["model"], state["optimizer"])
         torch.set_rng_state(state["rng"]["cpu"])
         start_step = state["step"]
-    val_batches = [local_batch(batch, run) for batch in
+    val_batches = [local_batch(batch, run, model_config.window) for batch in
                    token_data.val_batches(data, config.eval_batches, config.batch_size, config.seq_len, config.seed)]
 
     parameters = sum(p.numel() for p in unwrap(model).parameters())
@@ -380,7 +391,8 @@ def _train(config: TrainConfig, run: Distributed, stop: StopRequest) -> int:
             data.check_files_unchanged()
             slots = [micro_batch_slot(run, config.grad_accum, micro) for micro in range(config.grad_accum)]
             micro_batches = [local_batch(token_data.train_batch(data, step, 0, slot, config.batch_size, config.seq_len,
-                                                                config.seed), run).to(device) for slot in slots]
+                                                                config.seed), run, model_config.window).to(device)
+                             for slot in slots]
             loss, grad_norm = step_once(micro_batches)
             step += 1
             record = unwritten = dict(step=step - 1, loss=run.mean(float(loss)), lr=lr,

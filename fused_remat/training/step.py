@@ -40,9 +40,11 @@ def batch_loss(model: Callable[..., torch.Tensor], batch: Batch | tuple[torch.Te
     """``forward_loss`` of ``batch``, attending within its documents where it has them."""
     if not isinstance(batch, Batch):
         batch = Batch(*batch)
-    if batch.cu_seqlens is not None:
-        # Bound to the model rather than passed through: forward_loss keeps the (model, inputs,
-        # targets) form that the benchmark calls and the failure tests wrap.
+    # Bound to the model rather than passed through: forward_loss keeps the (model, inputs, targets)
+    # form that the benchmark calls and the failure tests wrap.
+    if batch.documents is not None:
+        model = functools.partial(model, documents=batch.documents)
+    elif batch.cu_seqlens is not None:
         model = functools.partial(model, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen)
     return forward_loss(model, batch.inputs, batch.targets, compute_dtype)
 
