@@ -57,7 +57,7 @@ class _BlockCall:
     max_seqlen: int = 0  # the longest document when the tokens are packed documents, else 0
     scale: float = 0.0  # attention's softmax scale; 0 for head_dim ** -0.5
     qk_norm: bool = False  # RMSNorm of each q and k head before RoPE (Qwen3)
-    # documents under context parallelism (_Sequences.key_index): the longest piece's keys, and where
+    # documents under context parallelism (_Sequences.key_rows): the longest piece's keys, and where
     # the keys of the second pieces start in the key layout; 0 otherwise
     max_seqlen_k: int = 0
     first_keys: int = 0
@@ -269,18 +269,18 @@ class _Sequences:
     ((B, N) ints, None: each row's or each document's own 0, 1, ...), and RoPE's inverse frequencies
     ((head_dim / 2,) fp32, None: those of the block's rope_theta). Under context parallelism over
     documents (``DocumentShards``), cu_seqlens holds this rank's pieces, position_ids their tokens'
-    positions, and ``cu_seqlens_k`` and ``key_index`` the pieces' keys in every rank's k and v
+    positions, and ``cu_seqlens_k`` and ``key_rows`` the pieces' keys in every rank's k and v
     gathered (``DocumentKeys``)."""
 
     cu_seqlens: torch.Tensor | None = None
     position_ids: torch.Tensor | None = None
     rope_inv_freq: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
-    key_index: torch.Tensor | None = None
+    key_rows: torch.Tensor | None = None
 
     def document_keys(self, g: _BlockCall, group) -> cp_documents.DocumentKeys:
         return cp_documents.DocumentKeys(group.size(), g.causal, g.window, self.cu_seqlens, self.cu_seqlens_k,
-                                         self.key_index, g.first_keys, g.max_seqlen, g.max_seqlen_k)
+                                         self.key_rows, g.first_keys, g.max_seqlen, g.max_seqlen_k)
 
     def rope_positions(self, g: _BlockCall) -> torch.Tensor | None:
         if self.position_ids is not None:
@@ -297,7 +297,7 @@ def _rope_qk_(qkv: torch.Tensor, g: _BlockCall, seqs: _Sequences, inverse: bool)
         inv_freq = _inverse_frequencies(g.head_dim, g.rope_theta, qkv.device)
     group = g.context_parallel_group()
     chunk_starts = None
-    if group is not None and seqs.key_index is None:  # the dense ring's zigzag rows; documents have positions
+    if group is not None and seqs.key_rows is None:  # the dense ring's zigzag rows; documents have positions
         chunk_starts = list(context_parallel.local_chunk_starts(g.seq, group))
     custom_ops.direct.rope_qk_(qkv, inv_freq, g.batch, g.n_heads, g.n_kv_heads, inverse, chunk_starts,
                         seqs.rope_positions(g))
@@ -380,7 +380,7 @@ def _attend(attended: torch.Tensor, g: _BlockCall, seqs: _Sequences) -> tuple[to
         return custom_ops.direct.attention_packed_fwd(attended, g.batch, g.n_heads, g.n_kv_heads, *g.attention_mask,
                                                       seqs.cu_seqlens, g.max_seqlen)
     o = attended.new_empty(g.tokens, g.n_heads * g.head_dim)
-    if seqs.key_index is not None:
+    if seqs.key_rows is not None:
         q, k, v = _token_major_qkv(attended, g)
         _, lse = cp_documents.document_attention_fwd(q, k, v, seqs.document_keys(g, group), group, g.softmax_scale,
                                                      g.softcap, out=o.view(g.tokens, g.n_heads, g.head_dim))
@@ -481,7 +481,7 @@ def _slots_kept(remat: Remat) -> list[bool]:
 
 @torch.library.custom_op("fused_remat::block_fwd", mutates_args=())
 def _block_fwd(x: torch.Tensor, cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | None,
-               rope_inv_freq: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, key_index: torch.Tensor | None,
+               rope_inv_freq: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, key_rows: torch.Tensor | None,
                params: list[torch.Tensor], has_param: list[bool],
                lora: list[torch.Tensor], sizes: list[int], numbers: list[float], rope_theta: float | None,
                activation: str, remat: str, compute_dtype: torch.dtype, context_parallel: str, lora_layout: list[int],
@@ -490,10 +490,11 @@ def _block_fwd(x: torch.Tensor, cu_seqlens: torch.Tensor | None, position_ids: t
 
     ``params`` holds the block's parameters that exist (``has_param`` says which of _PARAMETERS);
     ``lora`` the adapters' (A, B) pairs in the order of ``_BlockCall.adapters``; ``cu_seqlens``,
-    ``position_ids``, ``rope_inv_freq``, ``cu_seqlens_k`` and ``key_index`` as in _Sequences."""
+    ``position_ids``, ``rope_inv_freq``, ``cu_seqlens_k`` and ``key_rows`` as in _Sequences."""
     g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
                                 lora_scales)
-    return _filled(_block_forward(x, g, _Sequences(cu_seqlens, position_ids, rope_inv_freq, cu_seqlens_k, key_index),
+    seqs = _Sequences(cu_seqlens, position_ids, rope_inv_freq, cu_seqlens_k, key_rows)
+    return _filled(_block_forward(x, g, seqs,
                                   _with_absent(params, has_param), lora), x)
 
 
@@ -520,8 +521,8 @@ def _autocast_off(device_type: str):
 
 
 @_block_fwd.register_fake
-def _(x, cu_seqlens, position_ids, rope_inv_freq, cu_seqlens_k, key_index, params, has_param, lora, sizes, numbers, rope_theta, activation,
-      remat, compute_dtype, context_parallel, lora_layout, lora_scales):
+def _(x, cu_seqlens, position_ids, rope_inv_freq, cu_seqlens_k, key_rows, params, has_param, lora, sizes, numbers,
+      rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout, lora_scales):
     g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
                                 lora_scales)
     return [torch.empty_like(x),
@@ -543,7 +544,7 @@ def _kept_like(kept: Kept, g: _BlockCall, x: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("fused_remat::block_bwd", mutates_args=())
 def _block_bwd(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | None,
-               rope_inv_freq: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, key_index: torch.Tensor | None,
+               rope_inv_freq: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, key_rows: torch.Tensor | None,
                kept: list[torch.Tensor], params: list[torch.Tensor],
                has_param: list[bool], needs: list[bool], lora: list[torch.Tensor], sizes: list[int],
                numbers: list[float], rope_theta: float | None, activation: str, remat: str, compute_dtype: torch.dtype,
@@ -552,7 +553,8 @@ def _block_bwd(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor | Non
     ``lora``] from dy (T, dim), x and the ``_SLOTS`` the forward returned."""
     g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
                                 lora_scales)
-    return _filled(_block_backward(dy, x, g, _Sequences(cu_seqlens, position_ids, rope_inv_freq, cu_seqlens_k, key_index), kept,
+    seqs = _Sequences(cu_seqlens, position_ids, rope_inv_freq, cu_seqlens_k, key_rows)
+    return _filled(_block_backward(dy, x, g, seqs, kept,
                                    _with_absent(params, has_param), _needed(has_param, needs), lora), x)
 
 
@@ -574,8 +576,8 @@ def _block_backward(dy: torch.Tensor, x: torch.Tensor, g: _BlockCall, seqs: _Seq
 
 
 @_block_bwd.register_fake
-def _(dy, x, cu_seqlens, position_ids, rope_inv_freq, cu_seqlens_k, key_index, kept, params, has_param, needs, lora, sizes, numbers, rope_theta,
-      activation, remat, compute_dtype, context_parallel, lora_layout, lora_scales):
+def _(dy, x, cu_seqlens, position_ids, rope_inv_freq, cu_seqlens_k, key_rows, kept, params, has_param, needs, lora, sizes,
+      numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout, lora_scales):
     return [torch.empty_like(x), *(torch.empty_like(p) if need else x.new_empty(0) for p, need in zip(params, needs)),
             *(torch.empty_like(t) for t in lora)]
 
@@ -631,16 +633,16 @@ def _forward_flops(g: _BlockCall, cu_seqlens: torch.Tensor | None, cu_seqlens_k:
 
 
 @flop_formula("block_fwd", get_raw=True)
-def _(x, cu_seqlens, position_ids, rope_inv_freq, cu_seqlens_k, key_index, params, has_param, lora, sizes, numbers, rope_theta, activation,
-      remat, compute_dtype, context_parallel, lora_layout, lora_scales, **_) -> int:
+def _(x, cu_seqlens, position_ids, rope_inv_freq, cu_seqlens_k, key_rows, params, has_param, lora, sizes, numbers,
+      rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout, lora_scales, **_) -> int:
     g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
                                 lora_scales)
     return _forward_flops(g, cu_seqlens, cu_seqlens_k, lora=lora)
 
 
 @flop_formula("block_bwd", get_raw=True)
-def _(dy, x, cu_seqlens, position_ids, rope_inv_freq, cu_seqlens_k, key_index, kept, params, has_param, needs, lora, sizes, numbers, rope_theta,
-      activation, remat, compute_dtype, context_parallel, lora_layout, lora_scales, **_) -> int:
+def _(dy, x, cu_seqlens, position_ids, rope_inv_freq, cu_seqlens_k, key_rows, kept, params, has_param, needs, lora, sizes,
+      numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout, lora_scales, **_) -> int:
     g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
                                 lora_scales)
     needed = _needed(has_param, needs)
@@ -824,7 +826,7 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, seqs: 
         dqkv = custom_ops.direct.attention_packed_bwd(w.input_grad("out_proj", d_attn, w.out), attended, acts.o, acts.lse,
                                                       g.batch, g.n_heads, g.n_kv_heads, *g.attention_mask,
                                                       seqs.cu_seqlens, g.max_seqlen)
-    elif seqs.key_index is not None:
+    elif seqs.key_rows is not None:
         dqkv = torch.empty_like(acts.qkv)
         heads = (g.tokens, g.n_heads, g.head_dim)
         cp_documents.document_attention_bwd(
@@ -1044,7 +1046,7 @@ class TransformerBlock(reference.TransformerBlock):
                            for a in adapters),
         )
         sequences = _Sequences(cu_seqlens, position_ids, rope_inv_freq, *(() if keys is None else (keys.cu_seqlens_k,
-                                                                                                   keys.key_index)))
+                                                                                                   keys.key_rows)))
         inputs = (x.reshape(call.tokens, self.dim).contiguous(), call, *vars(sequences).values(), *params,
                   *[t for a in adapters for t in (a.a, a.b)])
         if call.remat.host_resident:

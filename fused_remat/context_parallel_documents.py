@@ -62,8 +62,9 @@ class DocumentKeys:
     window: tuple[int, int]
     cu_seqlens_q: torch.Tensor  # (2 x documents + 1,) int32: the local pieces, in local order
     cu_seqlens_k: torch.Tensor  # (2 x documents + 1,) int32: each piece's keys in the prefix layout
-    key_index: torch.Tensor  # (keys,) int64: the prefix layout's rows of the gathered buffer's k (v: + local)
-    first_keys: int  # the first pieces' keys: key_index[:first_keys] holds no row twice, nor does the rest
+    # (2 x keys,) int64: the gathered buffer's rows that make the prefix layout, all of k's, then v's
+    key_rows: torch.Tensor
+    first_keys: int  # the first pieces' keys: among each of k's and v's, these hold no row twice, nor do the rest
     max_seqlen_q: int
     max_seqlen_k: int
 
@@ -73,7 +74,12 @@ class DocumentKeys:
 
     def to(self, device) -> DocumentKeys:
         return dataclasses.replace(self, cu_seqlens_q=self.cu_seqlens_q.to(device),
-                                   cu_seqlens_k=self.cu_seqlens_k.to(device), key_index=self.key_index.to(device))
+                                   cu_seqlens_k=self.cu_seqlens_k.to(device), key_rows=self.key_rows.to(device))
+
+    @property
+    def keys(self) -> int:
+        """Rows of k (and of v) in the prefix layout."""
+        return self.key_rows.numel() // 2
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -182,10 +188,11 @@ def shard_documents(cu_seqlens: torch.Tensor, world: int, rank: int, *, causal: 
     key_starts = torch.where(counts > 0, key_starts, ends)  # an empty piece needs no keys
     key_counts = ends - key_starts
     device = cu_seqlens.device
+    key_index = gathered_row[_ranges(documents + key_starts, key_counts)]
     keys = DocumentKeys(
         world=world, causal=bool(causal), window=(left, right), cu_seqlens_q=_offsets(counts).to(device),
         cu_seqlens_k=_offsets(key_counts).to(device),
-        key_index=gathered_row[_ranges(documents + key_starts, key_counts)].to(device),
+        key_rows=torch.cat((key_index, key_index + local)).to(device),
         first_keys=int(key_counts[:key_counts.numel() // 2].sum()), max_seqlen_q=int(counts.max()),
         max_seqlen_k=int(key_counts.max()))
     return DocumentShards(rank=rank, world=world, total=total, global_index=batch_tokens(rank).to(device),
@@ -200,11 +207,34 @@ def unshard_documents(parts: list[torch.Tensor], shards: list[DocumentShards], d
     return full
 
 
+def attention_transient_bytes(world: int, local: int, keys: int, kv_width: int, compute_bytes: int) -> int:
+    """The most one rank's attention call holds above its inputs and outputs, for ``local`` tokens
+    whose pieces have ``keys`` keys in all (``DocumentKeys.key_index``) and k/v rows of ``kv_width``
+    elements in ``compute_bytes`` each: forward, the gathered k and v with, first, the local rows
+    sent, then their prefix copy; backward, the same, then the prefix copy with its fp32 gradients while the kernel runs, then those gradients
+    and the fp32 buffer laid out as the gather, then that buffer and this rank's part of its
+    reduce-scatter (what the collective itself allocates is its backend's: gloo copies the buffer,
+    NCCL does not)."""
+    row, row32 = 2 * kv_width * compute_bytes, 2 * kv_width * 4  # a k and a v row; their fp32 gradients
+    gather = world * local * row + max(local, keys) * row  # with the local rows sent, then with the copy
+    backward_kernel = keys * (row + row32)
+    backward_gather = keys * row32 + world * local * row32
+    backward_scatter = world * local * row32 + local * row32
+    return max(gather, backward_kernel, backward_gather, backward_scatter)
+
+
+def attention_transient_bytes_per_token(world: int, kv_width: int, compute_bytes: int) -> int:
+    """``attention_transient_bytes`` per local token where the pieces' keys are at most W + 1 per
+    local token: causal attention without a window (each document's two pieces end, together, 2W+1
+    pieces in; a window only shortens the keys), documents of at least 2W tokens."""
+    return attention_transient_bytes(world, 1, world + 1, kv_width, compute_bytes)
+
+
 def _prefix_keys(k: torch.Tensor, v: torch.Tensor, keys: DocumentKeys, group) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's k and v gathered (one collective), then laid out as the local pieces' key prefixes."""
     gathered = k.new_empty((2 * keys.world * k.shape[0], *k.shape[1:]))
     _all_gather(gathered, torch.cat((k, v)), group)
-    return gathered.index_select(0, keys.key_index), gathered.index_select(0, keys.key_index + k.shape[0])
+    return gathered.index_select(0, keys.key_rows).split(keys.keys)
 
 
 def _documents(keys: DocumentKeys):
@@ -231,18 +261,18 @@ def document_attention_bwd(do, q, k, v, o, lse, keys: DocumentKeys, group, scale
 
     k_prefix, v_prefix = _prefix_keys(k, v, keys, group)
     dq, dk, dv = out or (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-    dk_prefix, dv_prefix = (torch.empty(t.shape, device=t.device, dtype=torch.float32) for t in (k_prefix, v_prefix))
+    d_prefix = torch.empty((2 * keys.keys, *k.shape[1:]), device=k.device, dtype=torch.float32)
     attention_bwd(do, q, k_prefix, v_prefix, o, lse, keys.causal, scale, window=keys.window, softcap=softcap,
-                  documents=_documents(keys), out=(dq, dk_prefix, dv_prefix))
+                  documents=_documents(keys), out=(dq, *d_prefix.split(keys.keys)))
     del k_prefix, v_prefix
-    # Back to the gathered layout. Within each half of the pieces (first pieces, then second) no key
-    # row repeats, so each index_add_ writes a row once: the sum's order is fixed, run after run.
+    # Back to the gathered layout. Within the first pieces' keys of k, and within the rest, no row
+    # repeats (likewise v's), so each index_add_ writes a row once: the sum's order is fixed, run after run.
     local = k.shape[0]
     full = torch.zeros((2 * keys.world * local, *k.shape[1:]), device=k.device, dtype=torch.float32)
-    for part in (slice(0, keys.first_keys), slice(keys.first_keys, None)):
-        rows = keys.key_index[part]
-        full.index_add_(0, rows, dk_prefix[part])
-        full.index_add_(0, rows + local, dv_prefix[part])
+    bounds = (0, keys.first_keys, keys.keys, keys.keys + keys.first_keys, 2 * keys.keys)
+    for start, end in zip(bounds, bounds[1:]):
+        full.index_add_(0, keys.key_rows[start:end], d_prefix[start:end])
+    del d_prefix
     mine = full.new_empty((2 * local, *k.shape[1:]))
     _reduce_scatter(mine, full, group)
     dk.copy_(mine[:local])
@@ -304,5 +334,5 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shards
     return (o, lse) if return_lse else o
 
 
-__all__ = ["DocumentKeys", "DocumentShards", "document_attention", "document_attention_bwd", "document_attention_fwd",
+__all__ = ["DocumentKeys", "DocumentShards", "attention_transient_bytes", "attention_transient_bytes_per_token", "document_attention", "document_attention_bwd", "document_attention_fwd",
            "shard_documents", "unshard_documents"]

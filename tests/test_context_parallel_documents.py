@@ -198,3 +198,38 @@ def test_training_with_documents_on_two_ranks_matches_one_process(corpus, tmp_pa
             assert (key in split) == (key in whole)
             if key in split:
                 assert split[key] == pytest.approx(whole[key], rel=1e-5), key
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_attention_transient_memory_is_the_formulas(world, monkeypatch, triton_backend):
+    """The peak meter on one rank's forward and backward, its collectives stood in for by copies
+    that allocate nothing (what a backend allocates inside a collective is its own: gloo copies the
+    buffers, NCCL does not): the largest moment above inputs and outputs is the formula's."""
+    import fused_remat.context_parallel_documents as cp_documents
+    from fused_remat.memory import peak_memory
+
+    rank = world - 1
+    monkeypatch.setattr(cp_documents, "_all_gather",
+                        lambda out, local, group: out.view(world, *local.shape).copy_(local.expand(world, *local.shape)))
+    monkeypatch.setattr(cp_documents, "_reduce_scatter",
+                        lambda out, full, group: out.copy_(full.view(world, *out.shape)[rank]))
+    total, heads, kv_heads, head_dim, dtype = sum(MIXED), 2, 1, 16, torch.float32
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, do = (torch.randn(total // world, h, head_dim, generator=gen, dtype=dtype)
+                   for h in (heads, kv_heads, kv_heads, heads))
+    keys = shard_documents(_offsets(MIXED), world, rank).keys
+    bound = cp_documents.attention_transient_bytes(world, total // world, keys.keys, kv_heads * head_dim,
+                                                   dtype.itemsize)
+    o, dq, dk, dv = (torch.empty_like(t) for t in (q, q, k, v))  # the outputs, made before the meters
+    with peak_memory("cpu") as forward:
+        _, lse = cp_documents.document_attention_fwd(q, k, v, keys, None, head_dim**-0.5, out=o)
+    with peak_memory("cpu") as backward:
+        cp_documents.document_attention_bwd(do, q, k, v, o, lse, keys, None, head_dim**-0.5, out=(dq, dk, dv))
+
+    def transient(meter):
+        # the kernels' own outputs and scratch (lse, dQ's row sums) are one process's too: the block's formula has them
+        kernels = sum(a.bytes for a in meter.live_at_peak if a.frame and a.frame.startswith("kernels/attention.py"))
+        return meter.peak_bytes - kernels
+
+    moments = [transient(forward), transient(backward)]
+    assert max(moments) == bound, (moments, bound, forward.report(), backward.report())
