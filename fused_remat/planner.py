@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from .block import TransformerBlock, block_widths
+from .context_parallel_documents import attention_transient_bytes_per_token
 from .flops import ATTENTION_BACKWARD_FACTOR, attention_flops, visible_pairs
 from .model import ModelConfig
 from .remat import (
@@ -84,7 +85,8 @@ def layer_bytes_per_token(config: ModelConfig, policy: Remat, precision: Precisi
     return kept_bytes_per_token(policy, _widths(config), precision.residual_bytes, precision.compute_bytes, memory)
 
 
-def layer_transient_bytes_per_token(config: ModelConfig, policy: Remat, precision: Precision) -> int:
+def layer_transient_bytes_per_token(config: ModelConfig, policy: Remat, precision: Precision,
+                                    document_ranks: int = 1) -> int:
     """Bytes per token one fused block's forward + backward holds on the device above what it keeps
     there: ``remat.peak_bytes_per_token`` less ``layer_bytes_per_token``. The peak counts the block's
     output y and leaves out its input x, both dim residual-dtype elements per token, and what it
@@ -93,11 +95,19 @@ def layer_transient_bytes_per_token(config: ModelConfig, policy: Remat, precisio
     point (``offload``) keeps nothing on the device, and its backward also holds the input of the
     offloaded layer before it, which ``offload.HostCopy.fetch`` prefetches then: one more layer
     input (its host bytes), an upper bound where no earlier layer is offloaded. ``ModelConfig`` has
-    no per-head q/k norm, so none is counted (``qk_norm=False``)."""
+    no per-head q/k norm, so none is counted (``qk_norm=False``). ``document_ranks`` > 1: context
+    parallelism over documents on that many ranks, whose attention gathers every rank's k and v
+    (``context_parallel_documents.attention_transient_bytes_per_token``), counted on top of the
+    block's peak: an upper bound, as that moment is attention's, not always the block's largest."""
     point = Remat.parse(policy, owner="policy")
     widths, r, c = _widths(config), precision.residual_bytes, precision.compute_bytes
     peak = peak_bytes_per_token(point, widths, r, c)
-    return peak - kept_bytes_per_token(point, widths, r, c) + kept_bytes_per_token(point, widths, r, c, "host")
+    documents = 0
+    if document_ranks > 1:
+        kv_width = (config.n_kv_heads or config.n_heads) * (config.dim // config.n_heads)
+        documents = attention_transient_bytes_per_token(document_ranks, kv_width, c)
+    return (peak - kept_bytes_per_token(point, widths, r, c) + kept_bytes_per_token(point, widths, r, c, "host")
+            + documents)
 
 
 def head_bytes(config: ModelConfig, tokens: int, precision: Precision) -> int:
@@ -317,7 +327,7 @@ def _mib(nbytes: int) -> str:
 def plan_remat(config: ModelConfig, batch: int, seq_len: int, precision: Precision, budget: int | None,
                costs: dict[Remat, float] | None = None, cost_source: str = "FLOP model",
                candidates: tuple[Remat, ...] | None = None, owner: str = "budget",
-               attention_pairs: float | None = None) -> RematPlan:
+               attention_pairs: float | None = None, document_ranks: int = 1) -> RematPlan:
     """The per-layer points with the least extra compute whose predicted activation peak stays
     within ``budget``: the bytes the layers keep, plus what the embedding, final norm and loss keep,
     plus the largest transient among the points the plan uses (``layer_transient_bytes_per_token``;
@@ -325,13 +335,14 @@ def plan_remat(config: ModelConfig, batch: int, seq_len: int, precision: Precisi
     (default: every point ``costs`` prices, which the FLOP model does for each tensor's
     keep-or-rebuild, measured costs for the named policies) are what a layer may take. Raises
     ValueError naming ``owner`` (the budget's argument or flag) when even the smallest plan's peak
-    does not fit. ``attention_pairs``: see ``flop_policy_costs``."""
+    does not fit. ``attention_pairs``: see ``flop_policy_costs``; ``document_ranks``: see
+    ``layer_transient_bytes_per_token``."""
     tokens = batch * seq_len
     if costs is None:
         costs = flop_policy_costs(config, batch, seq_len, precision, attention_pairs=attention_pairs)
     candidates = tuple(costs) if candidates is None else tuple(Remat.parse(p, owner="candidates") for p in candidates)
     per_layer = {p: layer_bytes_per_token(config, p, precision) * tokens for p in candidates}
-    transient = {p: layer_transient_bytes_per_token(config, p, precision) * tokens for p in candidates}
+    transient = {p: layer_transient_bytes_per_token(config, p, precision, document_ranks) * tokens for p in candidates}
     fixed = head_bytes(config, tokens, precision)
     counts = _cheapest_within_peak(config.n_layers, {p: (per_layer[p], transient[p], costs[p]) for p in candidates},
                                    None if budget is None else budget - fixed)
@@ -344,7 +355,8 @@ def plan_remat(config: ModelConfig, batch: int, seq_len: int, precision: Precisi
     # Most expensive point first (``offload`` and ``full`` on the earliest layers), as the module docstring explains.
     order = sorted(counts.items(), key=lambda item: (-costs[item[0]], -per_layer[item[0]]))
     policies = [p for p, n in order for _ in range(n)]
-    return explain_policies(config, batch, seq_len, precision, policies, costs, cost_source, budget, attention_pairs)
+    return explain_policies(config, batch, seq_len, precision, policies, costs, cost_source, budget, attention_pairs,
+                            document_ranks=document_ranks)
 
 
 def _cheapest_within_peak(layers: int, options: dict[Remat, tuple[int, int, float]],
@@ -418,11 +430,11 @@ def _rounded(cost: float) -> float:
 def explain_policies(config: ModelConfig, batch: int, seq_len: int, precision: Precision, policies: list[Remat],
                      costs: dict[Remat, float] | None = None, cost_source: str = "FLOP model",
                      budget: int | None = None, attention_pairs: float | None = None,
-                     budget_fraction: float | None = None) -> RematPlan:
+                     budget_fraction: float | None = None, document_ranks: int = 1) -> RematPlan:
     """The plan table for given per-layer policies: the bytes each keeps, its transient and its
     extra compute, and the step's predicted peak (``RematPlan.peak_bytes``; ``attention_pairs``:
     see ``flop_policy_costs``); ``budget`` (bytes) or ``budget_fraction`` (``memory_budget``) is
-    the budget they were chosen for, if any."""
+    the budget they were chosen for, if any; ``document_ranks``: see ``layer_transient_bytes_per_token``."""
     tokens = batch * seq_len
     if costs is None:
         costs = flop_policy_costs(config, batch, seq_len, precision, attention_pairs=attention_pairs)
@@ -431,7 +443,8 @@ def explain_policies(config: ModelConfig, batch: int, seq_len: int, precision: P
     return RematPlan(
         policies=[Remat.parse(p, owner="policies") for p in policies], layer_bytes=[layer_bytes_per_token(config, p, precision) * tokens for p in policies],
         layer_host_bytes=[layer_bytes_per_token(config, p, precision, "host") * tokens for p in policies],
-        layer_transient_bytes=[layer_transient_bytes_per_token(config, p, precision) * tokens for p in policies],
+        layer_transient_bytes=[layer_transient_bytes_per_token(config, p, precision, document_ranks) * tokens
+                               for p in policies],
         fixed_bytes=head_bytes(config, tokens, precision), layer_extra=[costs[p] for p in policies], step_flops=step,
         layer_step_flops=layer_flops, budget=budget, cost_source=cost_source, tokens=tokens,
         budget_fraction=budget_fraction,

@@ -233,3 +233,38 @@ def test_attention_transient_memory_is_the_formulas(world, monkeypatch, triton_b
 
     moments = [transient(forward), transient(backward)]
     assert max(moments) == bound, (moments, bound, forward.report(), backward.report())
+
+
+def test_the_planner_prices_the_gathered_keys():
+    from fused_remat.context_parallel_documents import attention_transient_bytes_per_token
+    from fused_remat.model import ModelConfig
+    from fused_remat.planner import Precision, layer_transient_bytes_per_token, plan_remat
+
+    config = ModelConfig(dim=64, n_heads=4, n_kv_heads=2, n_layers=4)
+    precision = Precision(torch.float32, torch.bfloat16)
+    for world in (2, 8):
+        extra = attention_transient_bytes_per_token(world, 2 * 16, 2)
+        # forward's gather: W rows of k and v gathered and W + 1 copied; backward's: W + 1 rows of fp32
+        # gradients and the W-row fp32 buffer
+        assert extra == max((2 * world + 1) * 2 * 32 * 2, (world + 1) * 2 * 32 * (2 + 4),
+                            (2 * world + 1) * 2 * 32 * 4, (world + 1) * 2 * 32 * 4)
+        assert (layer_transient_bytes_per_token(config, "cheap", precision, world)
+                == layer_transient_bytes_per_token(config, "cheap", precision) + extra)
+        one, split = (plan_remat(config, 1, 1024, precision, None, document_ranks=ranks) for ranks in (1, world))
+        assert split.peak_bytes == one.peak_bytes + 1024 * extra
+
+
+def test_the_benchmark_reports_every_rank_balanced(tmp_path):
+    import json
+
+    from bench import context_parallel
+
+    assert context_parallel.main(["--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "context_parallel.json").read_text())
+    for world in context_parallel.WORLDS:
+        rows = [r for r in report["rows"] if r["world"] == world]
+        assert [r["rank"] for r in rows] == list(range(world))
+        pairs = [r["pairs"] for r in rows]
+        assert sum(pairs) == report["one_process_pairs"] and max(pairs) <= 1.1 * min(pairs)
+        assert all(r["pairs"] < r["ring_pairs"] for r in rows)  # masked tiles skipped
+    assert "| 4 | 3 |" in (tmp_path / "context_parallel.md").read_text()

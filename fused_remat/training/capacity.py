@@ -21,7 +21,9 @@ fits when one rank's share fits, and a rank keeps for backward what one process 
 tokens (the saved-memory meter measures exactly that, tests/test_context_parallel.py). So the probe
 runs one process at S / N, for our block only (the reference block has no ring attention). Not
 counted: the ring's transient buffers (two k/v blocks in flight, fp32 accumulators of one layer's
-attention output and gradients), which a GPU run would have to confirm.
+attention output and gradients), which a GPU run would have to confirm. Where the run masks
+documents, attention gathers every rank's k and v instead: that transient is counted
+(``context_parallel_documents.attention_transient_bytes_per_token``, in the layer transient).
 
 ``find_max_seq_len(config, run)`` is what ``python -m fused_remat.train --find-max-seq-len`` runs;
 ``TrainStepProbe`` and ``largest_fitting`` are also the training benchmark's
@@ -87,9 +89,10 @@ class TrainStepProbe:
     """One training step of one model at a given length; True when it fits."""
 
     def __init__(self, config: ModelConfig, block_impl: str, remat: str, batch: int, precision: Precision,
-                 device: torch.device, budget: int | None):
+                 device: torch.device, budget: int | None, document_ranks: int = 1):
         self.config, self.remat, self.batch, self.precision = config, remat, batch, precision
         self.device, self.budget = device, budget
+        self.document_ranks = document_ranks  # context parallelism over documents: see planner.layer_transient_bytes_per_token
         self.model = LanguageModel(config, "none" if remat == "auto" else remat, block_impl=block_impl, device=device)
         self.parameters = sum(p.numel() for p in self.model.parameters())
         self.optimizer = make_optimizer(self.model, lr=1e-4, weight_decay=0.1)
@@ -106,7 +109,8 @@ class TrainStepProbe:
     def __call__(self, seq_len: int) -> bool:
         if self.remat == "auto":
             try:
-                plan = plan_remat(self.config, self.batch, seq_len, self.precision, self._activation_budget())
+                plan = plan_remat(self.config, self.batch, seq_len, self.precision, self._activation_budget(),
+                                  document_ranks=self.document_ranks)
             except ValueError:
                 return False
             self.model.set_remat(plan.policies)
@@ -158,7 +162,8 @@ class TrainStepProbe:
         if self.model.block_impl == "reference":
             one_per_policy = {block.remat: block for block in self.model.blocks}.values()
             return max(self._measured_transient(block, seq_len) for block in one_per_policy)
-        return self.batch * seq_len * max(layer_transient_bytes_per_token(self.config, policy, self.precision)
+        return self.batch * seq_len * max(layer_transient_bytes_per_token(self.config, policy, self.precision,
+                                                                          self.document_ranks)
                                           for policy in self.model.remat)
 
     def _measured_transient(self, block: torch.nn.Module, seq_len: int) -> int:
@@ -228,7 +233,8 @@ def find_max_seq_len(config: TrainConfig, run: Distributed) -> int:
     rows = []
     for label, block_impl, remat in candidates:
         torch.manual_seed(config.seed)
-        probe = TrainStepProbe(model_config, block_impl, remat, config.batch_size, config.precision, device, budget)
+        probe = TrainStepProbe(model_config, block_impl, remat, config.batch_size, config.precision, device, budget,
+                               parallel if config.document_masking else 1)
         print(f"  {label}: probing", flush=True)
         per_rank = probe if parallel == 1 else lambda seq_len, probe=probe: probe(seq_len // parallel)
         longest = largest_fitting(_reporting(per_rank), granularity, MAX_SEQ_LEN * parallel)

@@ -50,6 +50,7 @@ def resolve_remat(config: TrainConfig, model_config: ModelConfig, device: torch.
     batch's, per row), for the FLOP model's price of replaying attention."""
     precision = config.precision
     local_seq_len = config.seq_len // run.context_parallel  # the tokens of a sequence one rank holds
+    document_ranks = run.context_parallel if config.document_masking else 1  # attention gathers k and v
     if config.memory_fraction is not None:
         # what each layer's budget picks at this length (the blocks pick again per call: the same)
         pairs = visible_pairs(config.seq_len, config.seq_len, True, model_config.window) / config.seq_len
@@ -58,13 +59,14 @@ def resolve_remat(config: TrainConfig, model_config: ModelConfig, device: torch.
         point = within_budget(config.memory_fraction, widths, precision.residual_bytes, precision.compute_bytes, pairs)
         policies = [point] * model_config.n_layers
         return policies, explain_policies(model_config, config.batch_size, local_seq_len, precision, policies,
-                                          attention_pairs=attention_pairs, budget_fraction=config.memory_fraction)
+                                          attention_pairs=attention_pairs, budget_fraction=config.memory_fraction,
+                                          document_ranks=document_ranks)
     if config.remat is not None:
         policies = list(config.remat)
         if config.block != "fused":
             return policies, None
         return policies, explain_policies(model_config, config.batch_size, local_seq_len, precision, policies,
-                                          attention_pairs=attention_pairs)
+                                          attention_pairs=attention_pairs, document_ranks=document_ranks)
     shards = run.world_size if run.strategy == "fsdp" else 1
     budget = config.memory_budget
     if budget is None:
@@ -76,7 +78,8 @@ def resolve_remat(config: TrainConfig, model_config: ModelConfig, device: torch.
         costs, source = None, "FLOP model"
     try:
         plan = plan_remat(model_config, config.batch_size, local_seq_len, precision, budget, costs=costs,
-                          cost_source=source, owner="--memory-budget", attention_pairs=attention_pairs)
+                          cost_source=source, owner="--memory-budget", attention_pairs=attention_pairs,
+                          document_ranks=document_ranks)
     except ValueError as error:
         if config.memory_budget is None:
             raise
