@@ -184,7 +184,7 @@ MARK_START, MARK_END = "<!-- results:start -->", "<!-- results:end -->"
 # never kernel speed, so never in the generated tables, which are rebuilt from GPU timings alone. A
 # folder named for one of them and a variant (static-triton3.6: the same compile on another Triton)
 # is one of them too.
-NOT_TIMINGS = ("static", "frontier", "checkpoint", "host", "peak")
+NOT_TIMINGS = ("static", "frontier", "checkpoint", "host", "peak", "context_parallel")
 
 
 def holds_timings(folder: Path) -> bool:

@@ -2,7 +2,8 @@
 
 Layout (per-document zigzag, as TransformerEngine's THD layout): the B x S tokens of a batch are one
 stream of documents (``cu_seqlens``, FlashAttention 2's offsets). Each document of n tokens is cut
-into 2W pieces, and rank r of W holds pieces r and 2W-1-r of every document, in document order.
+into 2W pieces, and rank r of W holds pieces r and 2W-1-r of every document: piece r of each
+document in document order, then piece 2W-1-r of each (one document is the dense zigzag layout).
 Causal work is then balanced per document, not only per row: the two pieces' prefixes add up to the
 same length on every rank. A document's n = 2W q + e tokens give each piece q, and e of them one
 more: the extra tokens go round the piece numbers from document to document (a running offset), so
@@ -14,7 +15,7 @@ every rank's k and v, then attends its own queries with ``attention_varlen``. Ea
 one varlen sequence whose keys are its document's prefix up to the piece's end (from the window's
 left edge, with one); the kernel's bottom-right causal alignment then puts every query at its true
 position, masked tiles are skipped, and no key outside the query's document is seen. The prefixes
-of all local pieces are copied out of the gathered k and v once per call (``key_index``).
+of all local pieces are copied out of the gathered k and v once per call (``DocumentKeys.key_rows``).
 
 Backward gathers k and v again (only the local q, k, v, o and lse are kept, as one process keeps),
 computes every piece's gradients with the varlen kernel (dK and dV unrounded, fp32), adds them into
@@ -23,10 +24,10 @@ keys, rounded once.
 
 Costs, per rank and layer, for a batch of T = B x S tokens and Hkv key/value heads of width D: the
 gathered k and v (T x Hkv x D each) and their prefix copy (about T (1 + 1/(2W)) rows without a
-window) live during the attention call; forward moves (W-1)/W of 2 T Hkv D elements in, backward
-that again plus 2 T Hkv D fp32 elements through the reduce-scatter. With GQA's few k/v heads that is
-a small share of the activations; the ring (``context_parallel``) keeps 2 blocks instead, for dense
-rows.
+window) live during the attention call, and in backward the copy's fp32 gradients and an fp32
+buffer of the gather's size (``attention_transient_bytes``); forward receives (W-1)/W of 2 T Hkv D
+elements, backward that again plus the fp32 reduce-scatter. The ring (``context_parallel``), for
+dense rows, holds two k/v blocks in flight instead.
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ def unshard_documents(parts: list[torch.Tensor], shards: list[DocumentShards], d
 
 def attention_transient_bytes(world: int, local: int, keys: int, kv_width: int, compute_bytes: int) -> int:
     """The most one rank's attention call holds above its inputs and outputs, for ``local`` tokens
-    whose pieces have ``keys`` keys in all (``DocumentKeys.key_index``) and k/v rows of ``kv_width``
+    whose pieces have ``keys`` keys in all (``DocumentKeys.keys``) and k/v rows of ``kv_width``
     elements in ``compute_bytes`` each: forward, the gathered k and v with, first, the local rows
     sent, then their prefix copy; backward, the same, then the prefix copy with its fp32 gradients while the kernel runs, then those gradients
     and the fp32 buffer laid out as the gather, then that buffer and this rank's part of its
