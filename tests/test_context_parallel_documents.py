@@ -268,3 +268,29 @@ def test_the_benchmark_reports_every_rank_balanced(tmp_path):
         assert sum(pairs) == report["one_process_pairs"] and max(pairs) <= 1.1 * min(pairs)
         assert all(r["pairs"] < r["ring_pairs"] for r in rows)  # masked tiles skipped
     assert "| 4 | 3 |" in (tmp_path / "context_parallel.md").read_text()
+
+
+def _meter_check(rank, world):
+    """Per rank, a model keeps what one process keeps for the same local tokens as documents (the
+    pieces, at their positions), plus the keys' layout: cu_seqlens_k and key_rows, once for all layers."""
+    import torch.distributed as dist
+
+    from fused_remat.memory import saved_memory
+    from fused_remat.model import LanguageModel, ModelConfig
+
+    config = ModelConfig(vocab_size=32, dim=32, n_layers=3, n_heads=2, n_kv_heads=1, ffn_dim=48)
+    shards = shard_documents(_offsets(MIXED), world, rank)
+    tokens = torch.randint(0, config.vocab_size, (2, shards.local // 2))
+    split = LanguageModel(config, "cheap", context_parallel=dist.group.WORLD)
+    with saved_memory(exclude=split.parameters()) as meter:
+        split(tokens, tokens, documents=shards)
+    one = LanguageModel(config, "cheap")
+    with saved_memory(exclude=one.parameters()) as one_meter:
+        one(tokens, tokens, cu_seqlens=shards.keys.cu_seqlens_q, position_ids=shards.positions.view(2, -1))
+    keys = shards.keys
+    assert meter.bytes == one_meter.bytes + keys.cu_seqlens_k.nbytes + keys.key_rows.nbytes, (meter.bytes,
+                                                                                            one_meter.bytes)
+
+
+def test_per_rank_saved_memory_is_one_process_s_plus_the_keys_layout():
+    run_ranks(2, _meter_check)
