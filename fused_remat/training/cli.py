@@ -116,8 +116,9 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                         f"on a CPU the interpreter); default: ${BACKEND_ENV} if set, else auto")
     parser.add_argument("--distributed", choices=STRATEGIES, help="under torchrun only: ddp (default) or fsdp (FSDP2)")
     parser.add_argument("--context-parallel", type=int, metavar="N",
-                        help="under torchrun: split every sequence over N ranks (ring attention, zigzag chunks; "
-                        "--seq-len divisible by 2N); the world is N-rank groups x data parallel (default 1)")
+                        help="under torchrun: split every sequence over N ranks (--seq-len divisible by 2N): whole "
+                        "rows by ring attention over zigzag chunks, documents by pieces of each and gathered k/v; the "
+                        "world is N-rank groups x data parallel (default 1)")
     parser.add_argument("--cuda-graphs", action="store_true", default=None,
                         help="capture one whole step (forward, backward, clipping, AdamW) as a CUDA graph after three "
                         "eager steps and replay it: a step's host time becomes a few copies and one launch. One GPU, "
