@@ -39,9 +39,12 @@ def _lengths() -> list[int]:
     return [*MIX, ROW - sum(MIX)]
 
 
+def _cu_seqlens() -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(_lengths()).cumsum(0).tolist()], dtype=torch.int32)
+
+
 def rank_rows(world: int) -> list[dict]:
-    lengths = _lengths()
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    cu = _cu_seqlens()
     local = ROW // world
     row, row32 = 2 * KV_WIDTH * COMPUTE_BYTES, 2 * KV_WIDTH * 4  # a token's k and v; their fp32 gradients
     ring_pairs = visible_pairs(ROW, ROW, True) // world
@@ -85,7 +88,7 @@ def markdown(rows: list[dict], one_process: int, env: dict) -> str:
     for world in WORLDS:
         pairs = [r["pairs"] for r in rows if r["world"] == world]
         lines.append(f"- {world} ranks: the ranks' pairs sum to one process's ({sum(pairs) == one_process}); "
-                     f"largest over smallest {max(pairs) / min(pairs):.3f}; the ring computes "
+                     f"largest over smallest {max(pairs) / min(pairs):.5f}; the ring computes "
                      f"{visible_pairs(ROW, ROW, True) / one_process:.1f}x one process's pairs in all.")
     return "\n".join(lines) + "\n"
 
@@ -95,16 +98,14 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
-    lengths = _lengths()
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    one_process = shard_documents(cu, 1, 0).keys.pairs()
+    one_process = shard_documents(_cu_seqlens(), 1, 0).keys.pairs()
     rows = [row for world in WORLDS for row in rank_rows(world)]
     from bench.harness import _git_commit
 
     env = dict(machine=platform.processor() or platform.machine(), python=platform.python_version(),
                torch=torch.__version__, commit=_git_commit())
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "context_parallel.json").write_text(json.dumps(dict(environment=env, lengths=lengths,
+    (args.out / "context_parallel.json").write_text(json.dumps(dict(environment=env, lengths=_lengths(),
                                                                     one_process_pairs=one_process, rows=rows),
                                                                indent=1) + "\n")
     (args.out / "context_parallel.md").write_text(markdown(rows, one_process, env))

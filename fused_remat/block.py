@@ -381,7 +381,7 @@ def _attend(attended: torch.Tensor, g: _BlockCall, seqs: _Sequences) -> tuple[to
                                                       seqs.cu_seqlens, g.max_seqlen)
     o = attended.new_empty(g.tokens, g.n_heads * g.head_dim)
     if seqs.key_rows is not None:
-        q, k, v = _token_major_qkv(attended, g)
+        q, k, v = custom_ops.split_token_heads(attended, g.n_heads, g.n_kv_heads)
         _, lse = cp_documents.document_attention_fwd(q, k, v, seqs.document_keys(g, group), group, g.softmax_scale,
                                                      g.softcap, out=o.view(g.tokens, g.n_heads, g.head_dim))
         return o, lse
@@ -389,12 +389,6 @@ def _attend(attended: torch.Tensor, g: _BlockCall, seqs: _Sequences) -> tuple[to
                                                  group, g.causal, g.softmax_scale,
                                                  out=custom_ops.token_major_heads(o, g.batch, g.n_heads))
     return o, lse
-
-
-def _token_major_qkv(qkv: torch.Tensor, g: _BlockCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q (T, Hq, D), k and v (T, Hkv, D): views of a packed (T, (Hq + 2 Hkv) D) qkv buffer."""
-    heads = qkv.view(g.tokens, g.n_heads + 2 * g.n_kv_heads, g.head_dim)
-    return heads.split([g.n_heads, g.n_kv_heads, g.n_kv_heads], dim=1)
 
 
 def _forward_pass(x: torch.Tensor, w: _Weights, g: _BlockCall, seqs: _Sequences) -> tuple[_Activations, torch.Tensor]:
@@ -830,8 +824,10 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, seqs: 
         dqkv = torch.empty_like(acts.qkv)
         heads = (g.tokens, g.n_heads, g.head_dim)
         cp_documents.document_attention_bwd(
-            w.input_grad("out_proj", d_attn, w.out).view(heads), *_token_major_qkv(attended, g), acts.o.view(heads),
-            acts.lse, seqs.document_keys(g, group), group, g.softmax_scale, g.softcap, out=_token_major_qkv(dqkv, g))
+            w.input_grad("out_proj", d_attn, w.out).view(heads),
+            *custom_ops.split_token_heads(attended, g.n_heads, g.n_kv_heads), acts.o.view(heads), acts.lse,
+            seqs.document_keys(g, group), group, g.softmax_scale, g.softcap,
+            out=custom_ops.split_token_heads(dqkv, g.n_heads, g.n_kv_heads))
     else:
         dqkv = torch.empty_like(acts.qkv)
         grads_qkv = context_parallel.ring_attention_bwd(
@@ -1045,9 +1041,9 @@ class TransformerBlock(reference.TransformerBlock):
             adapters=tuple((_LINEARS.index(a.linear), a.first_row, a.b.shape[0], a.seed, float(a.scale), float(a.dropout))
                            for a in adapters),
         )
-        sequences = _Sequences(cu_seqlens, position_ids, rope_inv_freq, *(() if keys is None else (keys.cu_seqlens_k,
-                                                                                                   keys.key_rows)))
-        inputs = (x.reshape(call.tokens, self.dim).contiguous(), call, *vars(sequences).values(), *params,
+        key_layout = (None, None) if keys is None else (keys.cu_seqlens_k, keys.key_rows)
+        inputs = (x.reshape(call.tokens, self.dim).contiguous(), call, cu_seqlens, position_ids, rope_inv_freq,
+                  *key_layout, *params,
                   *[t for a in adapters for t in (a.a, a.b)])
         if call.remat.host_resident:
             if backend.graph_capturing():
