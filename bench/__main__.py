@@ -16,6 +16,8 @@
     python -m bench peak                 # no GPU: one block's peak memory beside what autograd keeps (bench/peak.py)
     python -m bench context_parallel     # no GPU: context parallelism over packed documents, per rank: pairs,
                                          # bytes received, transient memory (bench/context_parallel.py)
+    python -m bench traffic              # no GPU: the bytes each norm and activation kernel moves against what it
+                                         # must move, per width (bench/traffic.py)
 
 Results go to bench/results/<gpu-name>/ (or --out): <suite>.json with the device, versions, date
 and commit; <suite>.md; <suite>*.png.
@@ -40,7 +42,8 @@ SUITES = {"norms": "bench.bench_norms", "attention": "bench.bench_attention", "m
           "block": "bench.bench_block", "train": "bench.bench_train"}
 # Commands that are not timing suites and need no GPU: name -> module with main(argv).
 COMMANDS = {"static": "bench.static", "host": "bench.host", "frontier": "bench.frontier", "checkpoint": "bench.checkpoint",
-            "gpu_stage": "bench.gpu_check", "peak": "bench.peak", "context_parallel": "bench.context_parallel"}
+            "gpu_stage": "bench.gpu_check", "peak": "bench.peak", "context_parallel": "bench.context_parallel",
+            "traffic": "bench.traffic"}
 
 
 def load_suite(name: str) -> harness.Suite:

@@ -32,7 +32,6 @@ Results: ``bench/results/peak/peak.json`` and ``peak.md`` (or ``--out``), the ma
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -255,6 +254,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # our kernels on CPU tensors, before anything imports triton
     os.environ.setdefault("FUSED_REMAT_BACKEND", "triton")
     args, blocks = _parse(sys.argv[1:] if argv is None else argv)
+    from bench.report import write_facts
     from fused_remat.kernels.limits import triton_interpreting
 
     if not triton_interpreting():
@@ -266,12 +266,8 @@ def main(argv=None) -> int:
     fits = bytes_per_token(blocks, max(args.lengths), tuple(args.variants))
     models = model_steps(blocks, tuple(args.variants), args.model_layers, args.model_tokens) if args.model_layers else []
     env = environment()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "peak.json").write_text(json.dumps({"environment": env, "rows": rows, "per_token": fits,
-                                                    "model_steps": models}, indent=1) + "\n")
-    table = markdown(rows, fits, models, env)
-    (args.out / "peak.md").write_text(table)
-    print(table)
+    write_facts(args.out, "peak", {"environment": env, "rows": rows, "per_token": fits, "model_steps": models},
+                markdown(rows, fits, models, env))
     print(f"results in {args.out} ({time.perf_counter() - started:.0f} s)")
     return 0
 

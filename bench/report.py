@@ -22,6 +22,14 @@ RESULTS_PAGE = REPO / "docs" / "results.md"
 OURS = "fused_remat"
 
 
+def write_facts(folder: Path, name: str, payload: dict, table: str) -> None:
+    """A no-GPU command's results: ``<name>.json`` (the payload) and ``<name>.md`` (the table, also printed)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    (folder / f"{name}.md").write_text(table)
+    print(table)
+
+
 def write_json(folder: Path, suite: str, environment: dict, ceilings: dict, results: list[Result]) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{suite}.json"
@@ -184,7 +192,7 @@ MARK_START, MARK_END = "<!-- results:start -->", "<!-- results:end -->"
 # never kernel speed, so never in the generated tables, which are rebuilt from GPU timings alone. A
 # folder named for one of them and a variant (static-triton3.6: the same compile on another Triton)
 # is one of them too.
-NOT_TIMINGS = ("static", "frontier", "checkpoint", "host", "peak", "context_parallel")
+NOT_TIMINGS = ("static", "frontier", "checkpoint", "host", "peak", "context_parallel", "traffic")
 
 
 def holds_timings(folder: Path) -> bool:

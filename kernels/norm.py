@@ -5,11 +5,13 @@ rebuilds x-hat from x and the statistics in registers, so the normalized output 
 RMSNorm is LayerNorm without centering: one pair of kernels serves both through ``IS_RMS``.
 
 Rows of up to ``MAX_SINGLE_PASS_N`` columns (16384 forward, 8192 backward) are held in registers,
-``BLOCK_M`` rows per program. Wider rows (up to ``limits.MAX_NORM_WIDTH``) are streamed in
-``BLOCK_N`` chunks, one row per program, reading x again for each pass instead of holding it.
+``BLOCK_M`` rows per program: each input read once, each output written once. Wider rows (up to
+``limits.MAX_NORM_WIDTH``) are streamed in ``BLOCK_N`` chunks, one row per program, in two sweeps:
+the row's input is read twice (``python -m bench traffic`` counts the bytes).
 
 Weight/bias gradients are deterministic: each program of the backward grid accumulates its own
-rows into its own row of an fp32 partial buffer, and the host sums that buffer in a fixed order.
+rows into its own row of an fp32 partial buffer, written once, and the host sums that buffer in a
+fixed order.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from .precision import load_tile, round_to, store_tile
 # Widest row held in registers. Backward holds more per element (x, dy, w, x-hat), so it spills at
 # a narrower row than forward (ptxas on sm_90 at 16 warps) and streams sooner.
 MAX_SINGLE_PASS_N = {"forward": 16384, "backward": 8192}
-STREAM_BLOCK_N = 4096
+# Chunk of a streamed row, at 8 warps. The backward's persistent grid has 2 programs an SM: its
+# chunk is small enough for both to be resident (docs/design.md, "Global-memory traffic").
+STREAM_BLOCK_N = {"forward": 4096, "backward": 2048}
 
 
 @triton.jit
@@ -47,24 +51,16 @@ def _scale_shift(x_hat, w, B, col, col_mask, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
-def _row_statistics(X, rows64, row_mask, N, stride_x, eps, IS_RMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Mean (0 for RMSNorm) and rstd of rows streamed in chunks: first the mean, then the centred
-    second moment, which stays accurate when |mean| is large against the spread."""
-    cols = tl.arange(0, BLOCK_N)
-    mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if not IS_RMS:
-        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for start in range(0, N, BLOCK_N):
-            mask = row_mask[:, None] & ((start + cols)[None, :] < N)
-            total += load_tile(X, stride_x, rows64, start + cols, mask)
-        mean = tl.sum(total, axis=1) / N
-    squares = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for start in range(0, N, BLOCK_N):
-        mask = row_mask[:, None] & ((start + cols)[None, :] < N)
-        centred = tl.where(mask, load_tile(X, stride_x, rows64, start + cols, mask) - mean[:, None], 0.0)
-        squares += centred * centred
-    rstd = tl.math.rsqrt(tl.sum(squares, axis=1) / N + eps)
-    return mean, rstd
+def _load_row_input(X, R, H, rows64, col, mask, stride_x, stride_r, stride_h, HAS_RESIDUAL: tl.constexpr):
+    """One tile of the norm's input in fp32: x, or with HAS_RESIDUAL h = x + r, stored rounded to
+    H's dtype and normalized as rounded (backward rebuilds x-hat from the stored h and must agree)."""
+    x = load_tile(X, stride_x, rows64, col, mask)
+    if HAS_RESIDUAL:
+        x += load_tile(R, stride_r, rows64, col, mask)
+        h = round_to(x, H.dtype.element_ty)
+        tl.store(H + rows64[:, None] * stride_h + col[None, :], h, mask=mask)
+        x = h.to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -76,7 +72,9 @@ def _norm_fwd(
 ):
     """y = norm(x) * w + b; with HAS_RESIDUAL, first h = x + r (stored, rounded to H's dtype) and y = norm(h).
 
-    The residual add is single-pass only: streamed rows get h from the host first."""
+    Streamed rows take two sweeps: the statistics, each chunk's mean and centred second moment
+    merged into the row's (Chan, Golub and LeVeque), which stays accurate when |mean| is large
+    against the spread; then y, from x or the h the first sweep stored."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     rows64 = rows.to(tl.int64)
@@ -84,13 +82,7 @@ def _norm_fwd(
     if SINGLE_PASS:
         col_mask = cols < N
         mask = row_mask[:, None] & col_mask[None, :]
-        x = load_tile(X, stride_x, rows64, cols, mask)
-        if HAS_RESIDUAL:
-            x += load_tile(R, stride_r, rows64, cols, mask)
-            # Normalize the rounded sum: backward rebuilds x-hat from the stored h and must agree.
-            h = round_to(x, H.dtype.element_ty)
-            tl.store(H + rows64[:, None] * stride_h + cols[None, :], h, mask=mask)
-            x = h.to(tl.float32)
+        x = _load_row_input(X, R, H, rows64, cols, mask, stride_x, stride_r, stride_h, HAS_RESIDUAL=HAS_RESIDUAL)
         if IS_RMS:
             mean = tl.zeros([BLOCK_M], dtype=tl.float32)
             centred = x
@@ -102,18 +94,52 @@ def _norm_fwd(
         y = _scale_shift(centred * rstd[:, None], w, B, cols, col_mask, HAS_BIAS=HAS_BIAS)
         store_tile(Y, stride_y, rows64, cols, mask, y)
     else:
-        mean, rstd = _row_statistics(X, rows64, row_mask, N, stride_x, eps, IS_RMS=IS_RMS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+        second_moment = tl.zeros([BLOCK_M], dtype=tl.float32)
+        seen = 0.0
+        for start in range(0, N, BLOCK_N):
+            col = start + cols
+            mask = row_mask[:, None] & (col < N)[None, :]
+            x = _load_row_input(X, R, H, rows64, col, mask, stride_x, stride_r, stride_h, HAS_RESIDUAL=HAS_RESIDUAL)
+            if IS_RMS:
+                second_moment += tl.sum(x * x, axis=1)
+            else:
+                count = tl.minimum(N - start, BLOCK_N).to(tl.float32)
+                chunk_mean = tl.sum(x, axis=1) / count
+                centred = tl.where(mask, x - chunk_mean[:, None], 0.0)
+                delta = chunk_mean - mean
+                total = seen + count
+                mean += delta * (count / total)
+                second_moment += tl.sum(centred * centred, axis=1) + delta * delta * (seen * count / total)
+                seen = total
+        rstd = tl.math.rsqrt(second_moment / N + eps)
+        if HAS_RESIDUAL:
+            tl.debug_barrier()  # h was stored by other threads of this program
         for start in range(0, N, BLOCK_N):
             col = start + cols
             col_mask = col < N
             mask = row_mask[:, None] & col_mask[None, :]
-            x = load_tile(X, stride_x, rows64, col, mask)
+            if HAS_RESIDUAL:
+                x = load_tile(H, stride_h, rows64, col, mask)
+            else:
+                x = load_tile(X, stride_x, rows64, col, mask)
             w = _load_vector(W, col, col_mask)
             y = _scale_shift((x - mean[:, None]) * rstd[:, None], w, B, col, col_mask, HAS_BIAS=HAS_BIAS)
             store_tile(Y, stride_y, rows64, col, mask, y)
     if not IS_RMS:
         tl.store(MEAN + rows, mean, mask=row_mask)
     tl.store(RSTD + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _load_statistics(MEAN, RSTD, rows, row_mask, IS_RMS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The saved mean (0 for RMSNorm) and rstd of rows."""
+    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    if IS_RMS:
+        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+    else:
+        mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+    return mean, rstd
 
 
 @triton.jit
@@ -127,12 +153,25 @@ def _load_bwd_tile(X, DY, W, rows64, col, col_mask, mask, mean, rstd, stride_x, 
 
 
 @triton.jit
+def _bwd_tile(X, DY, W, MEAN, RSTD, row_block, M, col, col_mask, stride_x, stride_dy,
+              IS_RMS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Row block ``row_block``'s rows, their mask, the tile's mask, rstd, and the tile's (x_hat, dy, w)."""
+    rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    mean, rstd = _load_statistics(MEAN, RSTD, rows, row_mask, IS_RMS=IS_RMS, BLOCK_M=BLOCK_M)
+    mask = row_mask[:, None] & col_mask[None, :]
+    x_hat, dy, w = _load_bwd_tile(X, DY, W, rows.to(tl.int64), col, col_mask, mask, mean, rstd, stride_x, stride_dy)
+    return rows, row_mask, mask, rstd, x_hat, dy, w
+
+
+@triton.jit
 def _finish_rows(
-    x_hat, dy, w, c1, c2, rstd, B, DRES, DX, Y, rows64, col, col_mask, mask, stride_dres, stride_dx, stride_y,
-    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DRES: tl.constexpr, REBUILD_OUTPUT: tl.constexpr,
+    x_hat, dy, w, c1, c2, rstd, dw_acc, db_acc, B, DRES, DX, Y, rows64, col, col_mask, mask, stride_dres, stride_dx,
+    stride_y, IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DRES: tl.constexpr, REBUILD_OUTPUT: tl.constexpr,
 ):
     """Store one tile of dx = rstd * (w*dy - x_hat * c1 - c2) (no c2 for RMSNorm) plus the residual
-    gradient and, when asked, the rebuilt output."""
+    gradient and, when asked, the rebuilt output; return the weight gradients' accumulators with the
+    tile's columns added."""
     w_dy = w[None, :] * dy
     if IS_RMS:
         dx = (w_dy - x_hat * c1[:, None]) * rstd[:, None]
@@ -143,11 +182,39 @@ def _finish_rows(
     store_tile(DX, stride_dx, rows64, col, mask, dx)
     if REBUILD_OUTPUT:
         store_tile(Y, stride_y, rows64, col, mask, _scale_shift(x_hat, w, B, col, col_mask, HAS_BIAS=HAS_BIAS))
+    dw_acc += tl.sum(dy * x_hat, axis=0)
+    if HAS_BIAS:
+        db_acc += tl.sum(dy, axis=0)
+    return dw_acc, db_acc
+
+
+@triton.jit
+def _store_partials(DW_PARTIAL, DB_PARTIAL, col, col_mask, dw_acc, db_acc, HAS_BIAS: tl.constexpr):
+    tl.store(DW_PARTIAL + col, dw_acc, mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB_PARTIAL + col, db_acc, mask=col_mask)
+
+
+@triton.jit
+def _row_sums(X, DY, W, rows64, row_mask, mean, rstd, N, stride_x, stride_dy,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """c1 = mean(x_hat * w * dy) and c2 = mean(w * dy) of rows streamed in chunks."""
+    cols = tl.arange(0, BLOCK_N)
+    c1 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    c2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        col = start + cols
+        col_mask = col < N
+        mask = row_mask[:, None] & col_mask[None, :]
+        x_hat, dy, w = _load_bwd_tile(X, DY, W, rows64, col, col_mask, mask, mean, rstd, stride_x, stride_dy)
+        c1 += tl.sum(x_hat * w[None, :] * dy, axis=1)
+        c2 += tl.sum(w[None, :] * dy, axis=1)
+    return c1 / N, c2 / N
 
 
 @triton.jit
 def _norm_bwd(
-    X, W, B, DY, DRES, DX, Y, MEAN, RSTD, DW_PARTIAL, DB_PARTIAL,
+    X, W, B, DY, DRES, DX, Y, MEAN, RSTD, DW_PARTIAL, DB_PARTIAL, SUMS,
     M, N, stride_x, stride_dy, stride_dres, stride_dx, stride_y,
     IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DRES: tl.constexpr, REBUILD_OUTPUT: tl.constexpr,
     SINGLE_PASS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -156,68 +223,59 @@ def _norm_bwd(
 
     HAS_DRES adds a residual branch's gradient into dx. REBUILD_OUTPUT also writes the rebuilt forward
     output x_hat * w + b, for the weight gradient of the linear layer the norm feeds.
-    Program p owns row blocks p, p + P, p + 2P, ... and row p of the partial buffers."""
+    Program p owns row blocks p, p + P, p + 2P, ... and row p of the partial buffers, which it writes
+    once. Streamed rows take two sweeps: row by row the sums c1 and c2 (kept in SUMS, two per row),
+    then chunk by chunk over the program's rows dx and that chunk's weight gradients, accumulated in
+    registers."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    row_blocks = tl.cdiv(M, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     partial_row = DW_PARTIAL + pid.to(tl.int64) * N
     bias_partial_row = DB_PARTIAL + pid.to(tl.int64) * N
-    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for row_block in range(pid, tl.cdiv(M, BLOCK_M), programs):
-        rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_mask = rows < M
-        rows64 = rows.to(tl.int64)
-        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-        if IS_RMS:
-            mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-        else:
-            mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
-        if SINGLE_PASS:
-            col_mask = cols < N
-            mask = row_mask[:, None] & col_mask[None, :]
-            x_hat, dy, w = _load_bwd_tile(X, DY, W, rows64, cols, col_mask, mask, mean, rstd, stride_x, stride_dy)
+    if SINGLE_PASS:
+        col_mask = cols < N
+        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for row_block in range(pid, row_blocks, programs):
+            rows, row_mask, mask, rstd, x_hat, dy, w = _bwd_tile(
+                X, DY, W, MEAN, RSTD, row_block, M, cols, col_mask, stride_x, stride_dy, IS_RMS=IS_RMS, BLOCK_M=BLOCK_M)
             w_dy = w[None, :] * dy
             c1 = tl.sum(x_hat * w_dy, axis=1) / N
             c2 = tl.sum(w_dy, axis=1) / N
-            _finish_rows(
-                x_hat, dy, w, c1, c2, rstd, B, DRES, DX, Y, rows64, cols, col_mask, mask, stride_dres, stride_dx,
-                stride_y, IS_RMS=IS_RMS, HAS_BIAS=HAS_BIAS, HAS_DRES=HAS_DRES, REBUILD_OUTPUT=REBUILD_OUTPUT,
+            dw_acc, db_acc = _finish_rows(
+                x_hat, dy, w, c1, c2, rstd, dw_acc, db_acc, B, DRES, DX, Y, rows.to(tl.int64), cols, col_mask, mask,
+                stride_dres, stride_dx, stride_y,
+                IS_RMS=IS_RMS, HAS_BIAS=HAS_BIAS, HAS_DRES=HAS_DRES, REBUILD_OUTPUT=REBUILD_OUTPUT,
             )
-            dw_acc += tl.sum(dy * x_hat, axis=0)
-            if HAS_BIAS:
-                db_acc += tl.sum(dy, axis=0)
-        else:
-            # Two sweeps over the row: the sums c1 and c2 first, then dx and the weight gradients.
-            c1 = tl.zeros([BLOCK_M], dtype=tl.float32)
-            c2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for start in range(0, N, BLOCK_N):
-                col = start + cols
-                col_mask = col < N
-                mask = row_mask[:, None] & col_mask[None, :]
-                x_hat, dy, w = _load_bwd_tile(X, DY, W, rows64, col, col_mask, mask, mean, rstd, stride_x, stride_dy)
-                c1 += tl.sum(x_hat * w[None, :] * dy, axis=1)
-                c2 += tl.sum(w[None, :] * dy, axis=1)
-            c1 = c1 / N
-            c2 = c2 / N
-            for start in range(0, N, BLOCK_N):
-                col = start + cols
-                col_mask = col < N
-                mask = row_mask[:, None] & col_mask[None, :]
-                x_hat, dy, w = _load_bwd_tile(X, DY, W, rows64, col, col_mask, mask, mean, rstd, stride_x, stride_dy)
-                _finish_rows(
-                    x_hat, dy, w, c1, c2, rstd, B, DRES, DX, Y, rows64, col, col_mask, mask, stride_dres, stride_dx,
-                    stride_y, IS_RMS=IS_RMS, HAS_BIAS=HAS_BIAS, HAS_DRES=HAS_DRES, REBUILD_OUTPUT=REBUILD_OUTPUT,
+        _store_partials(partial_row, bias_partial_row, cols, col_mask, dw_acc, db_acc, HAS_BIAS=HAS_BIAS)
+    else:
+        for row_block in range(pid, row_blocks, programs):
+            rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_mask = rows < M
+            mean, rstd = _load_statistics(MEAN, RSTD, rows, row_mask, IS_RMS=IS_RMS, BLOCK_M=BLOCK_M)
+            c1, c2 = _row_sums(X, DY, W, rows.to(tl.int64), row_mask, mean, rstd, N, stride_x, stride_dy,
+                               BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+            tl.store(SUMS + 2 * rows, c1, mask=row_mask)
+            tl.store(SUMS + 2 * rows + 1, c2, mask=row_mask)
+        # the sums were stored by other threads of this program
+        tl.debug_barrier()
+        for start in range(0, N, BLOCK_N):
+            col = start + cols
+            col_mask = col < N
+            dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for row_block in range(pid, row_blocks, programs):
+                rows, row_mask, mask, rstd, x_hat, dy, w = _bwd_tile(
+                    X, DY, W, MEAN, RSTD, row_block, M, col, col_mask, stride_x, stride_dy, IS_RMS=IS_RMS, BLOCK_M=BLOCK_M)
+                c1 = tl.load(SUMS + 2 * rows, mask=row_mask, other=0.0)
+                c2 = tl.load(SUMS + 2 * rows + 1, mask=row_mask, other=0.0)
+                dw_acc, db_acc = _finish_rows(
+                    x_hat, dy, w, c1, c2, rstd, dw_acc, db_acc, B, DRES, DX, Y, rows.to(tl.int64), col, col_mask, mask,
+                    stride_dres, stride_dx, stride_y,
+                    IS_RMS=IS_RMS, HAS_BIAS=HAS_BIAS, HAS_DRES=HAS_DRES, REBUILD_OUTPUT=REBUILD_OUTPUT,
                 )
-                dw = tl.load(partial_row + col, mask=col_mask, other=0.0)
-                tl.store(partial_row + col, dw + tl.sum(dy * x_hat, axis=0), mask=col_mask)
-                if HAS_BIAS:
-                    db = tl.load(bias_partial_row + col, mask=col_mask, other=0.0)
-                    tl.store(bias_partial_row + col, db + tl.sum(dy, axis=0), mask=col_mask)
-    if SINGLE_PASS:
-        tl.store(partial_row + cols, dw_acc, mask=cols < N)
-        if HAS_BIAS:
-            tl.store(bias_partial_row + cols, db_acc, mask=cols < N)
+            _store_partials(partial_row, bias_partial_row, col, col_mask, dw_acc, db_acc, HAS_BIAS=HAS_BIAS)
 
 
 _NORM_FWD, _NORM_BWD = KeptKernel(_norm_fwd), KeptKernel(_norm_bwd)
@@ -227,7 +285,7 @@ _NORM_FWD, _NORM_BWD = KeptKernel(_norm_fwd), KeptKernel(_norm_bwd)
 def _tiling(n_cols: int, direction: str) -> tuple[bool, int, int, int]:
     """(single_pass, BLOCK_M, BLOCK_N, num_warps) for rows of ``n_cols`` elements."""
     if n_cols > MAX_SINGLE_PASS_N[direction]:
-        return False, 1, STREAM_BLOCK_N, 8
+        return False, 1, STREAM_BLOCK_N[direction], 8
     block_n = next_power_of_2(n_cols)
     block_m = max(1, min(16, 2048 // block_n))
     tile = block_m * block_n
@@ -261,21 +319,14 @@ def norm_fwd(x, weight, bias, eps, *, rms: bool, residual=None, out_dtype=None):
     """
     given = (x, weight, *(() if bias is None else (bias,)), *(() if residual is None else (residual,)))
     key = (tensor_signature(given), eps, rms, bias is None, residual is None, out_dtype, launch_context(_NORM_FWD.compiled))
-    plan = _FWD_PLANS.get(key)
-    planned = plan is not None
-    if not planned:
+    launch = _FWD_PLANS.get(key)
+    if launch is None:
         rows, cols = _check_launch(x, weight)
         if residual is not None:
             _check_rows("residual", residual, x)
-        single_pass = _tiling(cols, "forward")[0]
     else:
-        rows, single_pass = x.shape[0], plan.single_pass
-    h = None
-    if residual is not None:
-        h = torch.empty_like(x, memory_format=torch.contiguous_format)
-        if not single_pass:
-            torch.add(x, residual, out=h)
-            x, residual = h, None
+        rows = x.shape[0]
+    h = None if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
     y = torch.empty(x.shape, device=x.device, dtype=out_dtype or x.dtype)
     mean = torch.empty(0 if rms else rows, device=x.device, dtype=torch.float32)
     rstd = torch.empty(rows, device=x.device, dtype=torch.float32)
@@ -284,10 +335,10 @@ def norm_fwd(x, weight, bias, eps, *, rms: bool, residual=None, out_dtype=None):
     fused_residual = residual is not None
     tensors = (x, residual if fused_residual else x, h if fused_residual else x, weight,
                bias if bias is not None else weight, y, mean if not rms else rstd, rstd)
-    if planned:
-        plan.launch(*tensors)
+    if launch is not None:
+        launch(*tensors)
         return y, mean, rstd, h
-    _, block_m, block_n, num_warps = _tiling(cols, "forward")
+    single_pass, block_m, block_n, num_warps = _tiling(cols, "forward")
     launch = _NORM_FWD.bind(
         (cdiv(rows, block_m),), tensors,
         (rows, cols, x.stride(0), residual.stride(0) if fused_residual else 0, h.stride(0) if fused_residual else 0,
@@ -296,25 +347,19 @@ def norm_fwd(x, weight, bias, eps, *, rms: bool, residual=None, out_dtype=None):
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **SEPARATE_ROUNDING,
     )
     if launch is not None:
-        _FWD_PLANS.keep(key, _ForwardPlan(single_pass, launch))
+        _FWD_PLANS.keep(key, launch)
     return y, mean, rstd, h
 
 
 # The launchers' plans (kernels.launch.LaunchPlans), per call signature: the launch bound with
-# everything but its tensors, and what the call allocates.
+# everything but its tensors, and for backward what the call allocates.
 _FWD_PLANS, _BWD_PLANS = LaunchPlans(), LaunchPlans()
-
-
-@dataclasses.dataclass(frozen=True)
-class _ForwardPlan:
-    single_pass: bool
-    launch: object
 
 
 @dataclasses.dataclass(frozen=True)
 class _BackwardPlan:
     programs: int
-    single_pass: bool  # every program writes its own row of partials: they need no zeros
+    single_pass: bool  # streamed rows need a scratch for their sums
     launch: object
 
 
@@ -344,13 +389,15 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, has_bias: bool, resi
         programs, single_pass = plan.programs, plan.single_pass
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     y = torch.empty(x.shape, device=x.device, dtype=out_dtype or x.dtype) if rebuild_output else None
-    # dW's partial sums and dB's, one row per program: streamed rows accumulate into theirs
-    partials = (torch.empty if single_pass and rows > 0 else torch.zeros)(
+    # dW's partial sums and dB's, one row per program, each written once
+    partials = (torch.empty if rows > 0 else torch.zeros)(
         (2 if has_bias else 1, programs, cols), device=x.device, dtype=torch.float32)
     if rows > 0:
+        # streamed rows: each row's two sums between the sweeps
+        sums = partials if single_pass else torch.empty(2 * rows, device=x.device, dtype=torch.float32)
         tensors = (x, weight, bias if bias is not None else weight, dy,
                    residual_grad if residual_grad is not None else dy, dx, y if rebuild_output else dx,
-                   mean if not rms else rstd, rstd, partials[0], partials[-1])
+                   mean if not rms else rstd, rstd, partials[0], partials[-1], sums)
         if plan is not None:
             plan.launch(*tensors)
         else:

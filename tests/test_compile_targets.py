@@ -14,6 +14,7 @@ cached for the session, shared by xdist workers. Per compiled kernel, separate t
   repeats another's);
 - ``copy_engine``: the attention kernels stream their tiles by TMA on sm_90a (tensor descriptors)
   and without it on sm_80, which has none (pointer loads, cp.async).
+- ``resident_warps``: the norm and activation kernels keep MIN_RESIDENT_WARPS warps an SM resident.
 
 Floating-point fusion: one case per launch site compiled for sm_90a with Triton's fusion default
 off (Triton 3.10's) is the same SASS as with it on: the attention and RoPE launches ask for fusion
@@ -53,19 +54,25 @@ from bench.static import (ATTENTION_KERNELS, DEFAULT_OUT, VARIANTS, Case, _confi
 from bench.static import main as static_main
 
 FULL = os.environ.get("FUSED_REMAT_COMPILE_ALL") == "1"
-PROPERTIES = ("fits", "no_spills", "few_spills", "hgmma", "not_serialized", "work_once", "copy_engine")
+PROPERTIES = ("fits", "no_spills", "few_spills", "hgmma", "not_serialized", "work_once", "copy_engine", "resident_warps")
+# The row-wise kernels stream memory: at least this many warps an SM in flight (one program of 16
+# warps, or the persistent norm backward's 2 programs an SM of 8).
+ROW_WISE_KERNELS = ("_norm_fwd", "_norm_bwd", "_gelu", "_swiglu")
+MIN_RESIDENT_WARPS = 16
 # fp32 attention's spill budget per thread by head dim (bytes): room above what its tiles
 # (kernels/attention_configs.py, FP32_SHAPES) spill on Triton 3.6 and 3.9, more at D=256, where no
 # fwd or dQ tile is spill-free (docs/tuning.md).
 FP32_SPILL_BUDGET = {64: 64, 128: 64, 256: 512}
 MMA_KERNELS = ("_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv")
 
-# The CI subset: the forward at a configuration both targets pick, one norm, one activation, RoPE,
-# on sm_90a and sm_80.
+# The CI subset: the forward at a configuration both targets pick, the norms held in registers and
+# streamed (backward past 8192 columns, forward past 16384), one activation, RoPE, on sm_90a and sm_80.
 CI_CASES = [
     Case("attention_fwd", "bfloat16", 64, causal=True, config=(128, 64, 8, 3)),
     Case("attention_fwd", "bfloat16", 128, causal=False, config=(128, 64, 8, 3)),
     Case("rms_norm_bwd", "bfloat16", width=4096),
+    Case("layer_norm_bwd", "bfloat16", width=16384),
+    Case("layer_norm_fwd", "bfloat16", width=32768),
     Case("swiglu_bwd", "bfloat16", width=4096),
     Case("rope", "bfloat16", 128),
 ]
@@ -200,6 +207,8 @@ def _params():
                     continue
                 if prop == "few_spills" and not fp32_attention:
                     continue
+                if prop == "resident_warps" and kernel not in ROW_WISE_KERNELS:
+                    continue
                 marks = [pytest.mark.compile_targets_full] if full else []
                 reason = known_failure(case, target, kernel, prop)
                 if reason:
@@ -246,6 +255,10 @@ def test_compiled(facts_cache, case, target, kernel, prop):
             f"{where}: {row['spill_stores']}/{row['spill_loads']} B spilled, budget {budget} B"
         assert not (row["registers"] <= 32 and row["stack"] > 1024), \
             f"{where}: ptxas gave up allocating ({row['registers']} registers, {row['stack']} B stack)"
+    elif prop == "resident_warps":
+        warps = row["blocks_per_sm"] * row["config"]["num_warps"]
+        assert warps >= MIN_RESIDENT_WARPS, \
+            f"{where}: {row['blocks_per_sm']} program(s) an SM at {row['registers']} registers, {warps} warps"
     elif prop == "hgmma":
         assert row["mma"] == "HGMMA", f"{where}: MMA {row['mma']} ({row['mma_shapes']})"
     elif prop == "not_serialized":
