@@ -24,8 +24,11 @@ Per case, forward + backward (``torch.autograd.grad`` of the output against a gi
 - host_us: the median wall time of one call over ``--repeats`` (garbage collection off while timed);
 - launches: the stand-in launcher's calls (Triton kernels; cuBLAS and PyTorch's own kernels are
   not counted, ours or eager's);
-- python_calls: Python function calls (``sys.setprofile``), Triton's own modules excluded and
-  counted apart (``triton_calls``): the launch path every Triton user pays;
+- python_calls: Python function calls (``sys.setprofile``), Triton's own modules (and the stand-in
+  driver, which stands where Triton's driver runs) excluded and counted apart (``triton_calls``):
+  the launch path every Triton user pays; of them ``harness_calls``, those of the case's
+  ``torch.autograd.grad`` outside the Functions it runs (the same for any op: the user's backward
+  call), and ``own_calls``, the rest: what the op or block itself runs;
 - dispatches: calls through a ``fused_remat::`` custom operator's dispatcher entry.
 
 Results: ``bench/results/host/host.json`` and ``host.md`` (or ``--out``), the machine named.
@@ -160,23 +163,42 @@ def _triton_root() -> str:
 
 
 def counts(call: Callable[[], object], driver) -> dict:
-    """One call's launches, Python calls (Triton's apart) and custom-operator dispatches."""
-    from torch._ops import OpOverload
+    """One call's launches, Python calls (Triton's apart) and custom-operator dispatches.
 
-    triton_root, here = _triton_root(), __file__
+    Triton's own calls include the stand-in driver's (``bench.static``), which stands where
+    Triton's driver module runs on a GPU. ``harness_calls`` are the Python calls of the case's own
+    ``torch.autograd.grad`` outside the Functions it runs: what the user's backward call costs
+    whichever op is differentiated; python_calls - harness_calls is what the op itself runs."""
+    import torch
+    from torch._ops import OpOverload
+    from torch.autograd.function import BackwardCFunction
+
+    import bench.static
+
+    triton_root, here, stand_in = _triton_root(), __file__, bench.static.__file__
     overload_call = OpOverload.__call__.__code__
+    grad_code, function_code = torch.autograd.grad.__code__, BackwardCFunction.apply.__code__
     tally = collections.Counter()
+    depth = {grad_code: 0, function_code: 0}  # frames of each open
 
     def profile(frame, event, arg):
+        code = frame.f_code
+        if event == "return":
+            if code in depth:
+                depth[code] -= 1
+            return
         if event != "call":
             return
-        code = frame.f_code
         if code.co_filename == here:
             return
-        if code.co_filename.startswith(triton_root):
+        if code.co_filename.startswith(triton_root) or code.co_filename == stand_in:
             tally["triton_calls"] += 1
             return
+        if code in depth:
+            depth[code] += 1
         tally["python_calls"] += 1
+        if depth[grad_code] and not depth[function_code]:
+            tally["harness_calls"] += 1
         if code is overload_call and frame.f_locals["self"].namespace == "fused_remat":
             tally["dispatches"] += 1
 
@@ -187,6 +209,7 @@ def counts(call: Callable[[], object], driver) -> dict:
     finally:
         sys.setprofile(None)
     return {"launches": driver.launches - launches, "python_calls": tally["python_calls"],
+            "harness_calls": tally["harness_calls"], "own_calls": tally["python_calls"] - tally["harness_calls"],
             "triton_calls": tally["triton_calls"], "dispatches": tally["dispatches"]}
 
 
@@ -547,16 +570,18 @@ def markdown(rows: list[dict], env: dict) -> str:
         "",
         f"Forward + backward of each op and block on {DEVICE} tensors of {TOKENS} tokens, Triton's launcher a no-op "
         "(`python -m bench host`, bench/host.py): what a call costs the host before a GPU sees it, never GPU time. "
-        "Python calls exclude Triton's own (in brackets).",
+        "Python calls: the op's own, then in brackets those of the case's `torch.autograd.grad` outside the "
+        "Functions it runs (the same for any op) and Triton's launch path (its driver's stand-in included).",
         "",
-        "| case | ours us | eager us | ours / eager | launches | Python calls (Triton) | dispatches | eager Python calls |",
+        "| case | ours us | eager us | ours / eager | launches | Python calls (autograd.grad, Triton) | dispatches "
+        "| eager Python calls (autograd.grad) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         ours, eager = row["ours"], row["eager"]
         lines.append(f"| {row['case']} | {ours['host_us']:.0f} | {eager['host_us']:.0f} | {row['ratio']:.2f} | "
-                     f"{ours['launches']} | {ours['python_calls']} ({ours['triton_calls']}) | {ours['dispatches']} | "
-                     f"{eager['python_calls']} |")
+                     f"{ours['launches']} | {ours['own_calls']} ({ours['harness_calls']}, {ours['triton_calls']}) | "
+                     f"{ours['dispatches']} | {eager['own_calls']} ({eager['harness_calls']}) |")
     notes = [f"- {row['case']}: eager is {row['eager_note']}." for row in rows if row["eager_note"]]
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
@@ -598,8 +623,9 @@ def main(argv=None) -> int:
             row = measure(case, driver, args.repeats)
             rows.append(row)
             print(f"{row['case']}: ours {row['ours']['host_us']:.0f} us, eager {row['eager']['host_us']:.0f} us "
-                  f"({row['ratio']:.2f}x), {row['ours']['launches']} launches, {row['ours']['python_calls']} "
-                  f"Python calls (+{row['ours']['triton_calls']} Triton's), {row['ours']['dispatches']} dispatches",
+                  f"({row['ratio']:.2f}x), {row['ours']['launches']} launches, {row['ours']['own_calls']} "
+                  f"Python calls (+{row['ours']['harness_calls']} autograd.grad's, +{row['ours']['triton_calls']} "
+                  f"Triton's), {row['ours']['dispatches']} dispatches",
                   flush=True)
     env = machine()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -16,12 +16,12 @@ from .kernels.limits import check_same_device, check_same_dtype, check_tensor
 @custom_ops.cached_forward_signature
 class _Gelu(torch.autograd.Function):
     @staticmethod
-    def forward(x, approximate: str):
-        return custom_ops.ops(x.device).gelu_fwd(x, approximate)
+    def forward(x, approximate: str, untraced: bool):
+        return (custom_ops.direct if untraced else custom_ops.ops(x.device)).gelu_fwd(x, approximate)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, approximate = inputs
+        x, approximate, _ = inputs
         ctx.save_for_backward(x)  # only the input: the kernel recomputes gelu'(x)
         ctx.approximate = approximate
 
@@ -29,24 +29,24 @@ class _Gelu(torch.autograd.Function):
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
         dx, _ = custom_ops.ops(dy.device).gelu_bwd(dy, x, ctx.approximate, False)
-        return custom_ops.first_order_only("gelu", dx, None)
+        return custom_ops.first_order_only("gelu", dx, None, None)
 
 
 @custom_ops.cached_forward_signature
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(gate, up):
-        return custom_ops.ops(gate.device).swiglu_fwd(gate, up)
+    def forward(gate, up, untraced: bool):
+        return (custom_ops.direct if untraced else custom_ops.ops(gate.device)).swiglu_fwd(gate, up)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)  # gate and up: the kernel recomputes the sigmoid
+        ctx.save_for_backward(*inputs[:2])  # gate and up: the kernel recomputes the sigmoid
 
     @staticmethod
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
         dgate, dup, _ = custom_ops.ops(dy.device).swiglu_bwd(dy, gate, up, False)
-        return custom_ops.first_order_only("swiglu", dgate, dup)
+        return custom_ops.first_order_only("swiglu", dgate, dup, None)
 
 
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:

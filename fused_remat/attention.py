@@ -22,12 +22,13 @@ _VARLEN_OP = "attention_varlen"
 @custom_ops.cached_forward_signature
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(q, k, v, causal: bool, scale: float, window: list[int], softcap: float):
-        return custom_ops.ops(q.device).attention_fwd(q, k, v, causal, scale, window, softcap)
+    def forward(q, k, v, causal: bool, scale: float, window: list[int], softcap: float, untraced: bool):
+        ops = custom_ops.direct if untraced else custom_ops.ops(q.device)
+        return ops.attention_fwd(q, k, v, causal, scale, window, softcap)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, causal, scale, window, softcap = inputs
+        q, k, v, causal, scale, window, softcap, _ = inputs
         o, lse = output
         # Everything kept for backward, in one place: the inputs q, k, v, the output o and the fp32
         # log-sum-exp (B, Hq, Nq). Nothing of size Nq x Nk.
@@ -39,13 +40,13 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, do, dlse):
         q, k, v, o, lse = ctx.saved_tensors
         if do is None and dlse is None:
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         if do is None:
             do = torch.zeros_like(o)
         # The kernels recompute P = exp(q k^T * scale - lse) per block from q, k and the saved lse.
         # A gradient reaching lse (return_lse=True) enters as dS += P * dlse, folded into delta.
         dq, dk, dv = custom_ops.ops(q.device).attention_bwd(do, q, k, v, o, lse, dlse, *ctx.mask)
-        return custom_ops.first_order_only(_OP, dq, dk, dv, None, None, None, None)
+        return custom_ops.first_order_only(_OP, dq, dk, dv, None, None, None, None, None)
 
 
 @custom_ops.cached_forward_signature
@@ -55,14 +56,14 @@ class _VarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                scale: float, window: list[int], softcap: float):
-        return custom_ops.ops(q.device).attention_varlen_fwd(q, k, v, cu_seqlens_q,
-                                                             _key_offsets(cu_seqlens_q, cu_seqlens_k), max_seqlen_q,
-                                                             max_seqlen_k, causal, scale, window, softcap)
+                scale: float, window: list[int], softcap: float, untraced: bool):
+        ops = custom_ops.direct if untraced else custom_ops.ops(q.device)
+        return ops.attention_varlen_fwd(q, k, v, cu_seqlens_q, _key_offsets(cu_seqlens_q, cu_seqlens_k), max_seqlen_q,
+                                        max_seqlen_k, causal, scale, window, softcap)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap = inputs
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, _ = inputs
         o, lse = output
         # Everything kept for backward, in one place: q, k, v, o, the fp32 log-sum-exp (Hq, total_q)
         # and the document offsets (int32, documents + 1 each).
@@ -73,7 +74,7 @@ class _VarlenAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-        nothing = (None,) * 8
+        nothing = (None,) * 9
         if do is None and dlse is None:
             return None, None, None, *nothing
         if do is None:

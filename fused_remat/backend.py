@@ -69,8 +69,31 @@ def launches_kernels(device: torch.device) -> bool:
     return device.type != "meta" or _stubbed_device == "meta"
 
 
+# os.environ's own table of the process environment, kept current by every write through os.environ
+# (monkeypatch.setenv included): a dict lookup per op call where os.environ.get runs three Python
+# functions. None where os.environ has no such table; the ops then ask os.environ.
+_ENVIRON = getattr(os.environ, "_data", None)
+_ENVIRON_KEYS = tuple(os.environ.encodekey(name) for name in (BACKEND_ENV, INTERPRET_ENV)) if _ENVIRON is not None else ()
+
+# use_triton's answers by what they depend on: the two variables as set, the device type and the
+# stubbed device type. Errors are never kept: they are raised again at each call.
+_USE_TRITON: dict[tuple, bool] = {}
+
+
 def use_triton(op: str, device: torch.device) -> bool:
-    """True when ``op`` on tensors of ``device`` should run the Triton kernels."""
+    """True when ``op`` on tensors of ``device`` should run the Triton kernels. Asked by every op call:
+    the answer is kept per setting of the variables, which are read again at every call."""
+    environment = (*map(_ENVIRON.get, _ENVIRON_KEYS),) if _ENVIRON is not None else None
+    key = (environment, device.type, _stubbed_device)
+    runnable = _USE_TRITON.get(key) if environment is not None else None
+    if runnable is None:
+        runnable = _decide_triton(op, device)
+        if environment is not None:
+            _USE_TRITON[key] = runnable
+    return runnable
+
+
+def _decide_triton(op: str, device: torch.device) -> bool:
     backend = requested_backend()
     if backend == "reference":
         return False

@@ -674,17 +674,18 @@ class _BlockFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(x, g: _BlockCall, *inputs):
-        """``inputs``: the _Sequences fields, the block's _PARAMETERS (None where absent), then each
-        adapter's A and B."""
+        """``inputs``: the _Sequences fields, the block's _PARAMETERS (None where absent), each
+        adapter's A and B, then ``custom_ops.apply``'s untraced."""
+        *inputs, untraced = inputs
         sequences, params, lora = _split_inputs(inputs)
-        if not custom_ops.through_operators(x.device):
+        if untraced or not custom_ops.through_operators(x.device):
             return tuple(_block_forward(x, g, _Sequences(*sequences), list(params), lora))
         has_param = [p is not None for p in params]
         return tuple(_block_fwd(x, *sequences, [p for p in params if p is not None], has_param, lora, *g.op_args()))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, g, *rest = inputs
+        x, g, *rest, _ = inputs
         sequences, params, lora = _split_inputs(rest)
         # Everything kept for backward, in one place: x (or, offloaded, its host copy), the policy's
         # activations (``remat.kept()``), the parameters as themselves (no copies; under autocast
@@ -734,7 +735,7 @@ class _BlockFunction(torch.autograd.Function):
         dparams = iter([d if need else None for d, need in zip(grads[:len(needs)], needs)])
         dlora = [d if need else None for d, need in zip(grads[len(needs):], ctx.needs_input_grad[first_param + len(_PARAMETERS):])]
         return custom_ops.first_order_only(_OP, dx, None, *[None] * _SEQUENCE_FIELDS,
-                                           *[next(dparams) if has else None for has in ctx.has_param], *dlora)
+                                           *[next(dparams) if has else None for has in ctx.has_param], *dlora, None)
 
 
 # Whether saved-tensor hooks are active, and whether this backward may run again (None where this
@@ -1050,7 +1051,7 @@ class TransformerBlock(reference.TransformerBlock):
                 raise RuntimeError(f"{_OP}: remat 'offload' copies x to host memory and back on a side stream, which "
                                    "a CUDA graph cannot hold; choose a policy that keeps x on the device (or a "
                                    "memory_budget above x's share of 'none')")
-            y, *_ = _eager_block_function()(*inputs)
+            y, *_ = _eager_block_function()(*inputs, False)
         else:
             y, *_ = custom_ops.apply(_BlockFunction, x.device, *inputs)
         return y.view(x.shape)

@@ -12,7 +12,8 @@ A custom operator returns tensors only, never None and never a view of an input:
 a call does not produce (the mean of an RMSNorm, a bias gradient without bias, an output not asked
 for) comes back as an empty tensor, which ``none_if_empty`` turns back into None.
 
-Launchers are imported inside each implementation: importing fused_remat must not import triton.
+Launchers are reached through ``kernels``, which imports each module at its first use: importing
+fused_remat must not import triton.
 """
 
 from __future__ import annotations
@@ -33,14 +34,51 @@ from .flops import attention_op_flops, document_pairs, flop_formula, visible_pai
 # the Python wrapper), on every call and for nothing. A call that
 # something records or transforms goes through the operator (``traced``). Inside an operator's
 # implementation (the block's) calls always take ``direct``: only the outer operator is seen.
-direct = types.SimpleNamespace()
+class _Kernels:
+    """The modules of fused_remat.kernels, each imported at its first use: importing fused_remat
+    must not import triton, and an import statement in a launching function costs every call."""
+
+    _MODULES = ("activations", "attention", "norm", "rope")
+
+    def __getattr__(self, module: str):
+        if module not in self._MODULES:
+            raise AttributeError(f"fused_remat.kernels has no launcher module {module!r}")
+        from .kernels import activations, attention, norm, rope
+
+        self.activations, self.attention, self.norm, self.rope = activations, attention, norm, rope
+        return getattr(self, module)
+
+
+kernels = _Kernels()
+
+
+class _Direct(types.SimpleNamespace):
+    """The implementations. Where an operator only adapts its launcher to the operator rules (an
+    output not produced comes as None, not empty), ``direct`` holds the launcher itself, taken at
+    its first use: one call less on every launch."""
+
+    def __getattr__(self, name: str):
+        module, launcher = _LAUNCHERS[name]
+        fn = getattr(getattr(kernels, module), launcher)
+        setattr(self, name, fn)
+        return fn
+
+
+direct = _Direct()
 dispatched = types.SimpleNamespace()
+_LAUNCHERS: dict[str, tuple[str, str]] = {}  # direct's launchers by name: (module in kernels, function)
 
 
-def _op(name: str, mutates_args=()):
+def _op(name: str, mutates_args=(), launcher: str | None = None):
+    """Registers an operator; ``launcher`` ("module:function" in kernels) where its implementation
+    only adapts that launcher's None outputs, which ``direct`` then calls itself."""
+
     def register(fn):
         op = torch.library.custom_op(f"fused_remat::{name}", mutates_args=mutates_args)(fn)
-        setattr(direct, name, fn)
+        if launcher is None:
+            setattr(direct, name, fn)
+        else:
+            _LAUNCHERS[name] = tuple(launcher.split(":"))
         setattr(dispatched, name, op)
         return op
 
@@ -55,7 +93,7 @@ def traced(device: torch.device) -> bool:
     # is_compiling first: torch.compile traces this function, and sees a constant there
     return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
             or torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active()
-            or not launches_kernels(device))
+            or (device.type == "meta" and not launches_kernels(device)))
 
 
 def through_operators(device: torch.device) -> bool:
@@ -66,17 +104,19 @@ def through_operators(device: torch.device) -> bool:
 
 
 def ops(device: torch.device) -> types.SimpleNamespace:
-    """The operators a Function's forward or backward runs on ``device`` (``through_operators``)."""
-    return dispatched if through_operators(device) else direct
+    """The operators a Function's backward runs on ``device`` (``through_operators``)."""
+    return dispatched if torch.is_grad_enabled() or traced(device) else direct
 
 
 def apply(function: type[torch.autograd.Function], device: torch.device, *args):
-    """``function.apply(*args)``, every argument given. Untraced, without ``Function.apply``'s Python
-    layer: it binds the arguments to forward's signature for their defaults (there are none to fill)
-    and handles functorch transforms (``traced`` sends those, and torch.compile, the usual way)."""
+    """``function.apply(*args, untraced)``, every argument given. ``untraced`` (True where the call
+    is not ``traced``) tells the forward to call ``direct``: it runs within this call, with grad
+    off, so nothing can have changed since. Untraced, without ``Function.apply``'s Python layer: it
+    binds the arguments to forward's signature for their defaults (there are none to fill) and
+    handles functorch transforms (``traced`` sends those, and torch.compile, the usual way)."""
     if traced(device):
-        return function.apply(*args)
-    return function.apply_untraced(*args)
+        return function.apply(*args, False)
+    return function.apply_untraced(*args, True)
 
 
 def _absent(like: Tensor) -> Tensor:
@@ -92,9 +132,9 @@ def _like(t: Tensor) -> Tensor:
     return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
-def none_if_empty(t: Tensor) -> Tensor | None:
-    """None for the empty stand-in of an output that was not produced."""
-    return None if t.numel() == 0 else t
+def none_if_empty(t: Tensor | None) -> Tensor | None:
+    """None for the empty stand-in of an output that was not produced (or None itself)."""
+    return None if t is None or t.numel() == 0 else t
 
 
 def cached_forward_signature(function: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
@@ -144,7 +184,7 @@ def first_order_only(op: str, *grads):
 def norm_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None, eps: float, rms: bool,
              out_dtype: torch.dtype | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(y, mean (empty for RMSNorm), rstd, h = x + residual (empty without residual))."""
-    from .kernels.norm import norm_fwd as launch
+    launch = kernels.norm.norm_fwd
 
     y, mean, rstd, h = launch(x, weight, bias, eps, rms=rms, residual=residual, out_dtype=out_dtype)
     return y, mean, rstd, _or_absent(h, x)
@@ -164,7 +204,7 @@ def norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, mean: T
              residual_grad: Tensor | None, rms: bool, has_bias: bool, rebuild_output: bool,
              out_dtype: torch.dtype | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, dweight, dbias (empty without bias), rebuilt y (empty unless rebuild_output))."""
-    from .kernels.norm import norm_bwd as launch
+    launch = kernels.norm.norm_bwd
 
     dx, dw, db, y = launch(dy, x, weight, bias, mean, rstd, rms=rms, has_bias=has_bias, residual_grad=residual_grad,
                            rebuild_output=rebuild_output, out_dtype=out_dtype)
@@ -187,7 +227,7 @@ def _(dy, x, weight, bias, mean, rstd, residual_grad, rms, has_bias, rebuild_out
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, window: list[int],
                   softcap: float) -> tuple[Tensor, Tensor]:
     """(o (B, Hq, Nq, D) contiguous, lse (B, Hq, Nq) fp32). window: (left, right)."""
-    from .kernels.attention import attention_fwd as launch
+    launch = kernels.attention.attention_fwd
 
     return launch(q, k, v, causal, scale, window=tuple(window), softcap=softcap)
 
@@ -207,7 +247,7 @@ def _(q_shape, k_shape, v_shape, causal, scale, window, *_, **__) -> int:
 def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Tensor | None,
                   causal: bool, scale: float, window: list[int], softcap: float) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv), contiguous, in the shapes and dtypes of q, k, v."""
-    from .kernels.attention import attention_bwd as launch
+    launch = kernels.attention.attention_bwd
 
     return launch(do, q, k, v, o, lse, causal, scale, window=tuple(window), softcap=softcap, dlse=dlse)
 
@@ -225,7 +265,7 @@ def _(do_shape, q_shape, k_shape, v_shape, o_shape, lse_shape, dlse_shape, causa
 
 
 def _documents(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int):
-    from .kernels.attention import Documents
+    Documents = kernels.attention.Documents
 
     return Documents(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
@@ -235,7 +275,7 @@ def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, 
                          max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float, window: list[int],
                          softcap: float) -> tuple[Tensor, Tensor]:
     """Packed documents: (o (total_q, Hq, D) contiguous, lse (Hq, total_q) fp32)."""
-    from .kernels.attention import attention_fwd as launch
+    launch = kernels.attention.attention_fwd
 
     return launch(q, k, v, causal, scale, window=tuple(window), softcap=softcap,
                   documents=_documents(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
@@ -262,7 +302,7 @@ def attention_varlen_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor,
                          cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                          causal: bool, scale: float, window: list[int], softcap: float) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of attention_varlen_fwd, contiguous, in the shapes and dtypes of q, k, v."""
-    from .kernels.attention import attention_bwd as launch
+    launch = kernels.attention.attention_bwd
 
     return launch(do, q, k, v, o, lse, causal, scale, window=tuple(window), softcap=softcap, dlse=dlse,
                   documents=_documents(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
@@ -331,7 +371,7 @@ def attention_packed_fwd(qkv: Tensor, batch: int, n_heads: int, n_kv_heads: int,
     """Attention of a packed qkv: (o (T, Hq D) token-major, ready for the output projection, lse).
     ``batch`` equal sequences (lse (B, Hq, N)), or the documents ``cu_seqlens`` marks in the T
     tokens (lse (Hq, T))."""
-    from .kernels.attention import attention_fwd as launch
+    launch = kernels.attention.attention_fwd
 
     heads, token_major, documents = _packed_layout(batch, n_heads, n_kv_heads, cu_seqlens, max_seqlen)
     q, k, v = heads(qkv)
@@ -359,7 +399,7 @@ def attention_packed_bwd(do: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, batch:
                          n_kv_heads: int, causal: bool, scale: float, window: list[int], softcap: float,
                          cu_seqlens: Tensor | None, max_seqlen: int) -> Tensor:
     """dqkv (T, (Hq + 2 Hkv) D), packed like qkv, from do and o (T, Hq D) token-major."""
-    from .kernels.attention import attention_bwd as launch
+    launch = kernels.attention.attention_bwd
 
     heads, token_major, documents = _packed_layout(batch, n_heads, n_kv_heads, cu_seqlens, max_seqlen)
     dqkv = torch.empty_like(qkv)
@@ -384,7 +424,7 @@ def rope_qk_(qkv: Tensor, inv_freq: Tensor, batch: int, n_heads: int, n_kv_heads
     """Rotary embedding (positions 0..N-1, two chunks from ``chunk_starts``, or per-token
     ``positions`` of shape (batch, N), see kernels.rope.rope_) of the q and k heads of a packed qkv
     or dqkv, in place."""
-    from .kernels.rope import rope_
+    rope_ = kernels.rope.rope_
 
     head_dim = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
     heads = qkv.view(batch, qkv.shape[0] // batch, n_heads + 2 * n_kv_heads, head_dim)
@@ -402,9 +442,9 @@ def _(qkv, inv_freq, batch, n_heads, n_kv_heads, inverse, chunk_starts=None, pos
 # ------------------------------------------------------------------------------------------------
 
 
-@_op("gelu_fwd")
+@_op("gelu_fwd", launcher="activations:gelu_fwd")
 def gelu_fwd(x: Tensor, approximate: str) -> Tensor:
-    from .kernels.activations import gelu_fwd as launch
+    launch = kernels.activations.gelu_fwd
 
     return launch(x, approximate)
 
@@ -414,10 +454,10 @@ def _(x, approximate):
     return _like(x)
 
 
-@_op("gelu_bwd")
+@_op("gelu_bwd", launcher="activations:gelu_bwd")
 def gelu_bwd(dy: Tensor, x: Tensor, approximate: str, rebuild_output: bool) -> tuple[Tensor, Tensor]:
     """(dx, rebuilt y (empty unless rebuild_output))."""
-    from .kernels.activations import gelu_bwd as launch
+    launch = kernels.activations.gelu_bwd
 
     dx, y = launch(dy, x, approximate, rebuild_output=rebuild_output)
     return dx, _or_absent(y, x)
@@ -428,9 +468,9 @@ def _(dy, x, approximate, rebuild_output):
     return _like(x), _like(x) if rebuild_output else _absent(x)
 
 
-@_op("swiglu_fwd")
+@_op("swiglu_fwd", launcher="activations:swiglu_fwd")
 def swiglu_fwd(gate: Tensor, up: Tensor) -> Tensor:
-    from .kernels.activations import swiglu_fwd as launch
+    launch = kernels.activations.swiglu_fwd
 
     return launch(gate, up)
 
@@ -440,10 +480,10 @@ def _(gate, up):
     return _like(gate)
 
 
-@_op("swiglu_bwd")
+@_op("swiglu_bwd", launcher="activations:swiglu_bwd")
 def swiglu_bwd(dy: Tensor, gate: Tensor, up: Tensor, rebuild_output: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(dgate, dup, rebuilt y (empty unless rebuild_output))."""
-    from .kernels.activations import swiglu_bwd as launch
+    launch = kernels.activations.swiglu_bwd
 
     dgate, dup, y = launch(dy, gate, up, rebuild_output=rebuild_output)
     return dgate, dup, _or_absent(y, gate)
@@ -469,7 +509,7 @@ def gelu_bwd_(dy: Tensor, x: Tensor, approximate: str, rebuild_output: bool,
               y: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """gelu_bwd with dx written over dy; the rebuilt output into ``y`` where given (x itself may
     be), else a new tensor. Returns (dx, y or None)."""
-    from .kernels.activations import gelu_bwd as launch
+    launch = kernels.activations.gelu_bwd
 
     return launch(dy, x, approximate, rebuild_output=rebuild_output, dx=dy, y=y if rebuild_output else None)
 
@@ -479,7 +519,7 @@ def swiglu_packed_bwd_(dy: Tensor, u: Tensor, rebuild_output: bool,
                        du: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """For u = [gate | up] (M, 2F) and dy (M, F): du = [dgate | dup] written into ``du`` where given
     (u itself may be), else a new tensor, and the rebuilt output over dy. Returns (du, y or None)."""
-    from .kernels.activations import swiglu_bwd as launch
+    launch = kernels.activations.swiglu_bwd
 
     half = u.shape[1] // 2
     du = torch.empty_like(u) if du is None else du

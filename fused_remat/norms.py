@@ -46,32 +46,29 @@ class _NormFunction(torch.autograd.Function):
     """LayerNorm (``rms=False``) or RMSNorm of x's rows: keeps x, the weight and the fp32 statistics."""
 
     @staticmethod
-    def forward(x, weight, bias, eps: float, rms: bool):
-        y, mean, rstd, _ = custom_ops.ops(x.device).norm_fwd(_rows(x), weight.contiguous(), _contiguous(bias), None,
-                                                             eps, rms, None)
+    def forward(x, weight, bias, eps: float, rms: bool, untraced: bool):
+        ops = custom_ops.direct if untraced else custom_ops.ops(x.device)
+        bias = None if bias is None else bias.contiguous()
+        y, mean, rstd, _ = ops.norm_fwd(_rows(x), weight.contiguous(), bias, None, eps, rms, None)
         return y.view(x.shape), mean, rstd
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, _, rms = inputs
+        x, weight, bias, _, rms, _ = inputs
         _, mean, rstd = output
-        # Everything kept for backward: x (as rows), the weight, mean (empty for RMSNorm) and rstd.
-        ctx.save_for_backward(_rows(x), weight, mean, rstd)
+        # Everything kept for backward: x, the weight, mean (empty for RMSNorm) and rstd.
+        ctx.save_for_backward(x, weight, mean, rstd)
         ctx.rms, ctx.has_bias = rms, bias is not None
         ctx.mark_non_differentiable(mean, rstd)
 
     @staticmethod
     def backward(ctx, dy, _dmean, _drstd):
         # The kernel rebuilds x_hat = (x - mean) * rstd in registers; it is never stored.
-        x_rows, weight, mean, rstd = ctx.saved_tensors
-        dx, dweight, dbias, _ = custom_ops.ops(dy.device).norm_bwd(_rows(dy), x_rows, weight.contiguous(), None, mean,
+        x, weight, mean, rstd = ctx.saved_tensors
+        dx, dweight, dbias, _ = custom_ops.ops(dy.device).norm_bwd(_rows(dy), _rows(x), weight.contiguous(), None, mean,
                                                                    rstd, None, ctx.rms, ctx.has_bias, False, None)
         return custom_ops.first_order_only("rms_norm" if ctx.rms else "layer_norm", dx.view(dy.shape), dweight,
-                                           custom_ops.none_if_empty(dbias), None, None)
-
-
-def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.contiguous()
+                                           custom_ops.none_if_empty(dbias), None, None, None)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:

@@ -16,6 +16,8 @@ of BLOCK_M x BLOCK_N elements.
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 
 import torch
 import triton
@@ -115,17 +117,19 @@ def _tiling(rows: int, cols: int) -> tuple[int, int, int, int]:
     return block_m, block_n, num_warps, cdiv(rows, block_m) * cdiv(cols, block_n)
 
 
-# The launches bound per call signature (kernels.launch.LaunchPlans)
-_PLANS = LaunchPlans()
+# The launches bound per call signature (kernels.launch.LaunchPlans), and the launchers' whole calls
+# (_Call) per signature of their inputs
+_PLANS, _CALLS = LaunchPlans(), LaunchPlans()
 
 
-def _launch(kernel, tensors: list[torch.Tensor], **constexprs) -> None:
-    """Run ``kernel`` over 2-D views of one shape: all pointers, then M and N, then each row stride."""
+def _launch(kernel, tensors: list[torch.Tensor], **constexprs):
+    """Run ``kernel`` over 2-D views of one shape: all pointers, then M and N, then each row stride.
+    Returns the bound launch (None where it is not kept)."""
     key = (kernel, tensor_signature(tensors), *constexprs.items(), launch_context(kernel.compiled))
     launch = _PLANS.get(key)
     if launch is not None:
         launch(*tensors)
-        return
+        return launch
     rows, cols = tensors[0].shape
     block_m, block_n, num_warps, programs = _tiling(rows, cols)
     launch = kernel.bind(
@@ -134,6 +138,41 @@ def _launch(kernel, tensors: list[torch.Tensor], **constexprs) -> None:
     )
     if launch is not None:
         _PLANS.keep(key, launch)
+    return launch
+
+
+def _signature(kernel: KeptKernel, options: tuple, inputs: tuple) -> tuple:
+    """A launcher's call key: its options and what its launch depends on of each input (the key of
+    kernels.launch.tensor_signature, each tensor's shape, strides, dtype, device and alignment)."""
+    return (options, *[(t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15) for t in inputs],
+            launch_context(kernel.compiled))
+
+
+_new_like = functools.partial(torch.empty_like, memory_format=torch.contiguous_format)
+
+
+class _Call:
+    """A launcher's call for one signature of its inputs, where every input was a view of rows (no
+    copy) and every output new: later calls allocate the outputs like the first input and hand the
+    bound launch each tensor as a (rows, cols) view, in the launch's order of inputs and outputs."""
+
+    __slots__ = ("launch", "outputs", "pick", "rows")
+
+    def __init__(self, launch, outputs: int, order: tuple[int, ...], rows: torch.Size):
+        self.launch, self.outputs, self.pick, self.rows = launch, outputs, operator.itemgetter(*order), rows
+
+    def __call__(self, inputs: tuple) -> tuple:
+        outputs = (*map(_new_like, itertools.repeat(inputs[0], self.outputs)),)
+        self.launch(*map(torch.Tensor.view, self.pick((*inputs, *outputs)), itertools.repeat(self.rows)))
+        return outputs
+
+
+def _keep_call(key: tuple, launch, inputs: tuple, rows: list[torch.Tensor], outputs: int,
+               order: tuple[int, ...]) -> None:
+    """Keeps the call just made under ``key`` where its inputs needed no copy (``rows``: the views
+    it launched on) and its launch was kept."""
+    if launch is not None and all(r.data_ptr() == t.data_ptr() for r, t in zip(rows, inputs)):
+        _CALLS.keep(key, _Call(launch, outputs, order, rows[0].shape))
 
 
 def _unit_column_stride(t: torch.Tensor) -> bool:
@@ -162,8 +201,8 @@ def _output(op: str, name: str, out: torch.Tensor | None, like: torch.Tensor,
     (the input named ``like_name``), or the caller's ``out``, which the kernel must be able to write
     in place. Each element is read before it is written, so ``out`` may be one of the inputs."""
     if out is None:
-        out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-        return out, (_rows_view(out) if out.numel() else out)
+        out = torch.empty_like(like, memory_format=torch.contiguous_format)
+        return out, (out if out.dim() == 2 or not out.numel() else out.view(-1, out.shape[-1] if out.dim() else 1))
     _check_shapes(op, like_name, like, **{name: out})
     if out.dtype != like.dtype:
         raise TypeError(f"{op}: {name} has dtype {out.dtype} but {like_name} has {like.dtype}; they must match")
@@ -196,11 +235,17 @@ def _check_approximation(approximate: str) -> bool:
 
 def gelu_fwd(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """y = gelu(x) in x's dtype, computed in fp32; y is contiguous, in x's shape."""
+    key = _signature(_GELU, ("gelu_fwd", approximate), (x,))
+    call = _CALLS.get(key)
+    if call is not None:
+        return call((x,))[0]
     tanh = _check_approximation(approximate)
     y, y_rows = _output("gelu_fwd", "y", None, x)
     if x.numel():
         x_rows = _input_rows(x)
-        _launch(_GELU, [x_rows, x_rows, y_rows, y_rows], APPROXIMATE_TANH=tanh, BACKWARD=False, REBUILD_OUTPUT=False)
+        launch = _launch(_GELU, [x_rows, x_rows, y_rows, y_rows], APPROXIMATE_TANH=tanh, BACKWARD=False,
+                         REBUILD_OUTPUT=False)
+        _keep_call(key, launch, (x,), [x_rows], 1, (0, 0, 1, 1))
     return y
 
 
@@ -212,25 +257,39 @@ def gelu_bwd(
     writes y = gelu(x), bitwise what gelu_fwd gives (else None). Outputs contiguous, in x's shape,
     unless ``dx`` / ``y`` are given: then written in place and returned (dy itself, x itself or
     any tensor of x's shape and dtype writable as rows with unit column stride)."""
+    new_outputs = dx is None and y is None
+    if new_outputs:
+        key = _signature(_GELU, ("gelu_bwd", approximate, rebuild_output), (x, dy))
+        call = _CALLS.get(key)
+        if call is not None:
+            outputs = call((x, dy))
+            return outputs[0], outputs[1] if rebuild_output else None
     tanh = _check_approximation(approximate)
     _check_shapes("gelu_bwd", "x", x, dy=dy)
     dx, dx_rows = _output("gelu_bwd", "dx", dx, x, "x")
     y, y_rows = _output("gelu_bwd", "y", y, x, "x") if rebuild_output else (None, dx_rows)
     if x.numel():
-        _launch(
-            _GELU, [_input_rows(x), _input_rows(dy), dx_rows, y_rows],
-            APPROXIMATE_TANH=tanh, BACKWARD=True, REBUILD_OUTPUT=rebuild_output,
-        )
+        rows = [_input_rows(x), _input_rows(dy)]
+        launch = _launch(_GELU, [*rows, dx_rows, y_rows], APPROXIMATE_TANH=tanh, BACKWARD=True,
+                         REBUILD_OUTPUT=rebuild_output)
+        if new_outputs:
+            _keep_call(key, launch, (x, dy), rows, 1 + rebuild_output, (0, 1, 2, 3 if rebuild_output else 2))
     return dx, y
 
 
 def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """y = silu(gate) * up in gate's dtype; gate and up of one shape; y contiguous, in that shape."""
+    key = _signature(_SWIGLU, ("swiglu_fwd",), (gate, up))
+    call = _CALLS.get(key)
+    if call is not None:
+        return call((gate, up))[0]
     _check_shapes("swiglu_fwd", "gate", gate, up=up)
     y, y_rows = _output("swiglu_fwd", "y", None, gate)
     if gate.numel():
         gate_rows, up_rows = _input_rows(gate), _input_rows(up)
-        _launch(_SWIGLU, [gate_rows, up_rows, gate_rows, y_rows, y_rows, y_rows], BACKWARD=False, REBUILD_OUTPUT=False)
+        launch = _launch(_SWIGLU, [gate_rows, up_rows, gate_rows, y_rows, y_rows, y_rows], BACKWARD=False,
+                         REBUILD_OUTPUT=False)
+        _keep_call(key, launch, (gate, up), [gate_rows, up_rows], 1, (0, 1, 0, 2, 2, 2))
     return y
 
 
@@ -252,13 +311,21 @@ def swiglu_bwd(
     (M, 2F) gradient buffer), and they may be the inputs themselves (gate, up, dy). Otherwise they
     are new contiguous tensors in gate's shape.
     """
+    new_outputs = dgate is None and dup is None and y is None
+    if new_outputs:
+        key = _signature(_SWIGLU, ("swiglu_bwd", rebuild_output), (gate, up, dy))
+        call = _CALLS.get(key)
+        if call is not None:
+            outputs = call((gate, up, dy))
+            return outputs[0], outputs[1], outputs[2] if rebuild_output else None
     _check_shapes("swiglu_bwd", "gate", gate, up=up, dy=dy)
     dgate, dgate_rows = _output("swiglu_bwd", "dgate", dgate, gate)
     dup, dup_rows = _output("swiglu_bwd", "dup", dup, gate)
     y, y_rows = _output("swiglu_bwd", "y", y, gate) if rebuild_output else (None, dgate_rows)
     if gate.numel():
-        _launch(
-            _SWIGLU, [_input_rows(gate), _input_rows(up), _input_rows(dy), dgate_rows, dup_rows, y_rows],
-            BACKWARD=True, REBUILD_OUTPUT=rebuild_output,
-        )
+        rows = [_input_rows(gate), _input_rows(up), _input_rows(dy)]
+        launch = _launch(_SWIGLU, [*rows, dgate_rows, dup_rows, y_rows], BACKWARD=True, REBUILD_OUTPUT=rebuild_output)
+        if new_outputs:
+            _keep_call(key, launch, (gate, up, dy), rows, 2 + rebuild_output,
+                       (0, 1, 2, 3, 4, 5 if rebuild_output else 3))
     return dgate, dup, y

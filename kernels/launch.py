@@ -153,9 +153,7 @@ class KeptKernel:
         if kept is None:
             return None
         active, device = launch_context(self.compiled)
-        if self.compiled and callable(grid):
-            grid = grid(kept.meta)
-        return lambda *given: kept(grid, active, device, (*given, *tail))
+        return kept.bound(grid, active, device, tail)
 
     def _first_launch(self, key, grid, args, kwargs) -> None:
         """Launches through Triton's own path and keeps what later launches of ``key`` need."""
@@ -239,6 +237,25 @@ class _Compiled:
                    kernel.launch_metadata(grid, stream, *full), knobs.runtime.launch_enter_hook,
                    knobs.runtime.launch_exit_hook, *full)
 
+    def bound(self, grid, active, device, tail: tuple):
+        """The launch with ``tail`` after the given arguments, as one function of the tensors: the
+        grid resolved and the kernel's handles read once."""
+        if callable(grid):
+            grid = grid(self.meta)
+        grid_0, grid_1, grid_2 = (*grid, 1, 1)[:3]
+        kernel, tail = self.kernel, (*tail, *self.tail)
+        run, launch_metadata, function, packed = (kernel.run, kernel.launch_metadata, kernel.function,
+                                                  kernel.packed_metadata)
+        hooks = knobs.runtime
+
+        def launch(*given):
+            stream = active.get_current_stream(device)
+            full = (*given, *tail)
+            run(grid_0, grid_1, grid_2, stream, function, packed, launch_metadata(grid, stream, *full),
+                hooks.launch_enter_hook, hooks.launch_exit_hook, *full)
+
+        return launch
+
 
 # Triton's interpreter copies a launch's tensors through closures that refer to themselves (its
 # GridExecutor), a reference cycle that keeps every storage the launch touched alive until the
@@ -274,3 +291,7 @@ class _Interpreted:
 
     def __call__(self, grid, active, device, args):
         _interpret(self.fn, grid, args, self.kwargs)
+
+    def bound(self, grid, active, device, tail: tuple):
+        fn, kwargs = self.fn, self.kwargs
+        return lambda *given: _interpret(fn, grid, (*given, *tail), kwargs)

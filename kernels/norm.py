@@ -327,7 +327,7 @@ def norm_fwd(x, weight, bias, eps, *, rms: bool, residual=None, out_dtype=None):
     else:
         rows = x.shape[0]
     h = None if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
-    y = torch.empty(x.shape, device=x.device, dtype=out_dtype or x.dtype)
+    y = torch.empty_like(x, dtype=out_dtype or x.dtype, memory_format=torch.contiguous_format)
     mean = torch.empty(0 if rms else rows, device=x.device, dtype=torch.float32)
     rstd = torch.empty(rows, device=x.device, dtype=torch.float32)
     if rows == 0:
