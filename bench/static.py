@@ -337,15 +337,15 @@ def _run_case(case: Case) -> None:
     w = torch.empty(case.width, device="meta", dtype=torch.float32)
     stats = torch.empty(rows, device="meta", dtype=torch.float32)
     if case.op == "layer_norm_fwd":
-        norm.norm_fwd(x, w, w, 1e-5, rms=False, residual=torch.empty_like(x))
+        norm.norm_fwd(x, w, w, torch.empty_like(x), 1e-5, rms=False)
     elif case.op == "rms_norm_fwd":
-        norm.norm_fwd(x, w, None, 1e-6, rms=True, residual=torch.empty_like(x))
+        norm.norm_fwd(x, w, None, torch.empty_like(x), 1e-6, rms=True)
     elif case.op == "layer_norm_bwd":
-        norm.norm_bwd(torch.empty_like(x), x, w, w, stats, stats, rms=False, has_bias=True,
-                      residual_grad=torch.empty_like(x), rebuild_output=True)
+        norm.norm_bwd(torch.empty_like(x), x, w, w, stats, stats, torch.empty_like(x), rms=False, has_bias=True,
+                      rebuild_output=True)
     elif case.op == "rms_norm_bwd":
-        norm.norm_bwd(torch.empty_like(x), x, w, None, None, stats, rms=True, has_bias=False,
-                      residual_grad=torch.empty_like(x), rebuild_output=True)
+        norm.norm_bwd(torch.empty_like(x), x, w, None, None, stats, torch.empty_like(x), rms=True, has_bias=False,
+                      rebuild_output=True)
     elif case.op == "gelu_fwd":
         activations.gelu_fwd(x, "tanh")
     elif case.op == "gelu_bwd":

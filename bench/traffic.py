@@ -208,13 +208,13 @@ def _launch(case: TrafficCase, rows: int, tally: Tally) -> None:
         if case.op.endswith("fwd"):
             residual = like_x() if case.fused else None
             with tallied(tally):
-                out = norm.norm_fwd(x, weight, bias, 1e-5, rms=rms, residual=residual)
+                out = norm.norm_fwd(x, weight, bias, residual, 1e-5, rms)
         else:
-            _, mean, rstd, _ = norm.norm_fwd(x, weight, bias, 1e-5, rms=rms)
+            _, mean, rstd, _ = norm.norm_fwd(x, weight, bias, None, 1e-5, rms)
             dy, residual_grad = like_x(), like_x() if case.fused else None
             with tallied(tally):
-                out = norm.norm_bwd(dy, x, weight, bias, mean, rstd, rms=rms, has_bias=not rms,
-                                    residual_grad=residual_grad, rebuild_output=case.fused)
+                out = norm.norm_bwd(dy, x, weight, bias, mean, rstd, residual_grad, rms, has_bias=not rms,
+                                    rebuild_output=case.fused)
     else:
         other, dy = like_x(), like_x()
         with tallied(tally):

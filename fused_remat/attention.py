@@ -9,11 +9,15 @@ window and softcap; key tiles that the mask hides from every row of a query tile
 
 from __future__ import annotations
 
+import itertools
+import operator
+
 import torch
 
 from . import custom_ops, reference
 from .backend import use_triton
-from .kernels.limits import check_attention_args, check_softcap, check_varlen_args, check_window
+from .kernels.limits import (check_attention_args, check_softcap, check_varlen_args, check_varlen_offsets,
+                             check_window)
 
 _OP = "attention"
 _VARLEN_OP = "attention_varlen"
@@ -84,6 +88,41 @@ class _VarlenAttention(torch.autograd.Function):
         return custom_ops.first_order_only(_VARLEN_OP, dq, dk, dv, *nothing)
 
 
+# The argument signatures that passed an op's checks, each with the (scale, window, softcap) they
+# gave: a call whose signature is here skips them. A key holds everything the checks read (the
+# tensors' shapes, dtypes, devices and last strides, the options), so it is made only where the
+# options are plain Python values (a window given as tensors is checked at every call). The
+# offsets' values are not in it: attention_varlen checks them at every call (check_varlen_offsets,
+# which reads each tensor version once).
+_CHECKED: dict[tuple, tuple] = {}
+_MOST_CHECKED = 4096
+
+
+def _checked(op: str, tensors: tuple, scale, window, softcap, check) -> tuple[float, tuple[int, int], float]:
+    """(scale, window, softcap) as ``op``'s checks give them (``check()`` runs all but the window's
+    and softcap's, and gives the scale), once per signature of ``tensors`` and the options; ``op``
+    may carry more options that the checks read. While torch.compile traces, every time (it traces
+    the checks, not the table)."""
+    key = None
+    if (not torch.compiler.is_compiling() and all(map(isinstance, tensors, itertools.repeat(torch.Tensor))) and (scale is None or type(scale) is float) and type(softcap) is float
+            and type(window) in (tuple, list) and len(window) == 2 and type(window[0]) is int
+            and type(window[1]) is int):
+        key = (op, *map(_SIGNATURE, tensors), *map(_LAST_STRIDE, tensors), scale, *window, softcap)
+        checked = _CHECKED.get(key)
+        if checked is not None:
+            return checked
+    checked = (check(), check_window(op, window), check_softcap(op, softcap))
+    if key is not None:
+        if len(_CHECKED) >= _MOST_CHECKED:
+            _CHECKED.clear()
+        _CHECKED[key] = checked
+    return checked
+
+
+_SIGNATURE = operator.attrgetter("shape", "dtype", "device")
+_LAST_STRIDE = operator.methodcaller("stride", -1)
+
+
 def _key_offsets(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None) -> torch.Tensor:
     return cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
 
@@ -121,9 +160,8 @@ def attention(
 
     For backward only q, k, v, o and lse are saved; P is recomputed from lse.
     """
-    scale = check_attention_args(_OP, q, k, v, scale)
-    window = check_window(_OP, window)
-    softcap = check_softcap(_OP, softcap)
+    scale, window, softcap = _checked(_OP, (q, k, v), scale, window, softcap,
+                                      lambda: check_attention_args(_OP, q, k, v, scale))
     causal = bool(causal)
     if use_triton(_OP, q.device):
         o, lse = custom_ops.apply(_Attention, q.device, q, k, v, causal, scale, list(window), softcap)
@@ -166,9 +204,15 @@ def attention_varlen(
     (one device-to-host copy per tensor version, so the same offsets are read once; skipped under
     torch.compile).
     """
-    scale = check_varlen_args(_VARLEN_OP, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
-    window = check_window(_VARLEN_OP, window)
-    softcap = check_softcap(_VARLEN_OP, softcap)
+    if type(max_seqlen_q) is int and type(max_seqlen_k) is int:
+        scale, window, softcap = _checked(
+            (_VARLEN_OP, max_seqlen_q, max_seqlen_k), (q, k, v, cu_seqlens_q, cu_seqlens_k), scale, window, softcap,
+            lambda: check_varlen_args(_VARLEN_OP, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      scale))
+        check_varlen_offsets(_VARLEN_OP, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    else:
+        scale = check_varlen_args(_VARLEN_OP, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
+        window, softcap = check_window(_VARLEN_OP, window), check_softcap(_VARLEN_OP, softcap)
     causal = bool(causal)
     if use_triton(_VARLEN_OP, q.device):
         key_offsets = None if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k

@@ -14,8 +14,9 @@ Nothing of size N x N is ever kept.
 
 from __future__ import annotations
 
-import contextlib
 import functools
+import itertools
+import operator
 from dataclasses import dataclass, fields
 
 import torch
@@ -120,15 +121,6 @@ _PARAMETERS = (
 _PARAMETER_PATHS = tuple(tuple(name.split(".")) for name in _PARAMETERS)  # (module, attribute)
 
 
-def _parameter(module: torch.nn.Module | None, attr: str) -> torch.Tensor | None:
-    """``module.attr`` (None for an absent module or bias) as a call sees it now: from the module's
-    parameter table, where torch.func.functional_call and FSDP also put the tensors they swap in,
-    else through attribute lookup (a parametrization's property); not ``get_parameter``, which
-    stops at the table."""
-    if module is None:
-        return None
-    table = module._parameters
-    return table[attr] if attr in table else getattr(module, attr, None)
 _LINEARS = reference.LINEARS
 # The parameters a pass casts to the compute dtype (the linear layers'), in _Weights' order.
 _MATMUL_OPERANDS = ("qkv.weight", "qkv.bias", "out_proj.weight", "out_proj.bias", "fc1.weight", "fc1.bias",
@@ -359,8 +351,7 @@ def _qk_norm_backward(dqkv: torch.Tensor, qkv: torch.Tensor, w: _Weights, g: _Bl
 def _norm_forward(x, weights, g: _BlockCall, residual=None):
     """(y in the compute dtype, mean, rstd, h = x + residual or None)."""
     weight, bias = weights
-    y, mean, rstd, h = custom_ops.direct.norm_fwd(x, weight, bias, residual, g.eps, g.rms, g.compute_dtype)
-    return y, mean, rstd, custom_ops.none_if_empty(h)
+    return custom_ops.direct.norm_fwd(x, weight, bias, residual, g.eps, g.rms, g.compute_dtype)
 
 
 def _activation_forward(u: torch.Tensor, g: _BlockCall) -> torch.Tensor:
@@ -454,11 +445,17 @@ def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _weight_grad(needed: bool, grad_out: torch.Tensor, inputs: torch.Tensor, param: torch.Tensor | None):
-    return _in_dtype(grad_out.t() @ inputs, param.dtype) if needed else None
+    if not needed:
+        return None
+    grad = grad_out.t() @ inputs
+    return grad if grad.dtype == param.dtype else grad.to(param.dtype)
 
 
 def _bias_grad(needed: bool, grad_out: torch.Tensor, param: torch.Tensor | None):
-    return _in_dtype(grad_out.sum(dim=0, dtype=torch.float32), param.dtype) if needed else None
+    if not needed:
+        return None
+    grad = grad_out.sum(dim=0, dtype=torch.float32)
+    return grad if grad.dtype == param.dtype else grad.to(param.dtype)
 
 
 # The block as two custom operators, so that torch.compile sees each as one opaque node: traced
@@ -466,11 +463,6 @@ def _bias_grad(needed: bool, grad_out: torch.Tensor, param: torch.Tensor | None)
 # merges the ``full`` replay with the forward and keeps cheap's tensors), and the policy would be lost.
 # Outputs a policy does not keep come back as empty tensors, so both ops have fixed signatures.
 _SLOTS = tuple(k for k in KEPT_FOR_BACKWARD if k.name != "x")
-
-
-def _slots_kept(remat: Remat) -> list[bool]:
-    """Which of _SLOTS ``remat`` keeps."""
-    return [k.name in remat.keeps for k in _SLOTS]
 
 
 @torch.library.custom_op("fused_remat::block_fwd", mutates_args=())
@@ -494,11 +486,14 @@ def _block_fwd(x: torch.Tensor, cu_seqlens: torch.Tensor | None, position_ids: t
 
 def _block_forward(x: torch.Tensor, g: _BlockCall, seqs: _Sequences, params: list, lora: list) -> list:
     """block_fwd's implementation, for the operator and for eager calls, which come straight here:
-    None for each slot the point does not keep (the operator fills those in)."""
-    with _autocast_off(x.device.type):
-        weights = _Weights(params, g.compute_dtype, g.adapters, lora)
-        acts, y = _forward_pass(x, weights, g, seqs)
-    return [y, *[getattr(acts, k.name) if keeps else None for k, keeps in zip(_SLOTS, _slots_kept(g.remat))]]
+    None for each slot the point does not keep (the operator fills those in). Runs with autocast off
+    (the compute dtype is chosen already)."""
+    if torch.is_autocast_enabled(x.device.type):
+        with torch.autocast(x.device.type, enabled=False):
+            return _block_forward(x, g, seqs, params, lora)
+    weights = _Weights(params, g.compute_dtype, g.adapters, lora)
+    acts, y = _forward_pass(x, weights, g, seqs)
+    return [y, *[getattr(acts, k.name) if keeps else None for k, keeps in zip(_SLOTS, g.remat.keeps_each)]]
 
 
 def _filled(tensors: list, like: torch.Tensor) -> list[torch.Tensor]:
@@ -507,20 +502,13 @@ def _filled(tensors: list, like: torch.Tensor) -> list[torch.Tensor]:
     return [like.new_empty(0) if t is None else t for t in tensors]
 
 
-def _autocast_off(device_type: str):
-    """A context with autocast off for ``device_type``: a no-op where it is off already."""
-    if torch.is_autocast_enabled(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
-
-
 @_block_fwd.register_fake
 def _(x, cu_seqlens, position_ids, rope_inv_freq, cu_seqlens_k, key_rows, params, has_param, lora, sizes, numbers,
       rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout, lora_scales):
     g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
                                 lora_scales)
     return [torch.empty_like(x),
-            *(_kept_like(k, g, x) if keeps else x.new_empty(0) for k, keeps in zip(_SLOTS, _slots_kept(g.remat)))]
+            *(_kept_like(k, g, x) if keeps else x.new_empty(0) for k, keeps in zip(_SLOTS, g.remat.keeps_each))]
 
 
 def _kept_like(kept: Kept, g: _BlockCall, x: torch.Tensor) -> torch.Tensor:
@@ -558,14 +546,16 @@ def _block_backward(dy: torch.Tensor, x: torch.Tensor, g: _BlockCall, seqs: _Seq
     ``params``: all of _PARAMETERS, None where absent; ``needed``: whether each present one needs
     its gradient, by name; ``owned``: the names of the kept activations it may free or overwrite
     (``_BlockFunction.backward``; an operator's inputs never are). A parameter's gradient is None
-    where not needed (the operator fills those in)."""
+    where not needed (the operator fills those in). Runs with autocast off, as the forward."""
+    if torch.is_autocast_enabled(dy.device.type):
+        with torch.autocast(dy.device.type, enabled=False):
+            return _block_backward(dy, x, g, seqs, kept, params, needed, lora, owned)
     named = dict(zip(_PARAMETERS, params))
-    with _autocast_off(dy.device.type):
-        w = _Weights(params, g.compute_dtype, g.adapters, lora)
-        kept_acts = {k.name: t for k, t, keeps in zip(_SLOTS, kept, _slots_kept(g.remat)) if keeps}
-        acts = _replay(x, kept_acts, w, g, seqs, owned)
-        needs = {name: needed.get(name, False) for name in _PARAMETERS}
-        grads = _backward_pass(dy.contiguous(), x, acts, w, g, seqs, needs, named)
+    w = _Weights(params, g.compute_dtype, g.adapters, lora)
+    kept_acts = {k.name: t for k, t, keeps in zip(_SLOTS, kept, g.remat.keeps_each) if keeps}
+    acts = _replay(x, kept_acts, w, g, seqs, owned)
+    needs = {name: needed.get(name, False) for name in _PARAMETERS}
+    grads = _backward_pass(dy.contiguous(), x, acts, w, g, seqs, needs, named)
     return [grads["x"], *[grads.get(name) for name in needed], *grads["lora"]]
 
 
@@ -696,7 +686,7 @@ class _BlockFunction(torch.autograd.Function):
         ctx.sequences = [t is not None for t in sequences]
         ctx.save_for_backward(x if ctx.host_copy is None else ctx.host_copy.host,
                               *[t for t in sequences if t is not None],
-                              *[t for t, keeps in zip(output[1:], _slots_kept(g.remat)) if keeps],
+                              *[t for t, keeps in zip(output[1:], g.remat.keeps_each) if keeps],
                               *[p for p in params if p is not None], *lora)
         ctx.call, ctx.has_param = g, [p is not None for p in params]
         # Where autograd alone will hold the kept activations (no saved-tensor hook, which may keep
@@ -717,7 +707,7 @@ class _BlockFunction(torch.autograd.Function):
         saved = iter(saved)
         sequences = [next(saved) if given else None for given in ctx.sequences]
         saved = list(saved)
-        slots_kept = _slots_kept(g.remat)
+        slots_kept = g.remat.keeps_each
         n_lora = 2 * len(g.adapters)
         kept_tensors = iter(saved[:sum(slots_kept)])
         params, lora = saved[sum(slots_kept):len(saved) - n_lora], saved[len(saved) - n_lora:]
@@ -753,7 +743,8 @@ def _owned_kept(kept_addresses: list[int] | None, kept: list) -> frozenset[str]:
         return frozenset()
     names = [slot.name for slot, t in zip(_SLOTS, kept) if t is not None]
     tensors = [t for t in kept if t is not None]
-    return frozenset(name for name, t, address in zip(names, tensors, kept_addresses) if t.data_ptr() == address)
+    still = map(operator.eq, map(operator.methodcaller("data_ptr"), tensors), kept_addresses)  # no frame per tensor
+    return frozenset(itertools.compress(names, still))
 
 
 def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, seqs: _Sequences, needs: dict,
@@ -771,7 +762,8 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, seqs: 
 
     def weight_grads(linear: str, grad_out: torch.Tensor, inputs: torch.Tensor) -> None:
         grads[f"{linear}.weight"] = _weight_grad(needs[f"{linear}.weight"], grad_out, inputs, named[f"{linear}.weight"])
-        adapter_grads.extend(w.adapter_grads(linear, grad_out, inputs))
+        if w.adapters[linear]:
+            adapter_grads.extend(w.adapter_grads(linear, grad_out, inputs))
 
     def linear_and_norm_backward(linear: str, weight: torch.Tensor, grad_out: torch.Tensor, n: int,
                                  norm_input: torch.Tensor, residual_grad: torch.Tensor) -> torch.Tensor:
@@ -871,9 +863,8 @@ def _activation_backward(da: torch.Tensor, acts: _Activations, g: _BlockCall, re
 def _norm_backward(dy, x, weights, mean, rstd, residual_grad, rebuild: bool, g: _BlockCall):
     """(dx + residual_grad, dweight, dbias or None, the rebuilt norm output or None)."""
     weight, bias = weights
-    dx, dw, db, rebuilt = custom_ops.direct.norm_bwd(dy, x, weight, bias, mean, rstd, residual_grad, g.rms, bias is not None,
-                                              rebuild, g.compute_dtype)
-    return dx, dw, custom_ops.none_if_empty(db), custom_ops.none_if_empty(rebuilt)
+    return custom_ops.direct.norm_bwd(dy, x, weight, bias, mean, rstd, residual_grad, g.rms, bias is not None, rebuild,
+                                      g.compute_dtype)
 
 
 _eager_apply = None
@@ -1022,7 +1013,13 @@ class TransformerBlock(reference.TransformerBlock):
             if not use_triton(_OP, x.device):
                 raise RuntimeError(f"{_OP}: context parallelism runs the Triton kernels only (CUDA, or the interpreter "
                                    f"with TRITON_INTERPRET=1 on CPU); this call would use the reference block")
-        params = [_parameter(self._modules.get(module), attr) for module, attr in _PARAMETER_PATHS]
+        # Each parameter as a call sees it now (None for an absent module or bias): from its module's
+        # table, where torch.func.functional_call and FSDP also put the tensors they swap in, else by
+        # attribute lookup (a parametrization's property); not get_parameter, which stops at the table.
+        modules = self._modules
+        params = [None if (m := modules.get(module)) is None
+                  else m._parameters[attr] if attr in m._parameters else getattr(m, attr, None)
+                  for module, attr in _PARAMETER_PATHS]
         compute_dtype = self._compute_dtype(x, params)  # the same dtype check on both paths
         # Meta tensors (a model sized before it is allocated) take the custom operators too: their fake
         # kernels give the fused block's shapes, their FLOP formulas its counts.

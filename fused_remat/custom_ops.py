@@ -10,7 +10,8 @@ the block's own custom operators or under its own Function; see docs/design.md.)
 
 A custom operator returns tensors only, never None and never a view of an input: an output that
 a call does not produce (the mean of an RMSNorm, a bias gradient without bias, an output not asked
-for) comes back as an empty tensor, which ``none_if_empty`` turns back into None.
+for) comes back as an empty tensor, where its launcher (which ``direct`` may call itself) gives None;
+the callers know which outputs a call produces.
 
 Launchers are reached through ``kernels``, which imports each module at its first use: importing
 fused_remat must not import triton.
@@ -71,7 +72,8 @@ _LAUNCHERS: dict[str, tuple[str, str]] = {}  # direct's launchers by name: (modu
 
 def _op(name: str, mutates_args=(), launcher: str | None = None):
     """Registers an operator; ``launcher`` ("module:function" in kernels) where its implementation
-    only adapts that launcher's None outputs, which ``direct`` then calls itself."""
+    calls that launcher with its own arguments and only adapts its None outputs, so that ``direct``
+    may call the launcher itself."""
 
     def register(fn):
         op = torch.library.custom_op(f"fused_remat::{name}", mutates_args=mutates_args)(fn)
@@ -132,11 +134,6 @@ def _like(t: Tensor) -> Tensor:
     return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
-def none_if_empty(t: Tensor | None) -> Tensor | None:
-    """None for the empty stand-in of an output that was not produced (or None itself)."""
-    return None if t is None or t.numel() == 0 else t
-
-
 def cached_forward_signature(function: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
     """Class decorator for a Function with ``setup_context``: ``Function.apply`` binds each call's
     arguments to ``forward``'s signature (for its defaults), and ``inspect.signature`` rebuilds that
@@ -180,13 +177,13 @@ def first_order_only(op: str, *grads):
 # ------------------------------------------------------------------------------------------------
 
 
-@_op("norm_fwd")
+@_op("norm_fwd", launcher="norm:norm_fwd")
 def norm_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None, eps: float, rms: bool,
              out_dtype: torch.dtype | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(y, mean (empty for RMSNorm), rstd, h = x + residual (empty without residual))."""
     launch = kernels.norm.norm_fwd
 
-    y, mean, rstd, h = launch(x, weight, bias, eps, rms=rms, residual=residual, out_dtype=out_dtype)
+    y, mean, rstd, h = launch(x, weight, bias, residual, eps, rms, out_dtype)
     return y, mean, rstd, _or_absent(h, x)
 
 
@@ -199,15 +196,14 @@ def _(x, weight, bias, residual, eps, rms, out_dtype):
             torch.empty(rows, **stat), h)
 
 
-@_op("norm_bwd")
+@_op("norm_bwd", launcher="norm:norm_bwd")
 def norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, mean: Tensor, rstd: Tensor,
              residual_grad: Tensor | None, rms: bool, has_bias: bool, rebuild_output: bool,
              out_dtype: torch.dtype | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, dweight, dbias (empty without bias), rebuilt y (empty unless rebuild_output))."""
     launch = kernels.norm.norm_bwd
 
-    dx, dw, db, y = launch(dy, x, weight, bias, mean, rstd, rms=rms, has_bias=has_bias, residual_grad=residual_grad,
-                           rebuild_output=rebuild_output, out_dtype=out_dtype)
+    dx, dw, db, y = launch(dy, x, weight, bias, mean, rstd, residual_grad, rms, has_bias, rebuild_output, out_dtype)
     return dx, dw, _or_absent(db, dw), _or_absent(y, x)
 
 
@@ -223,13 +219,11 @@ def _(dy, x, weight, bias, mean, rstd, residual_grad, rms, has_bias, rebuild_out
 # ------------------------------------------------------------------------------------------------
 
 
-@_op("attention_fwd")
+@_op("attention_fwd", launcher="attention:attention_fwd")
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, window: list[int],
                   softcap: float) -> tuple[Tensor, Tensor]:
     """(o (B, Hq, Nq, D) contiguous, lse (B, Hq, Nq) fp32). window: (left, right)."""
-    launch = kernels.attention.attention_fwd
-
-    return launch(q, k, v, causal, scale, window=tuple(window), softcap=softcap)
+    return kernels.attention.attention_fwd(q, k, v, causal, scale, window, softcap)
 
 
 @attention_fwd.register_fake

@@ -44,7 +44,7 @@ import torch
 
 from . import backend
 from .backend import autocast_dtype
-from .custom_ops import first_order_only
+from .custom_ops import cached_forward_signature, first_order_only, traced
 from .flops import flop_formula, matmul_flops
 from .kernels.limits import check_same_device, check_tensor
 
@@ -140,7 +140,6 @@ def _chunk_loss_and_dlogits(hidden_c: torch.Tensor, weight_c: torch.Tensor, targ
     return row_losses, dlogits
 
 
-@torch.library.custom_op("fused_remat::linear_cross_entropy_fwd", mutates_args=())
 def _loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
                     chunk_tokens: int, compute_dtype: torch.dtype, want_dhidden: bool,
                     want_dweight: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -154,9 +153,12 @@ def _loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     # gather/scatter need an id in range on every row; rows that do not count are masked anyway.
     safe_targets = torch.where(counted, targets, 0)
     forward_scale, backward_scale = _split_mean_scale(n_valid)
-    with torch.autocast(hidden.device.type, enabled=False):  # dtypes are chosen by compute_dtype
-        row_losses, dhidden, dweight = _chunked_loss_and_grads(hidden, weight, safe_targets, counted, chunk_tokens,
-                                                               compute_dtype, want_dhidden, want_dweight, forward_scale)
+    args = (hidden, weight, safe_targets, counted, chunk_tokens, compute_dtype, want_dhidden, want_dweight, forward_scale)
+    if torch.is_autocast_enabled(hidden.device.type):
+        with torch.autocast(hidden.device.type, enabled=False):  # dtypes are chosen by compute_dtype
+            row_losses, dhidden, dweight = _chunked_loss_and_grads(*args)
+    else:
+        row_losses, dhidden, dweight = _chunked_loss_and_grads(*args)
     loss = row_losses.sum() / n_valid.clamp(min=1)
     if poison is not None:
         loss, backward_scale = loss + poison, backward_scale + poison
@@ -164,7 +166,10 @@ def _loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
             hidden.new_empty(0, dtype=torch.float32) if dweight is None else dweight, backward_scale)
 
 
-@_loss_and_grads.register_fake
+_loss_and_grads_op = torch.library.custom_op("fused_remat::linear_cross_entropy_fwd", mutates_args=())(_loss_and_grads)
+
+
+@_loss_and_grads_op.register_fake
 def _(hidden, weight, targets, ignore_index, chunk_tokens, compute_dtype, want_dhidden, want_dweight):
     scalar = hidden.new_empty((), dtype=torch.float32)
     dhidden = torch.empty_like(hidden) if want_dhidden else hidden.new_empty(0)
@@ -186,7 +191,7 @@ def _setup_loss_context(ctx, inputs, output):
     _, dhidden, dweight, backward_scale = output
     # Everything kept for backward, in one place: the wanted gradients, short of the factor
     # backward_scale (module docstring), and that factor.
-    ctx.save_for_backward(backward_scale, *(t for t, want in ((dhidden, want_dhidden), (dweight, want_dweight)) if want))
+    ctx.save_for_backward(backward_scale, *((dhidden,) if want_dhidden else ()), *((dweight,) if want_dweight else ()))
     ctx.wants, ctx.weight_dtype = (want_dhidden, want_dweight), weight.dtype
     ctx.mark_non_differentiable(dhidden, dweight, backward_scale)
 
@@ -194,7 +199,9 @@ def _setup_loss_context(ctx, inputs, output):
 def _loss_backward(ctx, grad_loss, *_):
     backward_scale, *kept = ctx.saved_tensors
     scale = grad_loss * backward_scale  # exact (a power of two), and a 0-dim device tensor: no host sync
-    dhidden_kept, dweight_kept = (kept.pop(0) if want else None for want in ctx.wants)
+    want_dhidden, want_dweight = ctx.wants
+    dhidden_kept = kept[0] if want_dhidden else None
+    dweight_kept = kept[-1] if want_dweight else None
     dhidden = dweight = None
     if dhidden_kept is not None:
         dhidden = dhidden_kept * scale  # computed in fp32, rounded to hidden's dtype
@@ -208,7 +215,17 @@ def _loss_backward(ctx, grad_loss, *_):
     return first_order_only(_OP, dhidden, dweight, None, None, None, None, None, None)
 
 
-_loss_and_grads.register_autograd(_loss_backward, setup_context=_setup_loss_context)
+_loss_and_grads_op.register_autograd(_loss_backward, setup_context=_setup_loss_context)
+
+
+@cached_forward_signature
+class _Loss(torch.autograd.Function):
+    """The operator and its autograd as an eager call runs them, without the dispatcher: the same
+    forward, setup and backward (``custom_ops.traced`` calls take the operator)."""
+
+    forward = staticmethod(_loss_and_grads)
+    setup_context = staticmethod(_setup_loss_context)
+    backward = staticmethod(_loss_backward)
 
 
 def _validate(hidden, weight, targets, ignore_index, chunk_tokens) -> None:
@@ -297,6 +314,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         chunk_tokens = default_chunk_tokens(hidden_rows.shape[0], vocab, dim)
     compute_dtype = autocast_dtype(hidden.device.type) or hidden.dtype
     grad = torch.is_grad_enabled()
-    loss, *_ = _loss_and_grads(hidden_rows, weight, targets.reshape(-1).long(), ignore_index, chunk_tokens,
-                               compute_dtype, grad and hidden.requires_grad, grad and weight.requires_grad)
+    args = (hidden_rows, weight, targets.reshape(-1).long(), ignore_index, chunk_tokens, compute_dtype,
+            grad and hidden.requires_grad, grad and weight.requires_grad)
+    loss, *_ = _loss_and_grads_op(*args) if traced(hidden.device) else _Loss.apply_untraced(*args)
     return loss

@@ -14,6 +14,31 @@ from .kernels.limits import check_eps, check_same_device, check_tensor
 from .kernels.limits import MAX_NORM_WIDTH
 
 
+# The argument signatures that passed _validate: a call whose signature is here skips it. A key holds
+# everything the checks read (dtypes, devices, x's rank and last dim, the weight's and bias's shapes,
+# eps), so it is made only of tensors and a float eps; anything else is checked at every call.
+_VALID: set[tuple] = set()
+_MOST_VALID = 4096
+
+
+def _checked(op: str, x, weight, bias, eps) -> None:
+    """``_validate`` once per argument signature (every time while torch.compile traces: it traces
+    the checks, not the table)."""
+    if (not torch.compiler.is_compiling() and isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
+            and type(eps) is float
+            and (bias is None or isinstance(bias, torch.Tensor))):
+        key = (op, x.dtype, x.device, x.dim() and x.shape[-1], weight.shape, weight.dtype, weight.device,
+               None if bias is None else (bias.shape, bias.dtype, bias.device), eps)
+        if key in _VALID:
+            return
+        _validate(op, x, weight, bias, eps)
+        if len(_VALID) >= _MOST_VALID:
+            _VALID.clear()
+        _VALID.add(key)
+    else:
+        _validate(op, x, weight, bias, eps)
+
+
 def _validate(op: str, x, weight, bias, eps) -> None:
     check_tensor(op, "x", x)
     check_tensor(op, "weight", weight)
@@ -68,7 +93,7 @@ class _NormFunction(torch.autograd.Function):
         dx, dweight, dbias, _ = custom_ops.ops(dy.device).norm_bwd(_rows(dy), _rows(x), weight.contiguous(), None, mean,
                                                                    rstd, None, ctx.rms, ctx.has_bias, False, None)
         return custom_ops.first_order_only("rms_norm" if ctx.rms else "layer_norm", dx.view(dy.shape), dweight,
-                                           custom_ops.none_if_empty(dbias), None, None, None)
+                                           dbias if ctx.has_bias else None, None, None, None)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
@@ -77,7 +102,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     weight, bias: (hidden,), fp32 or x's dtype (fp32 weights with bf16 x is mixed precision).
     Returns x's shape and dtype. Backward keeps x plus fp32 mean and rstd per row.
     """
-    _validate("layer_norm", x, weight, bias, eps)
+    _checked("layer_norm", x, weight, bias, eps)
     if not use_triton("layer_norm", x.device):
         return reference.layer_norm(x, weight, bias, eps)
     return custom_ops.apply(_NormFunction, x.device, x, weight, bias, float(eps), False)[0]
@@ -88,7 +113,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
 
     weight: (hidden,), fp32 or x's dtype. Returns x's shape and dtype. Backward keeps x plus fp32 rstd per row.
     """
-    _validate("rms_norm", x, weight, None, eps)
+    _checked("rms_norm", x, weight, None, eps)
     if not use_triton("rms_norm", x.device):
         return reference.rms_norm(x, weight, eps)
     return custom_ops.apply(_NormFunction, x.device, x, weight, None, float(eps), True)[0]

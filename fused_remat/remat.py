@@ -103,6 +103,7 @@ class Remat(str, metaclass=_Points):
     prints, compares and serializes as its name; ``Remat(name)`` turns the name back."""
 
     keeps: frozenset[str]
+    keeps_each: tuple[bool, ...]  # whether it keeps each tensor of KEPT_FOR_BACKWARD but x, in order
     host_resident: bool
     _NAMED: dict[str, Remat] = {}
 
@@ -129,6 +130,7 @@ class Remat(str, metaclass=_Points):
     def _point(cls, name: str, keeps, host_resident: bool = False) -> Remat:
         point = str.__new__(cls, name)
         point.keeps, point.host_resident = frozenset(("x", *keeps)), host_resident
+        point.keeps_each = tuple(k.name in point.keeps for k in KEPT_FOR_BACKWARD if k.name != "x")
         return point
 
     @classmethod

@@ -23,8 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import (SEPARATE_ROUNDING, KeptKernel, LaunchPlans, cdiv, launch_context, next_power_of_2,
-                     tensor_signature)
+from .launch import SEPARATE_ROUNDING, KeptKernel, LaunchPlans, cdiv, launch_key, new_like, next_power_of_2
 from .precision import load_tile, store_tile
 
 MAX_BLOCK_N = 1024
@@ -125,7 +124,7 @@ _PLANS, _CALLS = LaunchPlans(), LaunchPlans()
 def _launch(kernel, tensors: list[torch.Tensor], **constexprs):
     """Run ``kernel`` over 2-D views of one shape: all pointers, then M and N, then each row stride.
     Returns the bound launch (None where it is not kept)."""
-    key = (kernel, tensor_signature(tensors), *constexprs.items(), launch_context(kernel.compiled))
+    key = (kernel, launch_key(kernel.compiled, tensors), *constexprs.items())
     launch = _PLANS.get(key)
     if launch is not None:
         launch(*tensors)
@@ -141,16 +140,6 @@ def _launch(kernel, tensors: list[torch.Tensor], **constexprs):
     return launch
 
 
-def _signature(kernel: KeptKernel, options: tuple, inputs: tuple) -> tuple:
-    """A launcher's call key: its options and what its launch depends on of each input (the key of
-    kernels.launch.tensor_signature, each tensor's shape, strides, dtype, device and alignment)."""
-    return (options, *[(t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15) for t in inputs],
-            launch_context(kernel.compiled))
-
-
-_new_like = functools.partial(torch.empty_like, memory_format=torch.contiguous_format)
-
-
 class _Call:
     """A launcher's call for one signature of its inputs, where every input was a view of rows (no
     copy) and every output new: later calls allocate the outputs like the first input and hand the
@@ -162,7 +151,7 @@ class _Call:
         self.launch, self.outputs, self.pick, self.rows = launch, outputs, operator.itemgetter(*order), rows
 
     def __call__(self, inputs: tuple) -> tuple:
-        outputs = (*map(_new_like, itertools.repeat(inputs[0], self.outputs)),)
+        outputs = (*map(new_like, itertools.repeat(inputs[0], self.outputs)),)
         self.launch(*map(torch.Tensor.view, self.pick((*inputs, *outputs)), itertools.repeat(self.rows)))
         return outputs
 
@@ -235,7 +224,7 @@ def _check_approximation(approximate: str) -> bool:
 
 def gelu_fwd(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """y = gelu(x) in x's dtype, computed in fp32; y is contiguous, in x's shape."""
-    key = _signature(_GELU, ("gelu_fwd", approximate), (x,))
+    key = (("gelu_fwd", approximate), launch_key(_GELU.compiled, (x,)))
     call = _CALLS.get(key)
     if call is not None:
         return call((x,))[0]
@@ -259,7 +248,7 @@ def gelu_bwd(
     any tensor of x's shape and dtype writable as rows with unit column stride)."""
     new_outputs = dx is None and y is None
     if new_outputs:
-        key = _signature(_GELU, ("gelu_bwd", approximate, rebuild_output), (x, dy))
+        key = (("gelu_bwd", approximate, rebuild_output), launch_key(_GELU.compiled, (x, dy)))
         call = _CALLS.get(key)
         if call is not None:
             outputs = call((x, dy))
@@ -279,7 +268,7 @@ def gelu_bwd(
 
 def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """y = silu(gate) * up in gate's dtype; gate and up of one shape; y contiguous, in that shape."""
-    key = _signature(_SWIGLU, ("swiglu_fwd",), (gate, up))
+    key = (("swiglu_fwd",), launch_key(_SWIGLU.compiled, (gate, up)))
     call = _CALLS.get(key)
     if call is not None:
         return call((gate, up))[0]
@@ -313,7 +302,7 @@ def swiglu_bwd(
     """
     new_outputs = dgate is None and dup is None and y is None
     if new_outputs:
-        key = _signature(_SWIGLU, ("swiglu_bwd", rebuild_output), (gate, up, dy))
+        key = (("swiglu_bwd", rebuild_output), launch_key(_SWIGLU.compiled, (gate, up, dy)))
         call = _CALLS.get(key)
         if call is not None:
             outputs = call((gate, up, dy))

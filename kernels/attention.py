@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import torch
 import triton
@@ -66,8 +67,8 @@ from triton.language.extra import libdevice
 
 from .attention_configs import (CONFIGS, INTERPRETER_CONFIG, PRUNERS, TUNE_KEY, target_family,
                                 warp_specialization_compiles)
-from .launch import (FP_FUSION, KeptKernel, LaunchPlans, cdiv, ensure_scratch_allocator, launch_context,
-                     next_power_of_2, tensor_signature)
+from .launch import (FP_FUSION, NO_SCRATCH_ALLOCATOR, SCRATCH_ALLOCATOR, KeptKernel, LaunchPlans, cdiv,
+                     ensure_scratch_allocator, launch_key, new_like, next_power_of_2)
 from .precision import INTERPRETED, round_to
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
@@ -858,9 +859,11 @@ class Documents:
         return self.cu_seqlens_q.shape[0] - 1
 
 
-def _heads_view(t: torch.Tensor) -> torch.Tensor:
-    """A packed (total, H, D) tensor as the (1, H, total, D) view the kernels address."""
-    return t.unsqueeze(0).transpose(1, 2)
+def _heads_views(tensors) -> tuple[torch.Tensor, ...]:
+    """Packed (total, H, D) tensors as the (1, H, total, D) views the kernels address (by C
+    callables: no Python frame per tensor)."""
+    ones, twos = itertools.repeat(1), itertools.repeat(2)
+    return (*map(torch.Tensor.transpose, map(torch.Tensor.unsqueeze, tensors, itertools.repeat(0)), ones, twos),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1046,7 +1049,7 @@ def _output(name: str, given, like: torch.Tensor) -> torch.Tensor:
     return given
 
 
-def attention_fwd(q, k, v, causal: bool, scale: float, *, window=(-1, -1), softcap: float = 0.0,
+def attention_fwd(q, k, v, causal: bool, scale: float, window=(-1, -1), softcap: float = 0.0, *,
                   documents: Documents | None = None, out=None, config: dict | None = None,
                   tma: bool | None = None):
     """q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D), last dims contiguous, as
@@ -1066,23 +1069,25 @@ def attention_fwd(q, k, v, causal: bool, scale: float, *, window=(-1, -1), softc
     ``config`` ({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}) pins the launch configuration;
     by default CUDA autotunes and the interpreter uses INTERPRETER_CONFIG. ``tma``: k and v stream
     through tensor descriptors (TMA) where their alignment allows (None), never (False), or always
-    (True: an error where they cannot)."""
-    key = (tensor_signature((q, k, v, *(() if out is None else (out,)), *_offsets(documents))), causal, scale,
-           tuple(window), softcap, _lengths(documents), out is None, _config_key(config), tma,
-           launch_context(_ATTN_FWD.compiled))
+    (True: an error where they cannot). ``window`` may be a list (the custom operator's form)."""
+    window = tuple(window)
+    offsets = () if documents is None else (documents.cu_seqlens_q, documents.cu_seqlens_k)
+    key = (launch_key(_ATTN_FWD.compiled, (q, k, v, *(() if out is None else (out,)), *offsets)), causal, scale,
+           window, softcap, None if documents is None else (documents.max_seqlen_q, documents.max_seqlen_k),
+           out is None, None if config is None else tuple(sorted(config.items())), tma)
     plan = _FWD_PLANS.get(key)
     if plan is None:
         return _attention_fwd_planned(key, q, k, v, causal, scale, window, softcap, documents, out, config, tma)
     o = torch.empty(q.shape, device=q.device, dtype=q.dtype) if out is None else out
     lse = torch.empty(plan.lse_shape, device=q.device, dtype=torch.float32)
     if plan.launch is not None:
-        if plan.tma:
+        if plan.tma and isinstance(SCRATCH_ALLOCATOR.get(), NO_SCRATCH_ALLOCATOR):
             ensure_scratch_allocator()
         if documents is not None:
-            q, k, v, o_heads = (_heads_view(t) for t in (q, k, v, o))
+            q, k, v, o_heads = _heads_views((q, k, v, o))
         else:
             o_heads = o
-        plan.launch(q, k, v, o_heads, lse, *_sequence_args(documents, lse))
+        plan.launch(q, k, v, o_heads, lse, *(offsets or (lse, lse)))
     return o, lse[0] if documents is not None else lse
 
 
@@ -1104,7 +1109,7 @@ def _attention_fwd_planned(key, q, k, v, causal, scale, window, softcap, documen
     _require_contiguous_last_dim({"q": q, "k": k, "v": v})
     o = _output("out", out, q)
     if documents is not None:
-        q, k, v, o_heads = (_heads_view(t) for t in (q, k, v, o))
+        q, k, v, o_heads = _heads_views((q, k, v, o))
     else:
         o_heads = o
     p = _Problem.of(q, k, causal, scale, window, softcap, documents)
@@ -1125,18 +1130,6 @@ def _attention_fwd_planned(key, q, k, v, causal, scale, window, softcap, documen
     return o, lse[0] if documents is not None else lse
 
 
-def _offsets(documents: Documents | None) -> tuple:
-    return () if documents is None else (documents.cu_seqlens_q, documents.cu_seqlens_k)
-
-
-def _lengths(documents: Documents | None) -> tuple | None:
-    return None if documents is None else (documents.max_seqlen_q, documents.max_seqlen_k)
-
-
-def _config_key(config: dict | None) -> tuple | None:
-    return None if config is None else tuple(sorted(config.items()))
-
-
 def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, window=(-1, -1), softcap: float = 0.0,
                   documents: Documents | None = None, dlse=None, out=None, config: dict | None = None,
                   dkdv_config: dict | None = None, tma: bool | None = None):
@@ -1154,25 +1147,29 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, window=(-1
     lse = lse.contiguous()
     if dlse is not None:
         dlse = dlse.contiguous()
-    key = (tensor_signature((q, k, v, o, do, lse, *(() if dlse is None else (dlse,)), *(out or ()), *_offsets(documents))),
-           causal, scale, tuple(window), softcap, _lengths(documents), dlse is None, out is None, _config_key(config),
-           _config_key(dkdv_config), tma, launch_context(_ATTN_DQ.compiled))
+    offsets = () if documents is None else (documents.cu_seqlens_q, documents.cu_seqlens_k)
+    key = (launch_key(_ATTN_DQ.compiled, (q, k, v, o, do, lse, *(() if dlse is None else (dlse,)), *(out or ()),
+                                          *offsets)),
+           causal, scale, tuple(window), softcap,
+           None if documents is None else (documents.max_seqlen_q, documents.max_seqlen_k), dlse is None, out is None,
+           None if config is None else tuple(sorted(config.items())),
+           None if dkdv_config is None else tuple(sorted(dkdv_config.items())), tma)
     plan = _BWD_PLANS.get(key)
     if plan is None:
         return _attention_bwd_planned(key, do, q, k, v, o, lse, causal, scale, window, softcap, documents, dlse, out,
                                       config, dkdv_config, tma)
-    grads = out or tuple(torch.empty(like.shape, device=like.device, dtype=like.dtype) for like in (q, k, v))
+    grads = out or (new_like(q), new_like(k), new_like(v))
     if plan.launches is None:
         return grads[0], grads[1].zero_(), grads[2].zero_()
-    if plan.tma:
+    if plan.tma and isinstance(SCRATCH_ALLOCATOR.get(), NO_SCRATCH_ALLOCATOR):
         ensure_scratch_allocator()
     dq, dk, dv = grads
     if documents is not None:
-        q, k, v, o, do, dq, dk, dv = (_heads_view(t) for t in (q, k, v, o, do, dq, dk, dv))
+        q, k, v, o, do, dq, dk, dv = _heads_views((q, k, v, o, do, dq, dk, dv))
         lse = lse.unsqueeze(0)
         dlse = None if dlse is None else dlse.unsqueeze(0)
-    delta, bias = torch.empty(plan.delta_shape, device=q.device, dtype=torch.float32)
-    offsets = _sequence_args(documents, lse)
+    delta, bias = torch.empty(plan.delta_shape, device=q.device, dtype=torch.float32).unbind(0)
+    offsets = offsets or (lse, lse)
     preprocess, dkdv, dq_launch = plan.launches
     preprocess(o, do, lse, lse if dlse is None else dlse, delta, bias)
     dkdv(q, k, v, do, bias, delta, dk, dv, *offsets)
@@ -1196,8 +1193,8 @@ def _attention_bwd_planned(key, do, q, k, v, o, lse, causal, scale, window, soft
     _check_warp_specialization("dkdv_config", dkdv_config, kernel_has_it=False)
     grads = [_output(name, given, like) for name, given, like in zip(("dq", "dk", "dv"), out or (None,) * 3, (q, k, v))]
     if documents is not None:
-        q, k, v, o, do = (_heads_view(t) for t in (q, k, v, o, do))
-        dq, dk, dv = (_heads_view(t) for t in grads)
+        q, k, v, o, do = _heads_views((q, k, v, o, do))
+        dq, dk, dv = _heads_views(grads)
         lse = lse.unsqueeze(0)
         dlse = None if dlse is None else dlse.unsqueeze(0)
     else:

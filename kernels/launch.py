@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import itertools
+import operator
 import weakref
 
 import torch
 import triton
 from triton import knobs
-from triton.runtime import driver
+from triton.runtime import _allocation, driver
 from triton.runtime.jit import JITFunction
 
 # Every launch asks for fused multiply-adds (FFMA): Triton 3.6 to 3.9 fuse a multiply feeding an add
@@ -69,10 +71,13 @@ def ensure_scratch_allocator() -> None:
 
     Triton keeps it in a context variable, which every new thread (autograd's backward threads
     among them) starts without: so this runs before every launch that needs it, not once."""
-    from triton.runtime import _allocation
-
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+    if isinstance(SCRATCH_ALLOCATOR.get(), NO_SCRATCH_ALLOCATOR):
         triton.set_allocator(_cuda_scratch)
+
+
+# What ensure_scratch_allocator asks, for a launcher's hot path to ask without a Python call:
+# ``isinstance(SCRATCH_ALLOCATOR.get(), NO_SCRATCH_ALLOCATOR)`` (this thread has none set)
+SCRATCH_ALLOCATOR, NO_SCRATCH_ALLOCATOR = _allocation._allocator, _allocation.NullAllocator
 
 
 # A kernel keeps at most this many argument signatures; past it the oldest half is dropped (a
@@ -187,10 +192,23 @@ def launch_context(compiled: bool) -> tuple:
     return active, active.get_current_device()
 
 
-def tensor_signature(tensors) -> tuple:
-    """What a launch plan's key holds of each tensor: shape, strides, dtype, device and address
-    modulo 16 (Triton specializes a pointer on 16-byte alignment; tensor descriptors need it)."""
-    return tuple([(t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15) for t in tensors])
+# A new contiguous tensor of a tensor's shape, dtype and device (``torch.empty`` of a ``torch.Size``
+# parses it in Python's argument parser: about twice the time)
+new_like = functools.partial(torch.empty_like, memory_format=torch.contiguous_format)
+
+_SHAPE_DTYPE_DEVICE = operator.attrgetter("shape", "dtype", "device")
+_STRIDES, _ADDRESS = operator.methodcaller("stride"), operator.methodcaller("data_ptr")
+
+
+def launch_key(compiled: bool, tensors) -> tuple:
+    """What a launch plan's key holds of the tensors and the launch: each tensor's shape, dtype,
+    device, strides and address modulo 16 (Triton specializes a pointer on 16-byte alignment;
+    tensor descriptors need it), then ``launch_context(compiled)``. Built by C callables over the
+    tensors and in one Python frame: it runs at every launch."""
+    active = driver.active if compiled else None
+    return (*map(_SHAPE_DTYPE_DEVICE, tensors), *map(_STRIDES, tensors),
+            *map(operator.and_, map(_ADDRESS, tensors), itertools.repeat(15)),
+            active, None if active is None else active.get_current_device())
 
 
 class LaunchPlans:

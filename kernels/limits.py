@@ -219,11 +219,17 @@ def check_varlen_args(op: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if not _is_int(value) or value < 0:
             raise ValueError(f"{op}: {name} must be an int >= 0, got {value!r}")
+    check_varlen_offsets(op, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return scale
+
+
+def check_varlen_offsets(op: str, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int) -> None:
+    """The part of ``check_varlen_args`` that reads the offsets' values (the rest reads only what a
+    call's signature holds, so a caller may keep its answer per signature; this part it may not)."""
     if torch.compiler.is_compiling() or q.device.type == "meta":
-        return scale
+        return
     _check_offsets_once(op, "cu_seqlens_q", cu_seqlens_q, "q", q.shape[0], "max_seqlen_q", max_seqlen_q)
     _check_offsets_once(op, "cu_seqlens_k", cu_seqlens_k, "k and v", k.shape[0], "max_seqlen_k", max_seqlen_k)
-    return scale
 
 
 def _check_offsets_once(op: str, name: str, cu_seqlens, packed: str, total: int, max_name: str, max_len: int) -> None:

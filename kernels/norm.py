@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import (SEPARATE_ROUNDING, KeptKernel, LaunchPlans, cdiv, launch_context, next_power_of_2,
-                     persistent_program_count, tensor_signature)
+from .launch import (SEPARATE_ROUNDING, KeptKernel, LaunchPlans, cdiv, launch_key, next_power_of_2,
+                     persistent_program_count)
 from .limits import MAX_NORM_WIDTH
 from .precision import load_tile, round_to, store_tile
 
@@ -309,7 +309,7 @@ def _check_rows(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
         raise ValueError(f"{name} must match x's shape {tuple(like.shape)} with unit column stride, got {tuple(t.shape)}")
 
 
-def norm_fwd(x, weight, bias, eps, *, rms: bool, residual=None, out_dtype=None):
+def norm_fwd(x, weight, bias, residual, eps, rms: bool, out_dtype=None):
     """LayerNorm (``rms=False``) or RMSNorm over the rows of x (M, N), unit column stride.
 
     With ``residual`` (like x) the kernel first forms h = x + residual, stores it in x's dtype and
@@ -318,7 +318,7 @@ def norm_fwd(x, weight, bias, eps, *, rms: bool, residual=None, out_dtype=None):
     RMSNorm) and rstd (M,), h (None without residual).
     """
     given = (x, weight, *(() if bias is None else (bias,)), *(() if residual is None else (residual,)))
-    key = (tensor_signature(given), eps, rms, bias is None, residual is None, out_dtype, launch_context(_NORM_FWD.compiled))
+    key = (launch_key(_NORM_FWD.compiled, given), eps, rms, bias is None, residual is None, out_dtype)
     launch = _FWD_PLANS.get(key)
     if launch is None:
         rows, cols = _check_launch(x, weight)
@@ -363,8 +363,8 @@ class _BackwardPlan:
     launch: object
 
 
-def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, has_bias: bool, residual_grad=None,
-             rebuild_output: bool = False, out_dtype=None):
+def norm_bwd(dy, x, weight, bias, mean, rstd, residual_grad, rms: bool, has_bias: bool, rebuild_output: bool = False,
+             out_dtype=None):
     """Gradients of norm_fwd from dy (like x, any float dtype) and the saved x, mean, rstd.
 
     ``residual_grad`` (like x) is added into dx: the gradient reaching a pre-norm block's residual
@@ -374,8 +374,8 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, *, rms: bool, has_bias: bool, resi
     """
     given = (dy, x, weight, *(() if bias is None else (bias,)), *(() if rms else (mean,)), rstd,
              *(() if residual_grad is None else (residual_grad,)))
-    key = (tensor_signature(given), rms, has_bias, bias is None, residual_grad is None, rebuild_output, out_dtype,
-           launch_context(_NORM_BWD.compiled))
+    key = (launch_key(_NORM_BWD.compiled, given), rms, has_bias, bias is None, residual_grad is None, rebuild_output,
+           out_dtype)
     plan = _BWD_PLANS.get(key)
     if plan is None:
         rows, cols = _check_launch(x, weight)

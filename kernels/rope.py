@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .launch import FP_FUSION, KeptKernel, cdiv, next_power_of_2
+from .launch import FP_FUSION, KeptKernel, LaunchPlans, cdiv, launch_key, next_power_of_2
 from .limits import MAX_HEAD_DIM
 from .precision import INTERPRETED, round_to
 
@@ -101,6 +101,8 @@ def _rope(
 
 
 _ROPE = KeptKernel(_rope)
+# The launch bound per call signature (kernels.launch.LaunchPlans)
+_PLANS = LaunchPlans()
 
 
 def _check(x: torch.Tensor, inv_freq: torch.Tensor) -> None:
@@ -169,8 +171,19 @@ def rope_(x: torch.Tensor, inv_freq: torch.Tensor, *, inverse: bool = False,
     Every position must be below 2^24 in magnitude: it becomes an fp32 before the product with
     inv_freq, and fp32 holds integers exactly only up to 2^24. Negative positions rotate backwards.
     """
+    has_positions = positions is not None
+    key = None
+    if isinstance(x, torch.Tensor) and isinstance(inv_freq, torch.Tensor) and (
+            not has_positions or isinstance(positions, torch.Tensor)):
+        # everything the checks read and the launch depends on
+        key = (launch_key(_ROPE.compiled, (x, inv_freq, positions) if has_positions else (x, inv_freq)),
+               bool(inverse), None if chunk_starts is None else tuple(chunk_starts))
+        launch = _PLANS.get(key)
+        if launch is not None:
+            launch(x, inv_freq, positions if has_positions else inv_freq)
+            return x
     _check(x, inv_freq)
-    if positions is not None:
+    if has_positions:
         _check_positions(x, positions, chunk_starts)
     batch, seq_len, n_heads, head_dim = x.shape
     if x.numel() == 0:
@@ -180,16 +193,15 @@ def rope_(x: torch.Tensor, inv_freq: torch.Tensor, *, inverse: bool = False,
     block_t, block_h, block_half = _blocks(n_tokens, n_heads, half)
     grid = (cdiv(n_tokens, block_t), cdiv(n_heads, block_h))
     split, first_start, second_start = (seq_len, 0, 0) if chunk_starts is None else (seq_len // 2, *chunk_starts)
-    has_positions = positions is not None
-    _ROPE[grid](
+    launch = _ROPE.bind(
         # Without positions the pointer is never read: inv_freq stands in.
-        x, inv_freq, positions if has_positions else inv_freq,
-        n_tokens, seq_len, n_heads, half,
-        split, first_start, second_start,
-        x.stride(0), x.stride(1), x.stride(2),
-        *(positions.stride() if has_positions else (0, 0)),
+        grid, (x, inv_freq, positions if has_positions else inv_freq),
+        (n_tokens, seq_len, n_heads, half, split, first_start, second_start, x.stride(0), x.stride(1), x.stride(2),
+         *(positions.stride() if has_positions else (0, 0))),
         INVERSE=bool(inverse), HAS_POSITIONS=has_positions,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_HALF=block_half,
         num_warps=NUM_WARPS, **FP_FUSION,
     )
+    if launch is not None and key is not None:
+        _PLANS.keep(key, launch)
     return x

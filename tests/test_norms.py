@@ -199,10 +199,9 @@ def test_fused_residual_norm_matches_references(rms, dtype, leading, hidden, dev
     residual_grad = torch.randn_like(x)
     kind = "rms_norm" if rms else "layer_norm"
 
-    y, mean, rstd, h = norm_fwd(x, weight, bias, 1e-6 if rms else 1e-5, rms=rms, residual=residual)
+    y, mean, rstd, h = norm_fwd(x, weight, bias, residual, 1e-6 if rms else 1e-5, rms)
     dx, dw, db, rebuilt = norm_bwd(
-        dy, h, weight, bias, mean, rstd, rms=rms, has_bias=bias is not None,
-        residual_grad=residual_grad, rebuild_output=True,
+        dy, h, weight, bias, mean, rstd, residual_grad, rms, has_bias=bias is not None, rebuild_output=True,
     )
     assert torch.equal(rebuilt, y), "backward must rebuild exactly the forward's output"
 
@@ -233,11 +232,11 @@ def test_norm_output_dtype_differs_from_input(rms, device):
 
     x = torch.randn(5, 96, device=device) * 3
     weight = torch.randn(96, device=device)
-    y, mean, rstd, _ = norm_fwd(x, weight, None, 1e-5, rms=rms, out_dtype=torch.bfloat16)
+    y, mean, rstd, _ = norm_fwd(x, weight, None, None, 1e-5, rms, out_dtype=torch.bfloat16)
     expected = (reference.rms_norm(x, weight) if rms else reference.layer_norm(x, weight)).to(torch.bfloat16)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y, expected, rtol=2**-8, atol=0)  # within one bf16 rounding
-    dx, _, _, rebuilt = norm_bwd(torch.randn_like(y), x, weight, None, mean, rstd, rms=rms, has_bias=False,
+    dx, _, _, rebuilt = norm_bwd(torch.randn_like(y), x, weight, None, mean, rstd, None, rms, has_bias=False,
                                  rebuild_output=True, out_dtype=torch.bfloat16)
     assert dx.dtype == torch.float32 and torch.equal(rebuilt, y)
 
