@@ -1016,10 +1016,11 @@ class TransformerBlock(reference.TransformerBlock):
         # Each parameter as a call sees it now (None for an absent module or bias): from its module's
         # table, where torch.func.functional_call and FSDP also put the tensors they swap in, else by
         # attribute lookup (a parametrization's property); not get_parameter, which stops at the table.
-        modules = self._modules
-        params = [None if (m := modules.get(module)) is None
-                  else m._parameters[attr] if attr in m._parameters else getattr(m, attr, None)
-                  for module, attr in _PARAMETER_PATHS]
+        params = []
+        for module_name, attr in _PARAMETER_PATHS:
+            module = self._modules.get(module_name)
+            params.append(None if module is None else module._parameters[attr] if attr in module._parameters
+                          else getattr(module, attr, None))
         compute_dtype = self._compute_dtype(x, params)  # the same dtype check on both paths
         # Meta tensors (a model sized before it is allocated) take the custom operators too: their fake
         # kernels give the fused block's shapes, their FLOP formulas its counts.
