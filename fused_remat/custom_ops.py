@@ -29,12 +29,6 @@ from .backend import launches_kernels
 from .flops import attention_op_flops, document_pairs, flop_formula, visible_pairs
 
 
-# Each operator twice: its implementation as a plain function (``direct``), and the custom operator
-# (``dispatched``). An eager call on tensors that launch goes straight to the implementation: the
-# dispatcher would run the same function after its own host work (schema checks, dispatch keys,
-# the Python wrapper), on every call and for nothing. A call that
-# something records or transforms goes through the operator (``traced``). Inside an operator's
-# implementation (the block's) calls always take ``direct``: only the outer operator is seen.
 class _Kernels:
     """The modules of fused_remat.kernels, each imported at its first use: importing fused_remat
     must not import triton, and an import statement in a launching function costs every call."""
@@ -53,12 +47,20 @@ class _Kernels:
 kernels = _Kernels()
 
 
+# Each operator twice: its implementation as a plain function (``direct``), and the custom operator
+# (``dispatched``). An eager call on tensors that launch goes straight to the implementation: the
+# dispatcher would run the same function after its own host work (schema checks, dispatch keys,
+# the Python wrapper), on every call and for nothing. A call that
+# something records or transforms goes through the operator (``traced``). Inside an operator's
+# implementation (the block's) calls always take ``direct``: only the outer operator is seen.
 class _Direct(types.SimpleNamespace):
     """The implementations. Where an operator only adapts its launcher to the operator rules (an
     output not produced comes as None, not empty), ``direct`` holds the launcher itself, taken at
     its first use: one call less on every launch."""
 
     def __getattr__(self, name: str):
+        if name not in _LAUNCHERS:
+            raise AttributeError(f"no fused_remat operator {name!r}")
         module, launcher = _LAUNCHERS[name]
         fn = getattr(getattr(kernels, module), launcher)
         setattr(self, name, fn)
