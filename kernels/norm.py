@@ -410,9 +410,9 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, residual_grad, rms: bool, has_bias
             )
             if launch is not None:
                 _BWD_PLANS.keep(key, _BackwardPlan(programs, single_pass, launch))
-    # dW's and dB's partials in one sum (each column in a fixed order), then in the weight's dtype;
-    # dW and dB are rows of one tensor
-    totals = partials.sum(dim=1)
-    if totals.dtype != weight.dtype:
-        totals = totals.to(weight.dtype)
-    return dx, totals[0], totals[1] if has_bias else None, y
+    # one sum each: dW and dB are separate tensors (a custom operator's outputs may not alias)
+    dw = partials[0].sum(dim=0)
+    db = partials[1].sum(dim=0) if has_bias else None
+    if dw.dtype != weight.dtype:
+        dw, db = dw.to(weight.dtype), None if db is None else db.to(weight.dtype)
+    return dx, dw, db, y
