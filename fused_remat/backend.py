@@ -70,7 +70,7 @@ def launches_kernels(device: torch.device) -> bool:
 
 
 # os.environ's own table of the process environment, kept current by every write through os.environ
-# (monkeypatch.setenv included): a dict lookup per op call where os.environ.get runs three Python
+# (monkeypatch.setenv included): a dict lookup per op call where os.environ.get runs Python
 # functions. None where os.environ has no such table; the ops then ask os.environ.
 _ENVIRON = getattr(os.environ, "_data", None)
 _ENVIRON_KEYS = tuple(os.environ.encodekey(name) for name in (BACKEND_ENV, INTERPRET_ENV)) if _ENVIRON is not None else ()

@@ -153,7 +153,7 @@ class _Call:
     def __call__(self, inputs: tuple) -> tuple:
         outputs = (*map(new_like, itertools.repeat(inputs[0], self.outputs)),)
         tensors = self.pick((*inputs, *outputs))
-        if inputs[0].dim() != 2:  # a view costs about a microsecond: only where one is needed
+        if inputs[0].dim() != 2:  # views only where the shape changes: each costs host time
             tensors = map(torch.Tensor.view, tensors, itertools.repeat(self.rows))
         self.launch(*tensors)
         return outputs

@@ -193,7 +193,7 @@ def launch_context(compiled: bool) -> tuple:
 
 
 # A new contiguous tensor of a tensor's shape, dtype and device (``torch.empty`` of a ``torch.Size``
-# parses it in Python's argument parser: about twice the time)
+# goes through Python's slower argument parsing)
 new_like = functools.partial(torch.empty_like, memory_format=torch.contiguous_format)
 
 _SHAPE_DTYPE_DEVICE = operator.attrgetter("shape", "dtype", "device")
