@@ -227,7 +227,7 @@ def _our_kernels_run(device: torch.device) -> bool:
     return False
 
 
-def _measure_ours(seq_len: int, device: torch.device, remat: str, memory_budget: float | None = None):
+def _measure_ours(seq_len: int, device: torch.device, remat: str | None, memory_budget: float | None = None):
     """(kept bytes per token, forward FLOPs, backward FLOPs) of our block at N = ``seq_len``: bytes
     from the meter on a short sequence, of the point the block runs at ``seq_len`` (a budget picks
     its point by the sequence length); FLOPs from the operators' formulas on fake tensors of the
@@ -238,7 +238,7 @@ def _measure_ours(seq_len: int, device: torch.device, remat: str, memory_budget:
     with FakeTensorMode():
         block = fused_remat.TransformerBlock(**LAYER, remat=remat, memory_budget=memory_budget, device=device)
         x = torch.empty(1, seq_len, LAYER["dim"], device=device, requires_grad=True)
-        point = block._call_remat(x, 0)
+        point = block.remat if memory_budget is None else block.budget_point(seq_len, x.dtype, x.dtype)
         with _flop_counter() as forward:
             y = block(x)
         with _flop_counter() as backward:
@@ -273,7 +273,7 @@ def our_budget_points(seq_len: int, device: torch.device, compile_curve: list[Po
         if theirs.recompute == 0 and theirs.kept_bytes_per_token >= none_kept:
             continue
         fraction = min(1.0, theirs.kept_bytes_per_token / none_kept)
-        kept, forward, backward, point = _measure_ours(seq_len, device, "cheap", fraction)
+        kept, forward, backward, point = _measure_ours(seq_len, device, None, fraction)
         points.append(_point(OURS_BUDGET, f"{theirs.name}: memory_budget {fraction:.3f} ({point})", seq_len, kept,
                              forward, backward, no_replay_backward))
     return points

@@ -147,7 +147,7 @@ print(sys.argv[2], 'tokens/s (median after 5 steps):', round(s.median(x['tokens_
 
 capacity() {
   if [ "$dry" -eq 1 ]; then
-    "$python" -m fused_remat.train --find-max-seq-len --preset tiny --batch-size 1 --memory-budget 1MiB \
+    "$python" -m fused_remat.train --find-max-seq-len --preset tiny --batch-size 1 --memory-limit 1MiB \
       --out "$out/find_max"
   else
     "$python" -m fused_remat.train --find-max-seq-len --batch-size 1 --out "$out/find_max"

@@ -28,7 +28,7 @@ from .backend import autocast_dtype, requested_backend, use_triton
 from .flops import attention_op_flops, document_pairs, flop_formula, matmul_flops, visible_pairs
 from .kernels.limits import SUPPORTED_DTYPES
 from .remat import (COMPUTE, FP32, KEPT_FOR_BACKWARD, RESIDUAL, Kept, Remat, budget_points, check_memory_budget,
-                    search_budget, within_budget)
+                    point_for_call)
 
 _OP = "TransformerBlock"
 
@@ -899,12 +899,13 @@ class TransformerBlock(reference.TransformerBlock):
     keep x and the tensors named, and replay only what is missing. ``fused_remat.remat`` tells each
     point's bytes.
 
-    ``memory_budget`` (settable; default None): a fraction f in [0, 1], torch.compile's
-    ``activation_memory_budget`` in our terms: each call keeps at most f times what ``"none"`` keeps
-    per token, choosing the point with the least replay for the call's sequence length (attention's
-    replay grows with it, the projections' do not); ``remat`` is then unused. 1 gives ``cheap``;
-    below x's share of ``none`` (every point on the device keeps x), ``offload``. Every point gives
-    bitwise the same gradients.
+    ``memory_budget`` (settable; default None), instead of ``remat``: a fraction f in [0, 1],
+    torch.compile's ``activation_memory_budget`` in our terms: each call keeps at most f times what
+    ``"none"`` keeps per token, choosing the point with the least replay for the call's sequence
+    length (attention's replay grows with it, the projections' do not; ``remat.point_for_call``).
+    1 gives ``cheap``; below x's share of ``none`` (every point on the device keeps x), ``offload``.
+    Every point gives bitwise the same gradients. Given both, the constructor refuses them; under a
+    budget, setting ``remat`` is refused until ``memory_budget`` is None again.
 
     x: (B, N, dim) in fp16, bf16 or fp32, the parameters' dtype — or any float parameters under
     ``torch.autocast``, which runs the matmuls and attention in the autocast dtype while x, h and y
@@ -924,14 +925,29 @@ class TransformerBlock(reference.TransformerBlock):
                  norm: str = "layernorm", activation: str = "gelu", bias: bool = True, causal: bool = True,
                  eps: float = 1e-5, rope_theta: float | None = None, window: tuple[int, int] = (-1, -1),
                  softcap: float = 0.0, attention_scale: float | None = None, qk_norm: bool = False,
-                 head_dim: int | None = None, remat: Remat | str = Remat.CHEAP, memory_budget: float | None = None,
+                 head_dim: int | None = None, remat: Remat | str | None = None, memory_budget: float | None = None,
                  device=None, dtype=None):
+        if remat is not None and memory_budget is not None:
+            raise ValueError(f"{_OP}: remat={remat!r} and memory_budget={memory_budget!r} are two ways to say what to "
+                             "keep; give one (memory_budget chooses each call's point itself)")
+        self._memory_budget = None
         super().__init__(dim, n_heads, n_kv_heads=n_kv_heads, ffn_dim=ffn_dim, norm=norm, activation=activation,
                          bias=bias, causal=causal, eps=eps, rope_theta=rope_theta, window=window, softcap=softcap,
-                         attention_scale=attention_scale, qk_norm=qk_norm, head_dim=head_dim, remat=remat,
-                         device=device, dtype=dtype)
+                         attention_scale=attention_scale, qk_norm=qk_norm, head_dim=head_dim,
+                         remat=Remat.CHEAP if remat is None else remat, device=device, dtype=dtype)
         self.memory_budget = memory_budget
         self.context_parallel = None
+
+    @property
+    def remat(self) -> Remat:
+        return self._remat
+
+    @remat.setter
+    def remat(self, policy: Remat | str) -> None:
+        if self._memory_budget is not None:
+            raise ValueError(f"{type(self).__name__}: remat={policy!r} would not be used: memory_budget "
+                             f"{self._memory_budget:g} chooses each call's point; set memory_budget = None first")
+        self._remat = Remat.parse(policy, owner=f"{type(self).__name__}: remat")
 
     @property
     def memory_budget(self) -> float | None:
@@ -942,21 +958,24 @@ class TransformerBlock(reference.TransformerBlock):
         self._memory_budget = check_memory_budget(fraction, owner=f"{_OP}: memory_budget")
         budget_points()  # made here, eagerly: torch.compile cannot trace making them in forward
 
+    def budget_point(self, seq_len: int, residual_dtype: torch.dtype, compute_dtype: torch.dtype) -> Remat:
+        """The point this block runs under its ``memory_budget`` for a call whose attention spans
+        ``seq_len`` tokens (the longest packed document, or the whole sequence), with x in
+        ``residual_dtype`` and the matmuls in ``compute_dtype`` (``remat.point_for_call``)."""
+        widths = block_widths(self.dim, self.n_heads, self.n_kv_heads, self.ffn_dim, self.norm, self.activation,
+                              self.head_dim)
+        return point_for_call(self.memory_budget, widths, residual_dtype.itemsize, compute_dtype.itemsize, seq_len,
+                              self.causal, self.window)
+
     def _call_remat(self, x: torch.Tensor, max_seqlen: int, compute_dtype: torch.dtype | None = None) -> Remat:
-        """``remat``, or under ``memory_budget`` the point with the least replay within it for this
-        call's sequence length (``remat.within_budget``; packed documents are priced as if each were
-        as long as the longest, the whole sequence under context parallelism)."""
+        """``remat``, or under ``memory_budget`` this call's ``budget_point``: priced at the longest
+        document, the whole sequence under context parallelism."""
         if self.memory_budget is None:
             return self.remat
         seq = max_seqlen or x.shape[1]
         if self.context_parallel is not None:
             seq *= self.context_parallel.size()
-        widths = block_widths(self.dim, self.n_heads, self.n_kv_heads, self.ffn_dim, self.norm, self.activation,
-                              self.head_dim)
-        compute_dtype = compute_dtype or autocast_dtype(x.device.type) or x.dtype
-        choose = search_budget if torch.compiler.is_compiling() else within_budget
-        return choose(self.memory_budget, widths, x.element_size(), compute_dtype.itemsize,
-                      visible_pairs(seq, seq, self.causal, self.window) / seq)
+        return self.budget_point(seq, x.dtype, compute_dtype or autocast_dtype(x.device.type) or x.dtype)
 
     @classmethod
     def from_reference(cls, block: reference.TransformerBlock, remat: Remat | str = Remat.CHEAP) -> TransformerBlock:

@@ -108,9 +108,9 @@ class LanguageModel(nn.Module):
     """Token ids (B, N) -> mean next-token loss (with targets) or logits (B, N, vocab) (without).
 
     ``remat``: one policy for all layers or a list, one per layer (``fused_remat.planner`` makes
-    such a list for a memory budget in bytes); ``memory_budget``: a fraction f in [0, 1] instead,
-    every layer keeping at most f of what ``none`` keeps and choosing its point per call
-    (``TransformerBlock.memory_budget``). Weights start as GPT-2's: normal(0, 0.02), with the two
+    such a list for a memory budget in bytes; default: ``cheap``, ``none`` for the reference block);
+    ``memory_budget``: a fraction f in [0, 1] instead, every layer keeping at most f of what
+    ``none`` keeps and choosing its point per call (``TransformerBlock.memory_budget``). Weights start as GPT-2's: normal(0, 0.02), with the two
     projections that write into the residual stream scaled by 1/sqrt(2 x layers).
 
     ``context_parallel``: a process group over which every sequence is split (fused blocks only).
@@ -120,13 +120,19 @@ class LanguageModel(nn.Module):
     share: their sum over the group is the gradient of that mean.
     """
 
-    def __init__(self, config: ModelConfig, remat: Remat | str | Sequence[Remat | str] = Remat.CHEAP, *, block_impl: str = "fused",
-                 memory_budget: float | None = None, context_parallel=None, device=None, dtype=None):
+    def __init__(self, config: ModelConfig, remat: Remat | str | Sequence[Remat | str] | None = None, *,
+                 block_impl: str = "fused", memory_budget: float | None = None, context_parallel=None, device=None,
+                 dtype=None):
         super().__init__()
         if context_parallel is not None and block_impl != "fused":
             raise ValueError(f"context_parallel needs block_impl='fused' (ring attention), got {block_impl!r}")
         if memory_budget is not None and block_impl != "fused":
             raise ValueError(f"memory_budget needs block_impl='fused' (the reference block keeps all or x), got {block_impl!r}")
+        if memory_budget is not None and remat is not None:
+            raise ValueError(f"remat={remat!r} and memory_budget={memory_budget!r} are two ways to say what each layer "
+                             "keeps; give one (memory_budget lets each layer choose its point per call)")
+        if remat is None:  # each block kind's default: cheap for ours, none (eager) for the reference
+            remat = Remat.CHEAP if block_impl == "fused" else Remat.NONE
         policies = resolve_policies(remat, config.n_layers, block_impl)
         self.config, self.block_impl = config, block_impl
         factory = dict(device=device, dtype=dtype)
@@ -153,7 +159,12 @@ class LanguageModel(nn.Module):
         return [block.remat for block in self.blocks]
 
     def set_remat(self, remat: Remat | str | Sequence[Remat | str]) -> None:
-        """Change the policies between steps (validated before any block changes)."""
+        """Change the policies between steps (validated before any block changes; refused under a
+        ``memory_budget``, which chooses them)."""
+        budgets = [block.memory_budget for block in self.blocks if getattr(block, "memory_budget", None) is not None]
+        if budgets:
+            raise ValueError(f"set_remat({remat!r}) would not be used: memory_budget {budgets[0]:g} chooses each "
+                             "layer's point per call; set memory_budget = None first")
         for block, policy in zip(self.blocks, resolve_policies(remat, self.config.n_layers, self.block_impl)):
             block.remat = policy
 

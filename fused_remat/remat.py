@@ -43,6 +43,10 @@ import math
 import numbers
 from dataclasses import dataclass
 
+import torch
+
+from .flops import visible_pairs
+
 RESIDUAL, COMPUTE, FP32 = "residual", "compute", "fp32"
 
 
@@ -374,6 +378,18 @@ def search_budget(fraction: float, widths: dict[str, int], residual_bytes: int, 
         if best is None or key < best[0]:
             best = (key, point)
     return Remat.OFFLOAD if best is None else best[1]
+
+
+def point_for_call(fraction: float, widths: dict[str, int], residual_bytes: int, compute_bytes: int, seq_len: int,
+                   causal: bool = True, window: tuple[int, int] = (-1, -1)) -> Remat:
+    """The point a block under ``memory_budget = fraction`` runs for a call whose attention spans
+    ``seq_len`` tokens (the longest packed document, or the whole sequence: documents are priced as
+    if each were as long as the longest). The one place this choice is made: the block asks it on
+    every call, the trainer for the plan it prints. Kept per argument set (``within_budget``);
+    searched afresh while torch.compile traces, which cannot trace the table."""
+    pairs_per_token = visible_pairs(seq_len, seq_len, causal, window) / seq_len
+    choose = search_budget if torch.compiler.is_compiling() else within_budget
+    return choose(fraction, widths, residual_bytes, compute_bytes, pairs_per_token)
 
 
 def check_memory_budget(value, owner: str = "memory_budget") -> float | None:

@@ -282,7 +282,7 @@ def test_find_max_seq_len_answers_per_rank_for_context_parallel(tmp_path, triton
     from fused_remat.training import cli
 
     out = tmp_path / "run"
-    assert cli.main(["--preset", "tiny", "--batch-size", "1", "--find-max-seq-len", "--memory-budget", "1.8MiB",
+    assert cli.main(["--preset", "tiny", "--batch-size", "1", "--find-max-seq-len", "--memory-limit", "1.8MiB",
                      "--context-parallel", "2", "--out", str(out)]) == 0
     rows = json.loads((out / "max_seq_len.json").read_text())["rows"]
     assert [row["remat"] for row in rows] == ["none", "cheap", "selective", "full", "offload", "auto"]  # ring attention: our block only

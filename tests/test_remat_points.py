@@ -14,6 +14,7 @@ from fused_remat import Remat, TransformerBlock
 from fused_remat.block import block_widths
 from fused_remat.flops import visible_pairs
 from fused_remat.memory import saved_memory
+from fused_remat.model import LanguageModel, preset
 from fused_remat.remat import (budget_points, check_memory_budget, kept_bytes_per_token, replay_flops_per_token,
                                replay_norm_passes, within_budget)
 
@@ -31,9 +32,11 @@ POINTS = [
 
 
 def _block(device, remat="none", **kwargs) -> TransformerBlock:
+    """The test's block: ``remat``, or the ``memory_budget`` given instead."""
     torch.manual_seed(0)
     return TransformerBlock(DIM, HEADS, n_kv_heads=KV_HEADS, ffn_dim=FFN, norm="rmsnorm", activation="swiglu",
-                            bias=False, rope_theta=10000.0, remat=remat, device=device, **kwargs)
+                            bias=False, rope_theta=10000.0, remat=None if "memory_budget" in kwargs else remat,
+                            device=device, **kwargs)
 
 
 def _widths() -> dict[str, int]:
@@ -148,6 +151,40 @@ def test_the_block_honours_its_memory_budget_as_the_meter_measures_it(fraction, 
     assert kept == kept_bytes_per_token(expected, _widths(), 4, 4)
     x = torch.randn(2, seq, DIM, device=device)
     assert all(torch.equal(a, b) for a, b in zip(_output_and_grads(block, x), _output_and_grads(_block(device), x)))
+
+
+def test_remat_and_a_memory_budget_are_one_choice_not_two():
+    """A budget chooses the point, so a remat given beside it would go unused: the constructors
+    refuse both, and a block or model under a budget refuses a new remat until the budget is None."""
+    both = r"remat='full' and memory_budget=0.3 are two ways to say what"
+    with pytest.raises(ValueError, match="^TransformerBlock: " + both):
+        TransformerBlock(DIM, HEADS, remat="full", memory_budget=0.3, device="meta")
+    with pytest.raises(ValueError, match="^" + both):
+        LanguageModel(preset("tiny"), "full", memory_budget=0.3, device="meta")
+    block = _block("meta", memory_budget=0.3)
+    assert block.remat == "cheap", "the default, unused while the budget holds"
+    with pytest.raises(ValueError, match=r"remat='full' would not be used: memory_budget 0.3 chooses each call's point"):
+        block.remat = "full"
+    block.memory_budget = None
+    block.remat = "full"
+    model = LanguageModel(preset("tiny"), memory_budget=0.3, device="meta")
+    with pytest.raises(ValueError, match=r"set_remat\('full'\) would not be used: memory_budget 0.3"):
+        model.set_remat("full")
+    assert model.remat == ["cheap"] * preset("tiny").n_layers and model.memory_budget == 0.3
+    assert LanguageModel(preset("tiny"), block_impl="reference", device="meta").remat == ["none"] * preset("tiny").n_layers
+
+
+def test_the_point_under_a_budget_is_priced_at_the_longest_document():
+    """``budget_point`` is the one owner of the choice: a call with packed documents prices
+    attention's replay at its longest document, a dense call at its row."""
+    block = _block("meta", memory_budget=0.3)
+    x = torch.empty(1, 8192, DIM, device="meta")
+    widths = _widths()
+    for longest in (0, 512):
+        seq = longest or 8192
+        expected = within_budget(0.3, widths, 4, 4, visible_pairs(seq, seq, True) / seq)
+        assert block._call_remat(x, longest, torch.float32) == block.budget_point(seq, torch.float32, torch.float32) \
+            == expected
 
 
 @pytest.mark.parametrize("value,error,match", [

@@ -21,11 +21,13 @@ from fused_remat.training import capacity, cli, loop
 from fused_remat.training.checkpoint import CheckpointError, CheckpointWriteError, load_checkpoint, save_checkpoint
 from fused_remat.training.config import TrainConfig, parse_size
 from fused_remat.training.data import Batch
+from fused_remat.training.distributed import Distributed
 from fused_remat.training.step import batch_loss
 from fused_remat.memory import saved_memory
 from fused_remat.model import LanguageModel, preset
 from fused_remat.planner import Precision, explain_policies, layer_transient_bytes_per_token
 from fused_remat.remat import Remat
+from fused_remat.block import TransformerBlock
 
 UNIFORM_LOSS = math.log(256)
 # Small enough for the interpreter on a CI core.
@@ -250,17 +252,31 @@ def test_the_reference_block_alone_defaults_to_its_eager_policy():
 @pytest.mark.parametrize("arguments,message", [
     (["--steps", "0"], "--steps must be at least 1"),
     (["--preset", "gpt5"], "invalid choice"),
-    (["--memory-budget", "lots"], "--memory-budget"),
+    (["--memory-budget", "lots"], "--memory-budget must be a fraction in [0, 1] of what --remat none keeps "
+     "(torch.compile's activation_memory_budget), got 'lots'"),
+    (["--memory-limit", "lots"], "--memory-limit: expected a size"),
     (["--lr", "-1"], "--lr"),
     (["--remat", "lazy"], "--remat must be one of none, cheap, selective, full, offload, keep:<tensors> (e.g. "
-     "keep:o,lse,h), auto (a plan for --memory-budget in bytes), or a comma list with one per layer (2 layers, "
+     "keep:o,lse,h), auto (a plan for --memory-limit in bytes), or a comma list with one per layer (2 layers, "
      "e.g. full,cheap); got 'lazy'"),
     (["--remat", "cheap,full,full"], "--remat: got 3 policies for 2 layers"),
     (["--block", "reference", "--remat", "cheap"], "--block reference runs eager PyTorch, which takes --remat none"),
-    (["--memory-budget", "2.5"], "--memory-budget 2.5: a bare number is a fraction in [0, 1] of what --remat none "
-     "keeps (torch.compile's activation_memory_budget); a budget in bytes takes a unit, e.g. 2.5GiB or 2.5MiB"),
-    (["--memory-budget", "-0.1"], "--memory-budget -0.1: a bare number is a fraction in [0, 1]"),
-    (["--memory-budget", "40GiB"], "--memory-budget 40GiB (bytes) is the budget that --remat auto plans for"),
+    (["--memory-budget", "2.5"], "--memory-budget must be a fraction in [0, 1] of what --remat none keeps "
+     "(torch.compile's activation_memory_budget), got '2.5'; a limit in bytes is --memory-limit with a unit, e.g. "
+     "--memory-limit 2.5GiB"),
+    (["--memory-budget", "-0.1"], "--memory-budget must be a fraction in [0, 1] of what --remat none keeps "
+     "(torch.compile's activation_memory_budget), got '-0.1'"),
+    (["--memory-budget", "40GiB"], "got '40GiB'; a limit in bytes is --memory-limit 40GiB"),
+    (["--memory-limit", "0.3"], "--memory-limit 0.3: a limit in bytes (40GiB, 800MiB, 4096); a fraction of what "
+     "--remat none keeps is --memory-budget 0.3"),
+    (["--memory-limit", "40GiB"], "--memory-limit 40GiB is the limit that --remat auto plans for and "
+     "--find-max-seq-len searches under; with --remat cheap nothing would use it"),
+    (["--memory-budget", "0.3", "--remat", "full"], "--memory-budget 0.3 lets each layer choose what it keeps (at most "
+     "that share of what --remat none keeps): leave out --remat full"),
+    (["--memory-budget", "0.3", "--remat", "auto"], "leave out --remat auto"),
+    (["--memory-budget", "0.3", "--block", "reference"], "--memory-budget 0.3 lets each fused layer choose what it "
+     "keeps: leave out --block reference"),
+    (["--memory-budget", "0.3", "--find-max-seq-len"], "its memory cap is --memory-limit in bytes, not --memory-budget"),
     (["--document-boundary", "eos"], "--document-boundary must be a token id (an integer >= 0) or none, got 'eos'"),
 ])
 def test_bad_arguments_exit_with_a_usage_error(arguments, message, tmp_path, capsys):
@@ -273,8 +289,8 @@ def test_bad_arguments_exit_with_a_usage_error(arguments, message, tmp_path, cap
 @pytest.mark.parametrize("arguments,message", [
     (["--data", "no/such/file.txt"], "--data"),
     (["--document-boundary", "10"], "--document-boundary 10: the default corpus's documents are its source files"),
-    (["--remat", "auto"], "--memory-budget"),
-    (["--remat", "auto", "--memory-budget", "1KiB"], "--memory-budget: 0.0 MiB is below"),
+    (["--remat", "auto"], "--remat auto on CPU needs --memory-limit"),
+    (["--remat", "auto", "--memory-limit", "1KiB"], "--memory-limit: 0.0 MiB is below"),
     (["--resume"], "no checkpoint"),
 ])
 def test_bad_settings_give_a_clear_error(arguments, message, tmp_path, capsys):
@@ -291,7 +307,7 @@ def test_remat_auto_prints_its_plan_and_trains(tmp_path, capsys):
     budget = cheap.peak_bytes - 1
     assert budget > cheap.predicted_bytes
     out = tmp_path / "run"
-    assert cli.main([*SHORT, "--steps", "1", "--remat", "auto", "--memory-budget", f"{budget}B",
+    assert cli.main([*SHORT, "--steps", "1", "--remat", "auto", "--memory-limit", f"{budget}B",
                        "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "remat plan" in printed and "budget" in printed and "kept + the largest layer transient" in printed
@@ -302,12 +318,11 @@ def test_a_memory_budget_fraction_lets_each_layer_choose_and_trains_the_same_bit
     """--memory-budget 0.2 is torch.compile's spelling: a fraction of what remat none keeps, each
     layer picking what to keep; the run computes the bits of --remat cheap's."""
     config = TrainConfig.build("cpu", memory_budget="0.2")
-    assert (config.memory_fraction, config.memory_budget) == (0.2, None)
-    assert TrainConfig.build("cpu", memory_budget="1").memory_fraction == 1.0
-    assert TrainConfig.build("cpu", memory_budget="2B", remat="auto").memory_budget == 2, "bytes take a unit"
-    for arguments in (dict(remat="auto"), dict(block="reference", remat="none")):
-        with pytest.raises(ValueError, match=r"--memory-budget 0.2 \(a fraction of what remat none keeps\)"):
-            TrainConfig.build("cpu", memory_budget="0.2", **arguments)
+    assert (config.memory_budget, config.memory_limit, config.remat) == (0.2, None, None)
+    assert TrainConfig.build("cpu", memory_budget="1").memory_budget == 1.0
+    assert TrainConfig.build("cpu", memory_budget=0.5).memory_budget == 0.5, "the library's value, unparsed"
+    assert TrainConfig.build("cpu", memory_limit="4096", remat="auto").memory_limit == 4096, "bare bytes"
+    assert TrainConfig.build("cpu", memory_limit="2B", remat="auto").memory_limit == 2
     common = [*SHORT, "--steps", "2", "--eval-interval", "2", "--warmup", "1"]
     assert cli.main([*common, "--memory-budget", "0.2", "--out", str(tmp_path / "budget")]) == 0
     printed = capsys.readouterr().out
@@ -315,6 +330,24 @@ def test_a_memory_budget_fraction_lets_each_layer_choose_and_trains_the_same_bit
     assert "memory_budget 0.2 (each layer keeps at most that share of what none keeps)" in printed
     assert cli.main([*common, "--out", str(tmp_path / "cheap")]) == 0
     assert _trajectory(tmp_path / "budget") == _trajectory(tmp_path / "cheap")
+
+
+def test_the_budget_plan_shows_the_point_the_blocks_choose_for_the_longest_document():
+    """Under --memory-budget the plan printed at the start names the point every layer's
+    ``budget_point`` gives for the first batch's longest document, as the blocks price each call;
+    a GPT-2-small layer at 8,192 tokens chooses differently for one 512-token document."""
+    config = TrainConfig.build("cpu", preset="gpt2-small", seq_len=8192, memory_budget="0.3")
+    model_config = config.model_config(256)
+    block = TransformerBlock(model_config.dim, model_config.n_heads, **model_config.block_kwargs(), memory_budget=0.3,
+                             device="meta")
+    points = {}
+    for longest in (None, 512):
+        policies, plan = loop.resolve_remat(config, model_config, torch.device("cpu"), Distributed(),
+                                            longest_document=longest)
+        points[longest] = block.budget_point(longest or 8192, torch.float32, torch.float32)
+        assert policies == plan.policies == [points[longest]] * model_config.n_layers
+        assert plan.budget_fraction == 0.3
+    assert points[None] != points[512]
 
 
 def test_trains_on_a_nanogpt_bin_file(tmp_path):
@@ -349,15 +382,15 @@ def test_parse_size_refuses_what_is_not_a_positive_size(text):
 
 
 def test_config_fills_defaults_by_device_and_preset():
-    config = TrainConfig.build("cpu", steps=None, memory_budget="1.5KiB", remat="auto", out=None)
+    config = TrainConfig.build("cpu", steps=None, memory_limit="1.5KiB", remat="auto", out=None)
     assert (config.preset, config.steps, config.seq_len, config.dtype) == ("tiny", 50, 64, "fp32")
     assert config.lr == 3e-3 and config.min_lr == pytest.approx(3e-4) and config.warmup == 5
-    assert config.memory_budget == 1536 and config.out == Path("runs/tiny")
+    assert config.memory_limit == 1536 and config.out == Path("runs/tiny")
     gpu = TrainConfig.build("cuda", preset="llama-1b", steps=5000)
     assert (gpu.dtype, gpu.compute_dtype, gpu.warmup, gpu.lr) == ("bf16", torch.bfloat16, 200, 3e-4)
     assert gpu.precision == Precision(torch.float32, torch.bfloat16)
-    with pytest.raises(ValueError, match="--memory-budget: expected a size"):
-        TrainConfig.build("cpu", memory_budget="lots")
+    with pytest.raises(ValueError, match="--memory-limit: expected a size"):
+        TrainConfig.build("cpu", memory_limit="lots")
     with pytest.raises(ValueError, match="--preset must be one of"):
         TrainConfig.build("cpu", preset="gpt5")
 
@@ -385,7 +418,7 @@ def test_python_m_fused_remat_training_is_the_same_cli():
 
 def test_find_max_seq_len_on_cpu_ranks_the_policies(tmp_path, capsys, triton_backend):
     out = tmp_path / "run"
-    assert cli.main(["--preset", "tiny", "--batch-size", "1", "--find-max-seq-len", "--memory-budget", "1.8MiB",
+    assert cli.main(["--preset", "tiny", "--batch-size", "1", "--find-max-seq-len", "--memory-limit", "1.8MiB",
                        "--out", str(out)]) == 0
     rows = {row["candidate"]: row["max_seq_len"] for row in json.loads((out / "max_seq_len.json").read_text())["rows"]}
     assert 0 < rows["reference, eager"] <= rows["fused_remat cheap"] <= rows["fused_remat selective"] \

@@ -226,7 +226,7 @@ def test_checkpoint_errors_never_suggest_weights_only_false(tmp_path):
 
 @pytest.mark.parametrize("arguments,message", [
     (["--distributed", "fsdp"], "--distributed fsdp needs torchrun"),
-    (["--remat", "auto", "--memory-budget", "12B"], "--memory-budget was read as 12 bytes"),
+    (["--remat", "auto", "--memory-limit", "12B"], "--memory-limit was read as 12 bytes"),
     (["--backend", "triton"], "--backend triton"),
 ])
 def test_misused_flags_are_errors(arguments, message, tmp_path, capsys, monkeypatch):

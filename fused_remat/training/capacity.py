@@ -2,10 +2,10 @@
 reference block eager and under torch.utils.checkpoint — "how much longer can I train".
 
 On a GPU a length fits when one full training step (forward, backward, AdamW update) at
-``--batch-size`` runs without running out of CUDA memory; ``--memory-budget`` caps the memory
+``--batch-size`` runs without running out of CUDA memory; ``--memory-limit`` caps the memory
 the process may use, to ask the question for a smaller card. On CPU there is no allocator to
 exhaust, so a length fits when the step's predicted peak plus 16 bytes per parameter (fp32
-weights, gradients, two AdamW moments) stays within ``--memory-budget``: the bytes autograd keeps
+weights, gradients, two AdamW moments) stays within ``--memory-limit``: the bytes autograd keeps
 (the saved-memory meter) plus the largest transient among the model's layers at that length
 (``planner.layer_transient_bytes_per_token``, from ``remat.peak_bytes_per_token``: what one
 layer's step holds above what it keeps; the layers below it still hold theirs), as the planner
@@ -210,10 +210,10 @@ def find_max_seq_len(config: TrainConfig, run: Distributed) -> int:
     device = run.device()
     if run.world_size > 1:
         raise ValueError("--find-max-seq-len runs in one process (one GPU); start it without torchrun")
-    if device.type != "cuda" and config.memory_budget is None:
-        raise ValueError("--find-max-seq-len on CPU needs --memory-budget (there is no device memory to exhaust), "
-                         "e.g. --preset tiny --memory-budget 2MiB")
-    budget = config.memory_budget
+    if device.type != "cuda" and config.memory_limit is None:
+        raise ValueError("--find-max-seq-len on CPU needs --memory-limit (there is no device memory to exhaust), "
+                         "e.g. --preset tiny --memory-limit 2MiB")
+    budget = config.memory_limit
     model_config = config.model_config(config.vocab_size or 256)
     if device.type == "cuda" and budget is not None:
         total = torch.cuda.get_device_properties(device).total_memory
@@ -222,7 +222,7 @@ def find_max_seq_len(config: TrainConfig, run: Distributed) -> int:
     granularity = GRANULARITY[device.type] * parallel  # a multiple of 2N: every rank holds two equal chunks
     criterion = ("one training step without CUDA out-of-memory" if device.type == "cuda"
                  else "saved activations (meter) + the largest layer transient (remat.peak_bytes_per_token; "
-                      "the reference block's measured) + 16 B/parameter within --memory-budget")
+                      "the reference block's measured) + 16 B/parameter within --memory-limit")
     candidates = CANDIDATES
     if parallel > 1:
         criterion += f", per rank of --context-parallel {parallel} (one process at seq_len / {parallel})"
@@ -252,7 +252,7 @@ def find_max_seq_len(config: TrainConfig, run: Distributed) -> int:
     config.out.mkdir(parents=True, exist_ok=True)
     result = dict(preset=config.preset, batch_size=config.batch_size, dtype=config.dtype, criterion=criterion,
                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                  memory_budget=budget, rows=rows)
+                  memory_limit=budget, rows=rows)
     (config.out / "max_seq_len.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"written to {config.out / 'max_seq_len.json'}")
     return 0

@@ -1,7 +1,7 @@
 """`python -m fused_remat.train`: train a language model built from fused_remat's TransformerBlock.
 
     python -m fused_remat.train                                  # a short run on whatever device is here
-    python -m fused_remat.train --preset gpt2-small --seq-len 32768 --remat auto --memory-budget 40GiB
+    python -m fused_remat.train --preset gpt2-small --seq-len 32768 --remat auto --memory-limit 40GiB
     python -m fused_remat.train --data train.bin --vocab-size 50304 --document-boundary 50256 --out runs/owt
     python -m fused_remat.train --out runs/owt --resume          # continues bit for bit
     python -m fused_remat.train --find-max-seq-len               # longest trainable sequence per policy
@@ -65,12 +65,13 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--remat",
                         help="none | cheap (default; none with --block reference) | selective | full | offload | "
                         "keep:<tensors> (e.g. keep:o,lse,h) | auto "
-                        "(plan for --memory-budget in bytes) | a comma list, one per layer")
-    parser.add_argument("--memory-budget", help="a fraction in [0, 1] (0.3), torch.compile's activation_memory_budget: "
-                        "each layer keeps at most that share of what --remat none keeps, choosing per tensor what to "
-                        "keep or rebuild for the least recompute; or bytes with a unit (40GiB, 800MiB, 1.5G, 4096B): the "
-                        "activation budget for --remat auto and the CPU criterion of "
-                        "--find-max-seq-len (default on a GPU: what is free after weights, gradients and optimizer state)")
+                        "(plan for --memory-limit in bytes) | a comma list, one per layer")
+    parser.add_argument("--memory-budget", help="instead of --remat: a fraction in [0, 1] (0.3), torch.compile's "
+                        "activation_memory_budget: each layer keeps at most that share of what --remat none keeps, "
+                        "choosing per call what to keep or rebuild for the least recompute")
+    parser.add_argument("--memory-limit", help="bytes with a unit (40GiB, 800MiB, 1.5G, 4096B): the activation peak "
+                        "--remat auto plans for, and the cap of --find-max-seq-len (required on a CPU; default on a GPU: "
+                        "what is free after weights, gradients and optimizer state)")
     parser.add_argument("--block", choices=("fused", "reference"), default="fused",
                         help="fused_remat's block (default), or the plain-PyTorch twin (then --remat none is eager and "
                         "full is torch.utils.checkpoint)")

@@ -20,7 +20,7 @@ import torch
 from ..backend import BACKENDS
 from ..model import PRESETS, ModelConfig, preset, resolve_policies
 from ..planner import Precision
-from ..remat import Remat
+from ..remat import Remat, check_memory_budget
 from .data import NO_DOCUMENTS
 
 # What a run does when an option is left out, by device: a short real run either way.
@@ -49,18 +49,41 @@ def parse_size(text: str, owner: str = "size") -> int:
     return int(size)
 
 
-def _fraction(text: str, owner: str) -> float | None:
-    """``text`` as a fraction when it is a bare number (``0.3``, ``1``): torch.compile's spelling of a
-    memory budget, which must lie in [0, 1]; None for anything else, which is a size with a unit."""
+def _budget_fraction(value) -> float:
+    """``--memory-budget``: a fraction in [0, 1] of what ``--remat none`` keeps, as the library's
+    ``memory_budget`` (``remat.check_memory_budget``); an error that names ``--memory-limit`` where
+    the value reads as bytes."""
+    if not isinstance(value, str):
+        return check_memory_budget(value, owner="--memory-budget")
     try:
-        number = float(text)
+        number = float(value)
     except ValueError:
-        return None
-    if not 0.0 <= number <= 1.0:
-        raise ValueError(f"{owner} {text}: a bare number is a fraction in [0, 1] of what --remat none keeps "
-                         f"(torch.compile's activation_memory_budget); a budget in bytes takes a unit, e.g. "
-                         f"{text}GiB or {text}MiB")
-    return number
+        number = None
+    if number is not None and 0.0 <= number <= 1.0:
+        return number
+    if number is not None and math.isfinite(number):
+        hint = f"; a limit in bytes is --memory-limit with a unit, e.g. --memory-limit {value}GiB"
+    elif _SIZE.fullmatch(value):
+        hint = f"; a limit in bytes is --memory-limit {value}"
+    else:
+        hint = ""
+    raise ValueError(f"--memory-budget must be a fraction in [0, 1] of what --remat none keeps (torch.compile's "
+                     f"activation_memory_budget), got {value!r}{hint}")
+
+
+def _memory_limit(value) -> int:
+    """``--memory-limit``: bytes (``parse_size``); a bare number up to 1, a fraction, is refused
+    naming ``--memory-budget``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    try:
+        number = float(value)
+    except ValueError:
+        number = None
+    if number is not None and number <= 1.0:
+        raise ValueError(f"--memory-limit {value}: a limit in bytes (40GiB, 800MiB, 4096); a fraction of what "
+                         f"--remat none keeps is --memory-budget {value}")
+    return parse_size(str(value), owner="--memory-limit")
 
 
 def describe_size(flag: str, size: int) -> str:
@@ -72,7 +95,7 @@ def describe_size(flag: str, size: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Every setting of a run (the CLI's flags, ``--memory-budget`` in bytes, ``--out`` a Path),
+    """Every setting of a run (the CLI's flags, ``--memory-limit`` in bytes, ``--out`` a Path),
     with the defaults already filled in: use ``TrainConfig.build``."""
 
     preset: str
@@ -86,12 +109,14 @@ class TrainConfig:
     out: Path
     grad_accum: int = 1
     # --remat: one policy per layer (a policy for all, or a comma list), parsed by ``build``; None
-    # for "auto", planned for --memory-budget when the run starts (it needs the device).
+    # under --memory-budget, and for "auto", planned for --memory-limit when the run starts (it
+    # needs the device).
     remat: tuple[Remat, ...] | None = None
-    memory_budget: int | None = None
-    # --memory-budget as a fraction (a bare number in [0, 1]): each layer keeps at most that share of
-    # what remat "none" keeps and picks its point per call (TransformerBlock.memory_budget)
-    memory_fraction: float | None = None
+    # --memory-budget: a fraction in [0, 1]; each layer keeps at most that share of what remat "none"
+    # keeps and picks its point per call (TransformerBlock.memory_budget)
+    memory_budget: float | None = None
+    # --memory-limit: bytes, the activation peak --remat auto plans for and --find-max-seq-len's cap
+    memory_limit: int | None = None
     block: str = "fused"
     data: str | None = None
     vocab_size: int | None = None
@@ -162,28 +187,33 @@ class TrainConfig:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {values['dtype']!r}")
         values["out"] = Path(values.get("out") or f"runs/{values['preset']}")
         block = values.get("block", "fused")
-        # the reference block is eager PyTorch, whose own policies are none and full
-        remat = values.get("remat", "cheap" if block == "fused" else "none")
-        if isinstance(values.get("memory_budget"), str):
-            text = values["memory_budget"]
-            fraction = _fraction(text, "--memory-budget")
-            if fraction is None:
-                values["memory_budget"] = parse_size(text, owner="--memory-budget")
-                if remat != "auto" and not values.get("find_max_seq_len"):
-                    raise ValueError(f"--memory-budget {text} (bytes) is the budget that --remat auto plans for and "
-                                     f"--find-max-seq-len searches under; with --remat {remat} nothing would use it: "
-                                     "add --remat auto, or give a fraction in [0, 1] for each layer to keep at most "
-                                     "that share of what --remat none keeps")
-            else:
-                values["memory_budget"], values["memory_fraction"] = None, fraction
-        if values.get("memory_fraction") is not None and (remat == "auto" or block != "fused"):
-            raise ValueError(f"--memory-budget {values['memory_fraction']:g} (a fraction of what remat none keeps) lets "
-                             "each fused layer choose what it keeps: it takes neither --remat auto (which plans for a "
-                             "budget in bytes, e.g. 40GiB) nor --block reference")
-        if isinstance(remat, str) and remat == "auto" and block == "fused":
+        remat = values.get("remat")  # None: not given
+        if "memory_limit" in values:
+            values["memory_limit"] = _memory_limit(values["memory_limit"])
+        if "memory_budget" in values:
+            fraction = values["memory_budget"] = _budget_fraction(values["memory_budget"])
+            if remat is not None:
+                raise ValueError(f"--memory-budget {fraction:g} lets each layer choose what it keeps (at most that share "
+                                 f"of what --remat none keeps): leave out --remat {remat}, or leave out --memory-budget "
+                                 "(--remat auto plans per layer for --memory-limit in bytes)")
+            if block != "fused":
+                raise ValueError(f"--memory-budget {fraction:g} lets each fused layer choose what it keeps: "
+                                 "leave out --block reference, whose layers keep everything (--remat none) or x (full)")
+            if values.get("find_max_seq_len"):
+                raise ValueError("--find-max-seq-len measures each policy on its own; its memory cap is --memory-limit "
+                                 "in bytes, not --memory-budget")
+        elif values.get("memory_limit") is not None and remat != "auto" and not values.get("find_max_seq_len"):
+            raise ValueError(f"--memory-limit {options['memory_limit']} is the limit that --remat "
+                             f"auto plans for and --find-max-seq-len searches under; with "
+                             f"--remat {remat or ('cheap' if block == 'fused' else 'none')} nothing would use it: add "
+                             "--remat auto, or give --memory-budget, a fraction in [0, 1], for each layer to keep at "
+                             "most that share of what --remat none keeps")
+        if values.get("memory_budget") is not None or (remat == "auto" and block == "fused"):
             values["remat"] = None
         else:
-            values["remat"] = _policies(remat, PRESETS[values["preset"]].n_layers, block)
+            # the reference block is eager PyTorch, whose own policies are none and full
+            values["remat"] = _policies(remat or ("cheap" if block == "fused" else "none"),
+                                        PRESETS[values["preset"]].n_layers, block)
         if values.get("vocab_size", 1) < 1:
             raise ValueError(f"--vocab-size must be positive, got {values['vocab_size']}")
         return cls(**values)
@@ -229,7 +259,7 @@ def _policies(remat: str | tuple, n_layers: int, block: str) -> tuple[Remat, ...
         names = ", ".join(point.value for point in Remat)
         example = ",".join(["full"] + ["cheap"] * (n_layers - 1))
         raise ValueError(f"--remat must be one of {names}, keep:<tensors> (e.g. keep:o,lse,h), auto (a plan for "
-                         f"--memory-budget in bytes), or a comma list with one per layer ({n_layers} layers, e.g. "
+                         f"--memory-limit in bytes), or a comma list with one per layer ({n_layers} layers, e.g. "
                          f"{example}); got {remat!r}") from None
 
 

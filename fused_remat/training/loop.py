@@ -24,12 +24,11 @@ from pathlib import Path
 import torch
 
 from ..backend import requested_backend, use_triton
-from ..block import block_widths
+from ..block import TransformerBlock
 from ..context_parallel_documents import shard_documents
-from ..flops import visible_pairs
 from ..model import LanguageModel, ModelConfig
 from ..planner import RematPlan, explain_policies, measure_policy_costs, plan_remat
-from ..remat import Remat, within_budget
+from ..remat import Remat
 from . import data as token_data
 from .checkpoint import (CheckpointError, CheckpointWriteError, RunLock, ShardedSave, check_metrics, checkpoint_files,
                          checkpoint_mark, checkpoint_path, checkpoint_step, load_newest_checkpoint, newest_name,
@@ -42,24 +41,25 @@ from .graphs import GraphedTrainStep
 from .step import batch_loss, make_optimizer, set_learning_rate, train_step
 
 
-def resolve_remat(config: TrainConfig, model_config: ModelConfig, device: torch.device,
-                  run: Distributed, attention_pairs: float | None = None) -> tuple[list[Remat], RematPlan | None]:
+def resolve_remat(config: TrainConfig, model_config: ModelConfig, device: torch.device, run: Distributed,
+                  attention_pairs: float | None = None, longest_document: int | None = None,
+                  ) -> tuple[list[Remat], RematPlan | None]:
     """The per-layer policies of ``--remat``, and for fused blocks the plan that explains them
-    (printed at the start of a run); ``--remat auto`` plans them for ``--memory-budget``.
-    ``attention_pairs``: the (query, key) pairs of a sequence under document masking (the first
-    batch's, per row), for the FLOP model's price of replaying attention."""
+    (printed at the start of a run); ``--remat auto`` plans them for ``--memory-limit``; under
+    ``--memory-budget`` the point the layers choose for the first batch
+    (``TransformerBlock.budget_point``, which they ask again on every call). ``attention_pairs`` and ``longest_document``: the (query, key)
+    pairs of a sequence under document masking and the longest document (the first batch's), for
+    the FLOP model's price of replaying attention."""
     precision = config.precision
     local_seq_len = config.seq_len // run.context_parallel  # the tokens of a sequence one rank holds
     document_ranks = run.context_parallel if config.document_masking else 1  # attention gathers k and v
-    if config.memory_fraction is not None:
-        # what each layer's budget picks at this length (the blocks pick again per call: the same)
-        pairs = visible_pairs(config.seq_len, config.seq_len, True, model_config.window) / config.seq_len
-        widths = block_widths(model_config.dim, model_config.n_heads, model_config.n_kv_heads, model_config.ffn_dim,
-                              model_config.norm, model_config.activation)
-        point = within_budget(config.memory_fraction, widths, precision.residual_bytes, precision.compute_bytes, pairs)
-        policies = [point] * model_config.n_layers
+    if config.memory_budget is not None:
+        layer = TransformerBlock(model_config.dim, model_config.n_heads, **model_config.block_kwargs(),
+                                 memory_budget=config.memory_budget, device="meta")
+        policies = [layer.budget_point(longest_document or config.seq_len, precision.residual, precision.compute)]
+        policies *= model_config.n_layers
         return policies, explain_policies(model_config, config.batch_size, local_seq_len, precision, policies,
-                                          attention_pairs=attention_pairs, budget_fraction=config.memory_fraction,
+                                          attention_pairs=attention_pairs, budget_fraction=config.memory_budget,
                                           document_ranks=document_ranks)
     if config.remat is not None:
         policies = list(config.remat)
@@ -68,7 +68,7 @@ def resolve_remat(config: TrainConfig, model_config: ModelConfig, device: torch.
         return policies, explain_policies(model_config, config.batch_size, local_seq_len, precision, policies,
                                           attention_pairs=attention_pairs, document_ranks=document_ranks)
     shards = run.world_size if run.strategy == "fsdp" else 1
-    budget = config.memory_budget
+    budget = config.memory_limit
     if budget is None:
         budget = default_activation_budget(model_config, device, shards)
     if device.type == "cuda":
@@ -78,12 +78,12 @@ def resolve_remat(config: TrainConfig, model_config: ModelConfig, device: torch.
         costs, source = None, "FLOP model"
     try:
         plan = plan_remat(model_config, config.batch_size, local_seq_len, precision, budget, costs=costs,
-                          cost_source=source, owner="--memory-budget", attention_pairs=attention_pairs,
+                          cost_source=source, owner="--memory-limit", attention_pairs=attention_pairs,
                           document_ranks=document_ranks)
     except ValueError as error:
-        if config.memory_budget is None:
+        if config.memory_limit is None:
             raise
-        raise ValueError(f"{error} ({describe_size('--memory-budget', config.memory_budget)})") from None
+        raise ValueError(f"{error} ({describe_size('--memory-limit', config.memory_limit)})") from None
     return plan.policies, plan
 
 
@@ -92,7 +92,7 @@ def default_activation_budget(model_config: ModelConfig, device: torch.device, s
     parameter, split over ``shards`` processes under FSDP), less 10% for the allocator and what the
     planner's peak leaves out (the loss's chunk of logits; it counts the largest layer transient)."""
     if device.type != "cuda":
-        raise ValueError("--remat auto on CPU needs --memory-budget (there is no device memory to measure)")
+        raise ValueError("--remat auto on CPU needs --memory-limit (there is no device memory to measure)")
     free, _ = torch.cuda.mem_get_info(device)
     parameters = sum(p.numel() for p in LanguageModel(model_config, device="meta").parameters())
     return int(0.9 * (free - 16 * parameters // shards))
@@ -312,10 +312,10 @@ def _train(config: TrainConfig, run: Distributed, stop: StopRequest) -> int:
                                          micro_batch_slot(run, config.grad_accum, 0),
                                          config.batch_size, config.seq_len, config.seed)
     masked_pairs = None if first_batch.cu_seqlens is None else first_batch.causal_attention_pairs() / config.batch_size
-    policies, plan = resolve_remat(config, model_config, device, run, masked_pairs)
+    policies, plan = resolve_remat(config, model_config, device, run, masked_pairs, first_batch.max_seqlen)
     torch.manual_seed(config.seed)
-    model = LanguageModel(model_config, policies, block_impl=config.block, memory_budget=config.memory_fraction,
-                          context_parallel=run.context_parallel_group, device=device)
+    model = LanguageModel(model_config, None if config.memory_budget is not None else policies, block_impl=config.block,
+                          memory_budget=config.memory_budget, context_parallel=run.context_parallel_group, device=device)
     model = wrap_model(model, run)
     optimizer = make_optimizer(model, lr=config.lr, weight_decay=config.weight_decay, capturable=config.cuda_graphs)
     start_step = 0
@@ -333,9 +333,12 @@ def _train(config: TrainConfig, run: Distributed, stop: StopRequest) -> int:
                    token_data.val_batches(data, config.eval_batches, config.batch_size, config.seq_len, config.seed)]
 
     parameters = sum(p.numel() for p in unwrap(model).parameters())
+    budget_choice = "" if config.memory_budget is None else (
+        f" for the first batch (--memory-budget {config.memory_budget:g}: each layer chooses per call, by the "
+        "longest document)")
     log(f"fused_remat.train on {backend} x {run.world_size}{'' if run.strategy is None else ' ' + run.strategy}: "
         f"{config.preset} ({model_config.describe()}, {parameters / 1e6:.2f}M parameters), {config.block} blocks, "
-        f"remat {_summarize(unwrap(model).remat)}, {config.dtype}")
+        f"remat {_summarize(policies)}{budget_choice}, {config.dtype}")
     log(f"data: {data.description}")
     log(describe_documents(data, first_batch))
     if plan is not None:

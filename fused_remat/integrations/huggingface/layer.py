@@ -34,7 +34,7 @@ class FusedDecoderLayer(TransformerBlock):
     original layer back.
     """
 
-    def __init__(self, original: nn.Module, layer_idx: int, config, architecture: _Architecture, remat: Remat,
+    def __init__(self, original: nn.Module, layer_idx: int, config, architecture: _Architecture, remat: Remat | None,
                  base: nn.Module, memory_budget: float | None = None):
         kwargs, dropout = architecture.block(config, layer_idx, base)
         state, layout = _pack(original, architecture.parts)
@@ -60,7 +60,7 @@ class FusedDecoderLayer(TransformerBlock):
         self._dropout = dropout
         self._signature = inspect.signature(type(original).forward)
         self._returns_tuple = _returns_tuple(self._signature, type(original))
-        self._policy, self._budget, self._checkpointing = remat, memory_budget, False
+        self._policy, self._budget, self._checkpointing = self.remat, memory_budget, False
         self.train(original.training)
         for name, value in vars(original).items():  # plain attributes the model reads (Qwen2's attention_type)
             if not name.startswith("_") and isinstance(value, (str, int, float)) and not hasattr(self, name):
@@ -105,8 +105,10 @@ class FusedDecoderLayer(TransformerBlock):
     @gradient_checkpointing.setter
     def gradient_checkpointing(self, enable: bool) -> None:
         self._checkpointing = bool(enable)
+        self.memory_budget = None  # the remat setter refuses to be overruled by a budget
         self.remat = Remat.FULL if enable else self._policy
-        self.memory_budget = None if enable else self._budget
+        if not enable:
+            self.memory_budget = self._budget
 
     def forward(self, hidden_states, *args, **kwargs):
         call = kwargs.pop(_LAYER_CALL, None)

@@ -24,16 +24,20 @@ class _Patch:
     model_forward: object  # the model's instance-level forward before patching, or None (the base model patched itself)
 
 
-def apply_fused_remat(model: nn.Module, remat: Remat | str = Remat.CHEAP, *, memory_budget: float | None = None) -> nn.Module:
+def apply_fused_remat(model: nn.Module, remat: Remat | str | None = None, *, memory_budget: float | None = None) -> nn.Module:
     """Swaps every decoder layer of a Hugging Face causal LM, in place, for a ``FusedDecoderLayer``
-    (a ``fused_remat.TransformerBlock`` with ``remat``, or with ``memory_budget``: a fraction of what
-    ``remat="none"`` keeps, each layer choosing its point per call) holding the same weights, packed, and the base
+    (a ``fused_remat.TransformerBlock`` with ``remat``, default ``cheap``, or instead with ``memory_budget``: a fraction
+    of what ``remat="none"`` keeps, each layer choosing its point per call) holding the same weights, packed, and the base
     model's forward for fused_remat's. Returns ``model``. Raises ``UnsupportedByFusedBlock`` for
     configurations the block cannot compute exactly (see the package docstring), leaving the model as
     it was: every layer is checked before any changes. The causal LM's forward refuses labels read
     from a padding position (_check_labels). Build the optimizer afterwards."""
-    remat = Remat.parse(remat, owner="apply_fused_remat: remat")
     memory_budget = check_memory_budget(memory_budget, owner="apply_fused_remat: memory_budget")
+    if remat is not None and memory_budget is not None:
+        raise ValueError(f"apply_fused_remat: remat={remat!r} and memory_budget={memory_budget!r} are two ways to say "
+                         "what each layer keeps; give one (memory_budget lets each layer choose its point per call)")
+    if memory_budget is None:
+        remat = Remat.parse(Remat.CHEAP if remat is None else remat, owner="apply_fused_remat: remat")
     if type(model).__module__.startswith("peft") and hasattr(model, "get_base_model"):
         # a PeftModel: its LoRA layers move into the fused ones
         apply_fused_remat(model.get_base_model(), remat, memory_budget=memory_budget)
