@@ -5,7 +5,7 @@
     python -m bench --quick norms        # chosen suites, quick mode (fewer cases, shorter timing windows)
     python -m bench results              # rebuild the generated tables of docs/results.md from bench/results/
     python -m bench summary --out DIR    # one line per suite of the run in DIR
-    python -m bench static               # no GPU: every kernel compiled for sm_90a and sm_80 (bench/static.py)
+    python -m bench static               # no GPU: every kernel compiled for sm_90a and sm_80 (bench/static/)
     python -m bench host                 # no GPU: each op's and block's host time per call, launches stubbed,
                                          # beside eager PyTorch (bench/host.py)
     python -m bench frontier             # torch.compile's memory/recompute frontier beside ours, one layer

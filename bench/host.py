@@ -4,7 +4,7 @@ eager PyTorch doing the same job on the same machine. Runs without a GPU.
 At short sequences a GPU waits for the Python between a user's call and its kernels: the time a
 call costs the host is a fact of the CPU, measurable here. Every op and the block run their real
 path on CPU tensors under a stand-in driver that tells Triton the current device is an sm_90a
-(``bench.static``; ``backend.stubbed_launches_on("cpu")`` sends CPU tensors down the kernels' path
+(``bench.static.driver``; ``backend.stubbed_launches_on("cpu")`` sends CPU tensors down the kernels' path
 without the interpreter): the checks, the autograd Function, our launchers, the autotuner's
 lookup, Triton's binder and its compiled-kernel cache all run; the driver's launcher, the last
 step before ``cuLaunchKernel``, is a no-op that counts. Compiles happen in a warm-up (the
@@ -165,7 +165,7 @@ def _triton_root() -> str:
 def counts(call: Callable[[], object], driver) -> dict:
     """One call's launches, Python calls (Triton's apart) and custom-operator dispatches.
 
-    Triton's own calls include the stand-in driver's (``bench.static``), which stands where
+    Triton's own calls include the stand-in driver's (``bench.static.driver``), which stands where
     Triton's driver module runs on a GPU. ``harness_calls`` are the Python calls of the case's own
     ``torch.autograd.grad`` outside the Functions it runs: what the user's backward call costs
     whichever op is differentiated; python_calls - harness_calls is what the op itself runs."""
@@ -173,9 +173,9 @@ def counts(call: Callable[[], object], driver) -> dict:
     from torch._ops import OpOverload
     from torch.autograd.function import BackwardCFunction
 
-    import bench.static
+    import bench.static.driver
 
-    triton_root, here, stand_in = _triton_root(), __file__, bench.static.__file__
+    triton_root, here, stand_in = _triton_root(), __file__, bench.static.driver.__file__
     overload_call = OpOverload.__call__.__code__
     grad_code, function_code = torch.autograd.grad.__code__, BackwardCFunction.apply.__code__
     tally = collections.Counter()

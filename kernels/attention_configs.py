@@ -98,7 +98,7 @@ HEAD_DIMS = {
 # same): every configuration of SHAPES at head dims 64, 128 and 256 where it fits the shared memory
 # estimate (and, on sm_80, does each multiply-add once), causal and not, MHA and GQA 4:1 (fwd and dQ
 # do not depend on GQA), on Triton 3.6 and 3.9, compiled for sm_90a and sm_80 through the launchers
-# (bench/static.py's stand-in driver). An entry lists the cases where either Triton version spills:
+# (bench/static/driver.py's stand-in driver). An entry lists the cases where either Triton version spills:
 # (family, kernel, (BLOCK_M, BLOCK_N, num_warps)) -> [(padded head dims, causal, GQA)], None =
 # either, and a fourth element, the Triton versions, where only some spill. A configuration not
 # listed spilled nowhere. How much each spills: static.json / static.md.
@@ -140,7 +140,7 @@ SPILLS = {
 
 # Configurations that spill only under a mask of real batches (the WINDOW, SOFTCAP and VARLEN
 # constexprs: a window's bounds, the softcap's tanh factor, a document's bounds take registers),
-# from the same compiles of bench/static.py's VARIANTS (bf16, head dims 64 and 128, causal and not,
+# from the same compiles of bench/static/cases.py's VARIANTS (bf16, head dims 64 and 128, causal and not,
 # MHA and GQA on sm_90a, MHA on sm_80): (family, kernel, blocks) -> [(padded head dims, the variants
 # that spill, GQA (True: only with it; None: either))], and a fourth element, the Triton versions,
 # where only some spill. On Triton 3.9 D 64 spilled under none; Triton 3.6's entries are from
@@ -230,7 +230,7 @@ def target_family() -> int:
     """100 when Triton compiles for datacenter Blackwell (sm_100 up to 119: tcgen05, tensor memory),
     90 for Hopper (sm_90 up to 99), 80 for Ampere and Ada and for the GeForce and workstation
     Blackwell parts (sm_120 and up: mma.sync, as Ampere, with neither wgmma nor tensor memory): the
-    active driver's target, which is the GPU's or, in bench/static.py, the stand-in's (so the
+    active driver's target, which is the GPU's or, in bench/static/driver.py, the stand-in's (so the
     compile-target tests see this choice). Without a CUDA driver (CPU tests) the Hopper list."""
     try:
         arch = triton.runtime.driver.active.get_current_target().arch
@@ -326,7 +326,7 @@ def mma_sync_work(kernel: str, config, head_dim: int) -> float:
     dK/dV; columns: the head dim), all warps along its rows (16 rows a warp) where it has at least
     as many rows as columns, else all along its columns (8 columns a warp). Where a product is
     narrower than the warps' span, the warps beyond it compute the same multiply-adds again. This is
-    bench/static.py's mma_work_ratio of every sm_80 attention kernel compiled while choosing SHAPES
+    bench/static/analysis.py's mma_work_ratio of every sm_80 attention kernel compiled while choosing SHAPES
     (docs/tuning.md), and tests/test_compile_targets.py holds it to the compiled ratio. Hopper's
     wgmma is not modelled."""
     m, n, warps = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps

@@ -1,4 +1,4 @@
-"""Blackwell (sm_100a) as a compile target: bench/static.py reads tcgen05 code, without a GPU.
+"""Blackwell (sm_100a) as a compile target: bench/static/blackwell.py reads tcgen05 code, without a GPU.
 
 On sm_100a Triton compiles tl.dot to tcgen05.mma: in the SASS UTCHMMA (kind::f16) and its kin
 (UTCQMMA, UTCIMMA, UTCOMMA), with no shape in the opcode (the shape is in the instruction
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.static import (_MMA, ARCHS, Case, _idesc_shape, _loops, _partitions, _ptx_tcgen05, _sass_idesc,
-                          _ttgir_partitions, compiling_for, row_shape, run_in_subprocess, spill_free)
+from bench.static import (ARCHS, MMA, Case, compiling_for, find_loops, find_partitions, idesc_shape, ptx_tcgen05,
+                          row_shape, run_in_subprocess, sass_idesc, spill_free, ttgir_partitions)
 
 # Family 100's warp-specialized forward tile at D=128 (M128 N128 w4 s2, register cap 168: the
 # fewest warp instructions per useful multiply-add), causal and not.
@@ -163,7 +163,7 @@ PICK_IDS = [f"{case.id}-{kernel.lstrip('_')}" for case, kernel, _, _ in PICKS]
 
 def _picks(kernel: str, head_dim: int, causal: bool, gqa: bool, dtype: str = "bfloat16",
            target: str = "sm_100a") -> list[tuple]:
-    """What the autotuner's pruning offers ``kernel`` on ``target`` (bench/static.py's stand-in driver)."""
+    """What the autotuner's pruning offers ``kernel`` on ``target`` (bench/static/driver.py's stand-in driver)."""
     import torch
 
     from fused_remat.kernels import attention_configs as tuning
@@ -362,19 +362,19 @@ SASS = [
 
 
 def test_sass_tcgen05_decoding():
-    assert _MMA.search(SASS[2][1]).group(1) == "UTCHMMA"
-    assert not _MMA.search("UTCBAR [UR29], URZ") and not _MMA.search("UTCATOMSWS.AND URZ, UR4")
-    assert _MMA.search("HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT").groups() == ("HGMMA", "64x128x16.F32.BF16")
-    assert _loops(SASS) == [(1, 7)]
+    assert MMA.search(SASS[2][1]).group(1) == "UTCHMMA"
+    assert not MMA.search("UTCBAR [UR29], URZ") and not MMA.search("UTCATOMSWS.AND URZ, UR4")
+    assert MMA.search("HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT").groups() == ("HGMMA", "64x128x16.F32.BF16")
+    assert find_loops(SASS) == [(1, 7)]
     # 0x8200490: f32 accumulator, bf16 A and B, N = 16 * 8, M = 8 * 16; bit 16 set: B transposed.
-    assert _sass_idesc(SASS, 2, (1, 7)) == 0x8200490
-    assert _idesc_shape(0x8200490, "f16") == (128, 128, 16)
-    assert _idesc_shape(_sass_idesc(SASS, 4, (1, 7)), "f16") == (128, 128, 16)
-    assert _idesc_shape(0x8100490, "f16") == (128, 64, 16)
-    assert _idesc_shape(0x4100490, "f16") == (64, 64, 16)
-    assert _idesc_shape(0x8200910, "f16") == (128, 128, 8)  # A of format 2: tf32, K = 8
+    assert sass_idesc(SASS, 2, (1, 7)) == 0x8200490
+    assert idesc_shape(0x8200490, "f16") == (128, 128, 16)
+    assert idesc_shape(sass_idesc(SASS, 4, (1, 7)), "f16") == (128, 128, 16)
+    assert idesc_shape(0x8100490, "f16") == (128, 64, 16)
+    assert idesc_shape(0x4100490, "f16") == (64, 64, 16)
+    assert idesc_shape(0x8200910, "f16") == (128, 128, 8)  # A of format 2: tf32, K = 8
     # An idesc register some other instruction wrote: unknown, not guessed.
-    assert _sass_idesc([(0, "R2UR UR49, R3"), *SASS[1:]], 2, (1, 7)) is None
+    assert sass_idesc([(0, "R2UR UR49, R3"), *SASS[1:]], 2, (1, 7)) is None
 
 
 def test_ptx_tcgen05_decoding():
@@ -384,7 +384,7 @@ def test_ptx_tcgen05_decoding():
         mov.b32 %r1700, 136381584;
         @%p281 tcgen05.mma.cta_group::1.kind::f16 [ %r2655 + 0 ], [ %r1699 + 16 ], %rd361, %r1700, %p280;
     """
-    assert _ptx_tcgen05(ptx) == [
+    assert ptx_tcgen05(ptx) == [
         {"kind": "f16", "cta_group": 1, "shape": (128, 128, 16), "a_in_tmem": False},
         {"kind": "f16", "cta_group": 1, "shape": (128, 128, 16), "a_in_tmem": True},
     ]
@@ -406,7 +406,7 @@ def test_partitions_from_dispatch():
         ttg.warp_return
       }
     }"""
-    declared = _ttgir_partitions(ttgir)
+    declared = ttgir_partitions(ttgir)
     assert [(d["partition"], d["role"], d["warps"], d["requested_registers"]) for d in declared] == [
         (0, "mma", 1, 24), (1, "load", 2, 24)]
     sass = [
@@ -423,6 +423,6 @@ def test_partitions_from_dispatch():
         (0xd0, ".L_x_3:"), (0xd0, "UTMALDG.2D [UR24], [UR6]"), (0xe0, "@P2 BRA `(.L_x_3)"), (0xf0, "BRA `(.L_x_5)"),
         (0x100, ".L_x_12:"), (0x100, "USETMAXREG.DEALLOC.CTAPOOL 0x18"), (0x110, "BRA `(.L_x_5)"),
     ]
-    parts = _partitions(sass, _loops(sass), declared, ttgir)
+    parts = find_partitions(sass, find_loops(sass), declared, ttgir)
     assert [(p["partition"], p["role"], p["warps"], p["registers"], p["loop_instructions"]) for p in parts] == [
         ("default", "compute", 4, 256, 3), (0, "mma", 1, 24, 2), (1, "load", 2, 24, 2)]

@@ -1,5 +1,5 @@
 """Compile-target tests: the project's Triton kernels compiled for H100 (sm_90a) and A100 (sm_80)
-without a GPU, through the project's own launchers (bench/static.py: a stand-in driver, meta tensors).
+without a GPU, through the project's own launchers (bench/static/: a stand-in driver, meta tensors).
 
 Each case compiles in a subprocess (this process runs Triton in interpreter mode) and its facts are
 cached for the session, shared by xdist workers. Per compiled kernel, separate tests check:
@@ -49,7 +49,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.static import (ATTENTION_KERNELS, DEFAULT_OUT, VARIANTS, Case, _config_text, markdown_document,
+from bench.static import (ATTENTION_KERNELS, DEFAULT_OUT, VARIANTS, Case, config_text, markdown_document,
                           overview_rows, row_shape, run_in_subprocess, spill_free, write)
 from bench.static import main as static_main
 
@@ -97,7 +97,7 @@ CI_SM80_CASES = [
     Case("attention_bwd", "bfloat16", 128, causal=True, gqa=True, config=(64, 64, 8, 3), dkdv_config=(16, 128, 8, 2)),
     Case("attention_bwd", "bfloat16", 256, causal=True, gqa=True, config=(32, 32, 4, 3), dkdv_config=(64, 16, 8, 2)),
 ]
-# The masks of real batches (bench/static.py's VARIANTS), on sm_90a, each with the tile and head dim
+# The masks of real batches (bench/static/cases.py's VARIANTS), on sm_90a, each with the tile and head dim
 # of a dense case above: its twin for the instruction comparison (test_variant_hot_loop_near_dense).
 VARIANT_CASES = [
     Case("attention_fwd", "bfloat16", 128, causal=True, config=(128, 128, 8, 3), variant="window"),
@@ -119,7 +119,7 @@ CI_PAIRS = ([(c, t) for c in CI_CASES for t in ("sm_90a", "sm_80")]
 def picked_configs(kernel: str, target: str, dtype: str, head_dim: int, causal: bool, gqa: bool,
                    variant: str = "dense") -> list[tuple]:
     """The configurations the attention autotuner offers for ``kernel`` ("fwd", "dq", "dkdv") when
-    compiling for ``target``: its prune function, run under bench/static.py's stand-in driver for
+    compiling for ``target``: its prune function, run under bench/static/driver.py's stand-in driver for
     that target (so it sees the target's compute capability), with the launch's head dim, causality
     and GQA group, and the ``variant``'s mask constexpr. (BLOCK_M, BLOCK_N, num_warps, num_stages) each."""
     import torch
@@ -300,7 +300,7 @@ SEPARATE_ROUNDING_CASES = [
 
 def _compiled_with_fusion_defaulted_on_and_off(facts_cache, monkeypatch, case) -> list[tuple[dict, dict]]:
     """(row with the default on, row with it off) per kernel of ``case``, compiled for sm_90a: the
-    session's compile (bench/static.py pins the default on) and one with TRITON_DEFAULT_FP_FUSION=0."""
+    session's compile (bench/static/cli.py pins the default on) and one with TRITON_DEFAULT_FP_FUSION=0."""
     default_on = {r["kernel"]: r for r in _facts(facts_cache, case, "sm_90a")}
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
     default_off = run_in_subprocess(case, "sm_90a")
@@ -398,7 +398,7 @@ REPEATING_SM80_CASES = [
 
 
 def test_mma_sync_work_is_the_compiled_ratio(facts_cache):
-    """mma_sync_work (the pruner's model of Triton's mma.sync warp layout) is bench/static.py's
+    """mma_sync_work (the pruner's model of Triton's mma.sync warp layout) is bench/static/analysis.py's
     mma_work_ratio of every sm_80 attention kernel compiled here: the CI picks (ratio 1, warps along
     rows and along columns) and configurations that repeat work (ratio 2, 1.667, 1.5)."""
     from fused_remat.kernels.attention_configs import make_configs, mma_sync_work
@@ -475,7 +475,7 @@ def test_ci_cases_are_picks():
 
 
 # The instruction goal: each attention hot loop issues no more warp instructions per multiply-add
-# than the Triton tutorial's, compiled the same way (bench/static.py's yardsticks: the forward by
+# than the Triton tutorial's, compiled the same way (bench/static/tutorial.py's yardsticks: the forward by
 # pointer loads and through tensor descriptors, the backward's dK/dV and dQ loops), on sm_90a with
 # the installed Triton, bf16, MHA, causal and not: the best configuration our autotuner can pick
 # against the yardstick's best.
@@ -497,7 +497,7 @@ def test_hot_loop_at_or_below_the_tutorial(facts_cache, kernel, dim, causal):
     def best(rows, names):
         rows = [r for r in rows if r["kernel"] in names]
         assert rows and not any("error" in r for r in rows), rows
-        return min((r["hot_loop"]["warp_instructions_per_million_macs"], _config_text(r["config"])) for r in rows)
+        return min((r["hot_loop"]["warp_instructions_per_million_macs"], config_text(r["config"])) for r in rows)
 
     op = "attention_fwd" if kernel == "_attn_fwd" else "attention_bwd"
     ours = best(_facts(facts_cache, Case(op, "bfloat16", dim, causal), "sm_90a"), (kernel,))
@@ -634,7 +634,7 @@ def test_every_spilling_configuration_of_the_triton_36_tables_is_pruned_on_trito
         return spills(*args, mask == "causal", heads == "gqa") or variant_spills(*args, set(variants), heads == "gqa")
 
     monkeypatch.setattr(triton, "__version__", "3.6.0")
-    kept = [f"{r['target']} {r['kernel']} {r['case']} {_config_text(r['config'])}" for r in spilling if not dropped(r)]
+    kept = [f"{r['target']} {r['kernel']} {r['case']} {config_text(r['config'])}" for r in spilling if not dropped(r)]
     assert not kept, f"Triton 3.6 keeps spilling configurations: {kept}"
     monkeypatch.setattr(triton, "__version__", "3.9.0")
     assert not all(map(dropped, spilling)), "the 3.6 entries apply on 3.9 too"
@@ -682,7 +682,7 @@ def test_every_attention_kernel_in_the_committed_tables_is_spill_free_and_does_i
     assert {r["target"] for r in rows} == set(mma)
     assert {r["constexprs"]["HEAD_DIM"] for r in rows} == {64, 128, 256}
     for row in rows:
-        where = f"{row['target']} {row['kernel']} {row['case']} {_config_text(row['config'])}"
+        where = f"{row['target']} {row['kernel']} {row['case']} {config_text(row['config'])}"
         assert "error" not in row, where
         assert spill_free(row), f"{where}: {row['spill_stores']}/{row['spill_loads']} B spilled"
         allowed = {mma[row["target"]]}
