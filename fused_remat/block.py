@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import operator
 from dataclasses import dataclass, fields
 
@@ -83,32 +84,74 @@ class _BlockCall:
     def softmax_scale(self) -> float:
         return self.scale or self.head_dim**-0.5
 
-    def op_args(self) -> tuple:
-        """The call as the block custom ops take it (``from_op_args`` reverses it): the integers, the
-        floats (eps, softcap, scale), the rest, and the adapters as their integers and their scales; an
-        operator's schema takes the policy by name."""
-        sizes = [self.batch, self.seq, self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim,
-                 int(self.rms), int(self.causal), *self.window, self.max_seqlen, int(self.qk_norm), self.max_seqlen_k,
-                 self.first_keys]
-        return (sizes, [self.eps, self.softcap, self.scale], self.rope_theta, self.activation, self.remat.value,
-                self.compute_dtype, self.context_parallel, [n for a in self.adapters for n in a[:4]],
-                [x for a in self.adapters for x in a[4:]])
+    def op_args(self) -> tuple[list[int], list[float], str]:
+        """The call as the block operators take it (``from_op_args`` reverses it), each field by its
+        annotation (``_CALL_FIELDS``; an operator's schema has no type for a dataclass): sizes,
+        flags and the window in one list of integers, the floats in another (None as NaN), the names
+        in one string (``remat`` by its name, the dtype by torch's), and the adapters last in both
+        lists, their integers and their floats."""
+        ints, floats, names = [], [], []
+        for name, kind in _CALL_FIELDS:
+            value = getattr(self, name)
+            if kind == "int":
+                ints.append(value)
+            elif kind == "bool":
+                ints.append(int(value))
+            elif kind == "tuple[int, int]":
+                ints.extend(value)
+            elif kind == "float":
+                floats.append(value)
+            elif kind == "float | None":
+                floats.append(math.nan if value is None else value)
+            elif kind == "str":
+                names.append(value)
+            elif kind == "Remat":
+                names.append(value.value)
+            elif kind == "torch.dtype":
+                names.append(str(value).removeprefix("torch."))
+            else:
+                for adapter in value:
+                    ints.extend(adapter[:_ADAPTER_INTS])
+                    floats.extend(adapter[_ADAPTER_INTS:])
+        return ints, floats, _NAME_SEPARATOR.join(names)
 
     @classmethod
-    def from_op_args(cls, sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
-                     lora_scales) -> _BlockCall:
-        (batch, seq, dim, n_heads, n_kv_heads, head_dim, ffn_dim, rms, causal, left, right, max_seqlen, qk_norm,
-         max_seqlen_k, first_keys) = sizes
-        eps, softcap, scale = numbers
-        adapters = tuple((*lora_layout[4 * i:4 * i + 4], *lora_scales[2 * i:2 * i + 2])
-                         for i in range(len(lora_scales) // 2))
-        return cls(batch, seq, dim, n_heads, n_kv_heads, head_dim, ffn_dim, bool(rms), activation, bool(causal), eps,
-                   rope_theta, Remat(remat), compute_dtype, context_parallel, (left, right), softcap, max_seqlen, scale,
-                   bool(qk_norm), max_seqlen_k, first_keys, adapters)
+    def from_op_args(cls, ints: list[int], floats: list[float], names: str) -> _BlockCall:
+        ints, floats, names = iter(ints), iter(floats), iter(names.split(_NAME_SEPARATOR))
+        values = {}
+        for name, kind in _CALL_FIELDS:
+            if kind == "int":
+                values[name] = next(ints)
+            elif kind == "bool":
+                values[name] = bool(next(ints))
+            elif kind == "tuple[int, int]":
+                values[name] = (next(ints), next(ints))
+            elif kind == "float":
+                values[name] = next(floats)
+            elif kind == "float | None":
+                number = next(floats)
+                values[name] = None if math.isnan(number) else number
+            elif kind == "str":
+                values[name] = next(names)
+            elif kind == "Remat":
+                values[name] = Remat(next(names))
+            elif kind == "torch.dtype":
+                values[name] = getattr(torch, next(names))
+            else:
+                values[name] = tuple((*itertools.islice(ints, _ADAPTER_INTS), *adapter_floats)
+                                     for adapter_floats in zip(floats, floats))
+        return cls(**values)
 
     def context_parallel_group(self):
         """The process group the sequence is split over, or None."""
         return context_parallel.resolve_group(self.context_parallel) if self.context_parallel else None
+
+
+# _BlockCall's fields and their annotations, which say how each travels through the operators'
+# schema (op_args); the adapters' tuples hold their integers first.
+_CALL_FIELDS = tuple((field.name, field.type) for field in fields(_BlockCall))
+_ADAPTER_INTS = 4
+_NAME_SEPARATOR = "\x1f"  # ASCII's unit separator, which no name holds
 
 
 # Parameter order of the Function's inputs after x.
@@ -466,22 +509,17 @@ _SLOTS = tuple(k for k in KEPT_FOR_BACKWARD if k.name != "x")
 
 
 @torch.library.custom_op("fused_remat::block_fwd", mutates_args=())
-def _block_fwd(x: torch.Tensor, cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | None,
-               rope_inv_freq: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, key_rows: torch.Tensor | None,
-               params: list[torch.Tensor], has_param: list[bool],
-               lora: list[torch.Tensor], sizes: list[int], numbers: list[float], rope_theta: float | None,
-               activation: str, remat: str, compute_dtype: torch.dtype, context_parallel: str, lora_layout: list[int],
-               lora_scales: list[float]) -> list[torch.Tensor]:
-    """[y (T, dim), then each of _SLOTS: the activation if ``remat`` keeps it, else empty] for x (T, dim).
+def _block_fwd(x: torch.Tensor, sequences: list[torch.Tensor | None], params: list[torch.Tensor],
+               has_param: list[bool], lora: list[torch.Tensor], ints: list[int], floats: list[float],
+               names: str) -> list[torch.Tensor]:
+    """[y (T, dim), then each of _SLOTS: the activation if the call's point keeps it, else empty]
+    for x (T, dim).
 
-    ``params`` holds the block's parameters that exist (``has_param`` says which of _PARAMETERS);
-    ``lora`` the adapters' (A, B) pairs in the order of ``_BlockCall.adapters``; ``cu_seqlens``,
-    ``position_ids``, ``rope_inv_freq``, ``cu_seqlens_k`` and ``key_rows`` as in _Sequences."""
-    g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
-                                lora_scales)
-    seqs = _Sequences(cu_seqlens, position_ids, rope_inv_freq, cu_seqlens_k, key_rows)
-    return _filled(_block_forward(x, g, seqs,
-                                  _with_absent(params, has_param), lora), x)
+    ``sequences``: the _Sequences fields; ``params`` the block's parameters that exist
+    (``has_param`` says which of _PARAMETERS); ``lora`` the adapters' (A, B) pairs in the order of
+    ``_BlockCall.adapters``; ``ints``, ``floats`` and ``names``: the _BlockCall (``op_args``)."""
+    g = _BlockCall.from_op_args(ints, floats, names)
+    return _filled(_block_forward(x, g, _Sequences(*sequences), _with_absent(params, has_param), lora), x)
 
 
 def _block_forward(x: torch.Tensor, g: _BlockCall, seqs: _Sequences, params: list, lora: list) -> list:
@@ -503,10 +541,8 @@ def _filled(tensors: list, like: torch.Tensor) -> list[torch.Tensor]:
 
 
 @_block_fwd.register_fake
-def _(x, cu_seqlens, position_ids, rope_inv_freq, cu_seqlens_k, key_rows, params, has_param, lora, sizes, numbers,
-      rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout, lora_scales):
-    g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
-                                lora_scales)
+def _(x, sequences, params, has_param, lora, *call):
+    g = _BlockCall.from_op_args(*call)
     return [torch.empty_like(x),
             *(_kept_like(k, g, x) if keeps else x.new_empty(0) for k, keeps in zip(_SLOTS, g.remat.keeps_each))]
 
@@ -525,19 +561,14 @@ def _kept_like(kept: Kept, g: _BlockCall, x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("fused_remat::block_bwd", mutates_args=())
-def _block_bwd(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | None,
-               rope_inv_freq: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, key_rows: torch.Tensor | None,
-               kept: list[torch.Tensor], params: list[torch.Tensor],
-               has_param: list[bool], needs: list[bool], lora: list[torch.Tensor], sizes: list[int],
-               numbers: list[float], rope_theta: float | None, activation: str, remat: str, compute_dtype: torch.dtype,
-               context_parallel: str, lora_layout: list[int], lora_scales: list[float]) -> list[torch.Tensor]:
+def _block_bwd(dy: torch.Tensor, x: torch.Tensor, sequences: list[torch.Tensor | None], kept: list[torch.Tensor],
+               params: list[torch.Tensor], has_param: list[bool], needs: list[bool], lora: list[torch.Tensor],
+               ints: list[int], floats: list[float], names: str) -> list[torch.Tensor]:
     """[dx, then the gradient of each of ``params`` (empty where ``needs`` is False), then of each of
-    ``lora``] from dy (T, dim), x and the ``_SLOTS`` the forward returned."""
-    g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
-                                lora_scales)
-    seqs = _Sequences(cu_seqlens, position_ids, rope_inv_freq, cu_seqlens_k, key_rows)
-    return _filled(_block_backward(dy, x, g, seqs, kept,
-                                   _with_absent(params, has_param), _needed(has_param, needs), lora), x)
+    ``lora``] from dy (T, dim), x and the ``_SLOTS`` the forward returned; the rest as block_fwd's."""
+    g = _BlockCall.from_op_args(ints, floats, names)
+    return _filled(_block_backward(dy, x, g, _Sequences(*sequences), kept, _with_absent(params, has_param),
+                                   _needed(has_param, needs), lora), x)
 
 
 def _block_backward(dy: torch.Tensor, x: torch.Tensor, g: _BlockCall, seqs: _Sequences, kept: list, params: list,
@@ -560,8 +591,7 @@ def _block_backward(dy: torch.Tensor, x: torch.Tensor, g: _BlockCall, seqs: _Seq
 
 
 @_block_bwd.register_fake
-def _(dy, x, cu_seqlens, position_ids, rope_inv_freq, cu_seqlens_k, key_rows, kept, params, has_param, needs, lora, sizes,
-      numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout, lora_scales):
+def _(dy, x, sequences, kept, params, has_param, needs, lora, *call):
     return [torch.empty_like(x), *(torch.empty_like(p) if need else x.new_empty(0) for p, need in zip(params, needs)),
             *(torch.empty_like(t) for t in lora)]
 
@@ -575,12 +605,13 @@ def _linear_shapes(g: _BlockCall) -> dict[str, tuple[int, int]]:
             "fc1": (g.dim, widths["pre_activation"]), "fc2": (widths["ffn"], g.dim)}
 
 
-def _attention_pairs(g: _BlockCall, cu_seqlens: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None = None) -> int:
+def _attention_pairs(g: _BlockCall, seqs: _Sequences) -> int:
     """(query, key) pairs per head this process computes, over all its sequences or documents: under
     context parallelism its share of the whole sequences', which the zigzag layout makes equal on
     every rank (over documents: its pieces against their keys, ``cu_seqlens_k``)."""
-    if cu_seqlens is not None:
-        return document_pairs(cu_seqlens, cu_seqlens if cu_seqlens_k is None else cu_seqlens_k, g.causal, g.window)
+    if seqs.cu_seqlens is not None:
+        keys = seqs.cu_seqlens if seqs.cu_seqlens_k is None else seqs.cu_seqlens_k
+        return document_pairs(seqs.cu_seqlens, keys, g.causal, g.window)
     group = g.context_parallel_group()
     world = 1 if group is None else group.size()
     return g.batch * (visible_pairs(g.seq * world, g.seq * world, g.causal, g.window) // world)
@@ -601,7 +632,7 @@ def _adapter_flops(g: _BlockCall, lora, layers, backward: bool = False) -> int:
 _REPLAYED_BY = {"qkv": "qkv", "h": "out_proj", "u": "fc1"}
 
 
-def _forward_flops(g: _BlockCall, cu_seqlens: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, lora=(),
+def _forward_flops(g: _BlockCall, seqs: _Sequences, lora=(),
                    replay: bool = False) -> int:
     """The forward's products; ``replay``: those of backward's replay, which runs a linear layer
     only for the tensor the point did not keep, and attention only where it kept neither its output
@@ -613,29 +644,25 @@ def _forward_flops(g: _BlockCall, cu_seqlens: torch.Tensor | None, cu_seqlens_k:
     linear = sum(matmul_flops(g.tokens, *_linear_shapes(g)[name]) for name in layers) + _adapter_flops(g, lora, layers)
     if replay and not g.remat.rebuilds("o"):
         return linear
-    return linear + attention_op_flops(1, g.n_heads, g.head_dim, _attention_pairs(g, cu_seqlens, cu_seqlens_k))
+    return linear + attention_op_flops(1, g.n_heads, g.head_dim, _attention_pairs(g, seqs))
 
 
 @flop_formula("block_fwd", get_raw=True)
-def _(x, cu_seqlens, position_ids, rope_inv_freq, cu_seqlens_k, key_rows, params, has_param, lora, sizes, numbers,
-      rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout, lora_scales, **_) -> int:
-    g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
-                                lora_scales)
-    return _forward_flops(g, cu_seqlens, cu_seqlens_k, lora=lora)
+def _(x, sequences, params, has_param, lora, *call, **_) -> int:
+    return _forward_flops(_BlockCall.from_op_args(*call), _Sequences(*sequences), lora=lora)
 
 
 @flop_formula("block_bwd", get_raw=True)
-def _(dy, x, cu_seqlens, position_ids, rope_inv_freq, cu_seqlens_k, key_rows, kept, params, has_param, needs, lora, sizes,
-      numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout, lora_scales, **_) -> int:
-    g = _BlockCall.from_op_args(sizes, numbers, rope_theta, activation, remat, compute_dtype, context_parallel, lora_layout,
-                                lora_scales)
+def _(dy, x, sequences, kept, params, has_param, needs, lora, *call, **_) -> int:
+    g = _BlockCall.from_op_args(*call)
+    seqs = _Sequences(*sequences)
     needed = _needed(has_param, needs)
     # Each linear layer's input gradient always (it carries dx), its weight gradient where asked.
     linear = sum(matmul_flops(g.tokens, *shape) * (1 + needed.get(f"{name}.weight", False))
                  for name, shape in _linear_shapes(g).items())
     linear += _adapter_flops(g, lora, _LINEARS, backward=True)
-    attention = attention_op_flops(1, g.n_heads, g.head_dim, _attention_pairs(g, cu_seqlens, cu_seqlens_k), backward=True)
-    return linear + attention + _forward_flops(g, cu_seqlens, cu_seqlens_k, lora=lora, replay=True)
+    attention = attention_op_flops(1, g.n_heads, g.head_dim, _attention_pairs(g, seqs), backward=True)
+    return linear + attention + _forward_flops(g, seqs, lora=lora, replay=True)
 
 
 def _needed(has_param, needs) -> dict[str, bool]:
@@ -671,7 +698,7 @@ class _BlockFunction(torch.autograd.Function):
         if untraced or not custom_ops.through_operators(x.device):
             return tuple(_block_forward(x, g, _Sequences(*sequences), list(params), lora))
         has_param = [p is not None for p in params]
-        return tuple(_block_fwd(x, *sequences, [p for p in params if p is not None], has_param, lora, *g.op_args()))
+        return tuple(_block_fwd(x, sequences, [p for p in params if p is not None], has_param, lora, *g.op_args()))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -716,8 +743,8 @@ class _BlockFunction(torch.autograd.Function):
         needs_params = ctx.needs_input_grad[first_param:first_param + len(_PARAMETERS)]
         needs = [need for need, has in zip(needs_params, ctx.has_param) if has]
         if custom_ops.through_operators(dy.device):
-            dx, *grads = _block_bwd(dy, x, *sequences, _filled(kept, x), params,
-                                    ctx.has_param, needs, lora, *g.op_args())
+            dx, *grads = _block_bwd(dy, x, sequences, _filled(kept, x), params, ctx.has_param, needs, lora,
+                                    *g.op_args())
         else:
             dx, *grads = _block_backward(dy, x, g, _Sequences(*sequences), kept,
                                          _with_absent(params, ctx.has_param), _needed(ctx.has_param, needs), lora,

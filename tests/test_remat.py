@@ -1,5 +1,6 @@
 """The remat setting as one type: parsed once where a string enters, asked everywhere below."""
 
+import dataclasses
 import json
 import pickle
 
@@ -73,10 +74,19 @@ def test_blocks_and_models_hold_members_whatever_they_were_given():
     assert all(type(policy) is Remat for policy in model.remat)
 
 
-def test_the_custom_ops_take_the_policy_by_name_and_get_the_member_back():
-    call = _BlockCall(batch=1, seq=2, dim=8, n_heads=2, n_kv_heads=2, head_dim=4, ffn_dim=32, rms=True,
-                      activation="gelu", causal=True, eps=1e-5, rope_theta=None, remat=Remat.OFFLOAD,
-                      compute_dtype=torch.float32)
-    args = call.op_args()
-    assert type(args[4]) is str and args[4] == "offload", "an operator's schema takes a plain string"
-    assert _BlockCall.from_op_args(*args) == call
+def test_the_custom_ops_take_the_call_by_its_fields_and_get_it_back():
+    """The block operators' schema holds integers, floats and strings: each _BlockCall field, by its
+    annotation, becomes those and comes back equal, the point as the member itself."""
+    plain = _BlockCall(batch=1, seq=2, dim=8, n_heads=2, n_kv_heads=2, head_dim=4, ffn_dim=32, rms=True,
+                       activation="gelu", causal=True, eps=1e-5, rope_theta=None, remat=Remat.OFFLOAD,
+                       compute_dtype=torch.float32)
+    every_field = dataclasses.replace(
+        plain, rope_theta=5e5, remat=Remat.keeping(["o", "lse", "h"]), compute_dtype=torch.bfloat16,
+        context_parallel="cp-group", window=(127, 0), softcap=30.0, max_seqlen=9, scale=0.1, qk_norm=True,
+        max_seqlen_k=7, first_keys=3, adapters=((0, 0, 8, 11, 2.0, 0.0), (3, 4, 4, 12, 0.5, 0.1)))
+    for call in (plain, every_field):
+        ints, floats, names = call.op_args()
+        assert all(type(n) is int for n in ints) and all(type(f) is float for f in floats) and type(names) is str
+        back = _BlockCall.from_op_args(ints, floats, names)
+        assert back == call and back.remat is call.remat
+    assert every_field.op_args()[2].split("\x1f") == ["gelu", "keep:o,lse,h", "bfloat16", "cp-group"]
