@@ -74,20 +74,18 @@ def _budget_fraction(value) -> float:
 def _memory_limit(value) -> int:
     """``--memory-limit``: bytes (``parse_size``); a bare number up to 1, a fraction, is refused
     naming ``--memory-budget``."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
     try:
         number = float(value)
     except ValueError:
         number = None
-    if number is not None and number <= 1.0:
+    if number is not None and 0.0 <= number <= 1.0:
         raise ValueError(f"--memory-limit {value}: a limit in bytes (40GiB, 800MiB, 4096); a fraction of what "
                          f"--remat none keeps is --memory-budget {value}")
     return parse_size(str(value), owner="--memory-limit")
 
 
 def describe_size(flag: str, size: int) -> str:
-    """How ``flag``'s value was read, for its error messages: "--memory-budget was read as 12 bytes
+    """How ``flag``'s value was read, for its error messages: "--memory-limit was read as 12 bytes
     (0.0 MiB); sizes take the binary units K, M, G, T (800MiB, 40GiB), or B for bytes"."""
     return (f"{flag} was read as {size:,} bytes ({size / 2**20:,.1f} MiB); sizes take the binary units K, M, G, T "
             "(800MiB, 40GiB), or B for bytes")
