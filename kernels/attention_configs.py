@@ -1,4 +1,4 @@
-"""Launch configurations of the attention kernels (kernels/attention.py) and the facts that prune them.
+"""Launch configurations of the attention kernels (kernels/attention_kernels.py) and the facts that prune them.
 
 The autotuner gets every configuration of every GPU family (its list is fixed when the kernel is
 decorated); its ``early_config_prune`` (``pruner``) keeps the target family's shapes that fit in

@@ -298,22 +298,22 @@ def test_warp_specialized_configs_are_refused_where_they_cannot_compile(monkeypa
     """A pinned WARP_SPECIALIZE configuration: refused for dK/dV (its kernel has no such loop), and
     on a GPU that is not datacenter Blackwell or with a Triton before 3.9, naming the argument,
     before anything is launched."""
-    from fused_remat.kernels import attention as attention_kernels
+    from fused_remat.kernels import attention as launchers
 
     q, k, v = (torch.randn(1, 2, 16, 16, dtype=F16) for _ in range(3))
     specialized = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "maxnreg": 168,
                    "WARP_SPECIALIZE": True}
-    o, lse = attention_kernels.attention_fwd(q, k, v, True, 0.25)
+    o, lse = launchers.attention_fwd(q, k, v, True, 0.25)
     with pytest.raises(ValueError, match="dkdv_config: the dK/dV kernel is never warp-specialized"):
-        attention_kernels.attention_bwd(torch.randn_like(o), q, k, v, o, lse, True, 0.25, dkdv_config=specialized)
-    monkeypatch.setattr(attention_kernels, "_INTERPRETING", False)
+        launchers.attention_bwd(torch.randn_like(o), q, k, v, o, lse, True, 0.25, dkdv_config=specialized)
+    monkeypatch.setattr(launchers, "_INTERPRETING", False)
     for family, version in ((90, "3.9.0"), (100, "3.6.0")):
-        monkeypatch.setattr(attention_kernels, "target_family", lambda: family)
-        monkeypatch.setattr(attention_kernels.triton, "__version__", version)
+        monkeypatch.setattr(launchers, "target_family", lambda: family)
+        monkeypatch.setattr(launchers.triton, "__version__", version)
         with pytest.raises(ValueError, match=f"config: WARP_SPECIALIZE needs .* family {family}, Triton {version}"):
-            attention_kernels.attention_fwd(q, k, v, True, 0.25, config=specialized)
+            launchers.attention_fwd(q, k, v, True, 0.25, config=specialized)
         with pytest.raises(ValueError, match="^config: WARP_SPECIALIZE needs"):
-            attention_kernels.attention_bwd(torch.randn_like(o), q, k, v, o, lse, True, 0.25, config=specialized)
+            launchers.attention_bwd(torch.randn_like(o), q, k, v, o, lse, True, 0.25, config=specialized)
 
 
 @pytest.mark.parametrize("block_m,block_n", [(16, 64), (64, 16)])

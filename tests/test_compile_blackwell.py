@@ -99,7 +99,7 @@ def test_forward_compiles_to_tcgen05(forward_row):
 def test_masked_forward_spills_only_at_partition_entry(compiled):
     """Causal, the warp-specialized forward keeps two registers a thread across setmaxnreg in local
     memory (bench.static.PARTITION_ENTRY_SPILL), none in any partition's loop; the row rescaling
-    in column halves (kernels/attention.py, _rescaled) is what keeps the rescaling partition's
+    in column halves (kernels/attention_kernels.py, _rescaled) is what keeps the rescaling partition's
     few registers from spilling the accumulator row."""
     row = compiled(FORWARD_CAUSAL, "_attn_fwd")
     assert "partitions" in row and spill_free(row), (row["spill_stores"], row["spill_loads"], row["hot_loop"]["mix"])

@@ -106,9 +106,9 @@ def _forget_autotuning() -> None:
     case sharing its key (the attention key leaves GQA out), would skip compiling the others."""
     from triton.runtime.autotuner import Autotuner
 
-    from fused_remat.kernels import activations, attention, norm, rope
+    from fused_remat.kernels import activations, attention_kernels, norm, rope
 
-    for module in (attention, norm, activations, rope):
+    for module in (attention_kernels, norm, activations, rope):
         for value in vars(module).values():
             if isinstance(value, Autotuner):
                 value.cache.clear()
