@@ -110,8 +110,9 @@ class LanguageModel(nn.Module):
     ``remat``: one policy for all layers or a list, one per layer (``fused_remat.planner`` makes
     such a list for a memory budget in bytes; default: ``cheap``, ``none`` for the reference block);
     ``memory_budget``: a fraction f in [0, 1] instead, every layer keeping at most f of what
-    ``none`` keeps and choosing its point per call (``TransformerBlock.memory_budget``). Weights start as GPT-2's: normal(0, 0.02), with the two
-    projections that write into the residual stream scaled by 1/sqrt(2 x layers).
+    ``none`` keeps and choosing its point per call (``TransformerBlock.memory_budget``). Weights
+    start as GPT-2's: normal(0, 0.02), with the two projections that write into the residual stream
+    scaled by 1/sqrt(2 x layers).
 
     ``context_parallel``: a process group over which every sequence is split (fused blocks only).
     tokens and targets are then this rank's zigzag part of the full sequences

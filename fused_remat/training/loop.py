@@ -47,9 +47,9 @@ def resolve_remat(config: TrainConfig, model_config: ModelConfig, device: torch.
     """The per-layer policies of ``--remat``, and for fused blocks the plan that explains them
     (printed at the start of a run); ``--remat auto`` plans them for ``--memory-limit``; under
     ``--memory-budget`` the point the layers choose for the first batch
-    (``TransformerBlock.budget_point``, which they ask again on every call). ``attention_pairs`` and ``longest_document``: the (query, key)
-    pairs of a sequence under document masking and the longest document (the first batch's), for
-    the FLOP model's price of replaying attention."""
+    (``TransformerBlock.budget_point``, which they ask again on every call). ``attention_pairs``
+    and ``longest_document``: the (query, key) pairs of a sequence under document masking and the
+    longest document (the first batch's), for the price of replaying attention."""
     precision = config.precision
     local_seq_len = config.seq_len // run.context_parallel  # the tokens of a sequence one rank holds
     document_ranks = run.context_parallel if config.document_masking else 1  # attention gathers k and v
