@@ -334,14 +334,14 @@ def split_heads(qkv: Tensor, batch: int, n_heads: int, n_kv_heads: int):
     """q (B, Hq, N, D), k and v (B, Hkv, N, D) as views of a packed (T, (Hq + 2 Hkv) D) buffer."""
     head_dim = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
     heads = qkv.view(batch, qkv.shape[0] // batch, n_heads + 2 * n_kv_heads, head_dim).transpose(1, 2)
-    return heads[:, :n_heads], heads[:, n_heads:n_heads + n_kv_heads], heads[:, n_heads + n_kv_heads:]
+    return heads.split_with_sizes((n_heads, n_kv_heads, n_kv_heads), 1)  # one op for the three views
 
 
 def split_token_heads(qkv: Tensor, n_heads: int, n_kv_heads: int):
     """q (T, Hq, D), k and v (T, Hkv, D), the packed-documents layout, as views of a packed
     (T, (Hq + 2 Hkv) D) buffer."""
     heads = qkv.view(qkv.shape[0], n_heads + 2 * n_kv_heads, qkv.shape[1] // (n_heads + 2 * n_kv_heads))
-    return heads[:, :n_heads], heads[:, n_heads:n_heads + n_kv_heads], heads[:, n_heads + n_kv_heads:]
+    return heads.split_with_sizes((n_heads, n_kv_heads, n_kv_heads), 1)
 
 
 def token_major_heads(t: Tensor, batch: int, n_heads: int) -> Tensor:
