@@ -109,10 +109,12 @@ class _BlockCall:
                 names.append(value.value)
             elif kind == "torch.dtype":
                 names.append(str(value).removeprefix("torch."))
-            else:
+            elif name == "adapters":
                 for adapter in value:
                     ints.extend(adapter[:_ADAPTER_INTS])
                     floats.extend(adapter[_ADAPTER_INTS:])
+            else:
+                raise TypeError(f"_BlockCall.{name}: {kind} has no form in the block operators' schema")
         return ints, floats, _NAME_SEPARATOR.join(names)
 
     @classmethod
@@ -137,9 +139,11 @@ class _BlockCall:
                 values[name] = Remat(next(names))
             elif kind == "torch.dtype":
                 values[name] = getattr(torch, next(names))
-            else:
+            elif name == "adapters":  # what is left of both lists: four integers, then two floats, each
                 values[name] = tuple((*itertools.islice(ints, _ADAPTER_INTS), *adapter_floats)
                                      for adapter_floats in zip(floats, floats))
+            else:
+                raise TypeError(f"_BlockCall.{name}: {kind} has no form in the block operators' schema")
         return cls(**values)
 
     def context_parallel_group(self):
@@ -148,7 +152,7 @@ class _BlockCall:
 
 
 # _BlockCall's fields and their annotations, which say how each travels through the operators'
-# schema (op_args); the adapters' tuples hold their integers first.
+# schema (op_args); each adapter's tuple holds its four integers, then its two floats.
 _CALL_FIELDS = tuple((field.name, field.type) for field in fields(_BlockCall))
 _ADAPTER_INTS = 4
 _NAME_SEPARATOR = "\x1f"  # ASCII's unit separator, which no name holds
