@@ -33,14 +33,15 @@ class _Kernels:
     """The modules of fused_remat.kernels, each imported at its first use: importing fused_remat
     must not import triton, and an import statement in a launching function costs every call."""
 
-    _MODULES = ("activations", "attention", "norm", "rope")
+    _MODULES = ("activations", "attention", "cross_entropy", "norm", "rope")
 
     def __getattr__(self, module: str):
         if module not in self._MODULES:
             raise AttributeError(f"fused_remat.kernels has no launcher module {module!r}")
-        from .kernels import activations, attention, norm, rope
+        from .kernels import activations, attention, cross_entropy, norm, rope
 
-        self.activations, self.attention, self.norm, self.rope = activations, attention, norm, rope
+        self.activations, self.attention, self.cross_entropy = activations, attention, cross_entropy
+        self.norm, self.rope = norm, rope
         return getattr(self, module)
 
 

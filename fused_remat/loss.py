@@ -5,10 +5,13 @@ targets)`` computed ``chunk_tokens`` rows at a time. An eager LM head keeps the 
 keeps them, or their log-softmax, for backward): T x V elements, which at long sequences dwarf
 every block activation (GPT-2's vocabulary is 65x its width).
 
-Per chunk of rows the forward pass computes the logits in the compute dtype, upcasts them to fp32,
-takes the log-sum-exp and the loss, and then, while the chunk's logits are at hand, turns them in
-place into ``softmax - onehot`` and multiplies them out into both gradients (the approach of
-Liger-Kernel's fused linear cross-entropy). Nothing is recomputed in backward.
+Per chunk of rows the forward pass computes the logits in the compute dtype; one kernel
+(``kernels.cross_entropy``) reads them in fp32, takes the log-sum-exp and the loss, and, while the
+chunk's logits are at hand, turns them in place into ``softmax - onehot`` in the compute dtype,
+which two matmuls multiply out into both gradients (the approach of Liger-Kernel's fused linear
+cross-entropy). Where the kernels do not run (the reference backend, a device Triton cannot run
+on), PyTorch's operations do the kernel's step on an fp32 copy of the chunk. Nothing is recomputed
+in backward.
 
 Saved for backward, in ``_setup_loss_context`` only (the autograd of the custom operator
 ``fused_remat::linear_cross_entropy_fwd``):
@@ -29,8 +32,8 @@ incoming gradient of 1 or any power of two (loss scales) costs no second roundin
 Under ``torch.no_grad()``, or when neither hidden nor weight requires grad, only the loss is
 computed and nothing is saved.
 
-Transient memory: one chunk of logits in fp32 plus one in the compute dtype, and under autocast
-the weight cast once to the compute dtype. With 16-bit compute, dweight is the fp32 sum of
+Transient memory: one chunk of logits in the compute dtype (with PyTorch's step, one more in fp32),
+and under autocast the weight cast once to the compute dtype. With 16-bit compute, dweight is the fp32 sum of
 per-chunk 16-bit products (no portable matmul writes fp32 from 16-bit inputs): one rounding per
 chunk where eager PyTorch rounds once. At training sizes the errors average out to eager's; on a
 few tokens split into a few chunks they can reach about twice eager's.
@@ -43,8 +46,8 @@ import math
 import torch
 
 from . import backend
-from .backend import autocast_dtype
-from .custom_ops import cached_forward_signature, first_order_only, traced
+from .backend import autocast_dtype, use_triton
+from .custom_ops import cached_forward_signature, first_order_only, kernels, traced
 from .flops import flop_formula, matmul_flops
 from .kernels.limits import check_same_device, check_tensor
 
@@ -70,24 +73,35 @@ def default_chunk_tokens(tokens: int, vocab: int, dim: int) -> int:
     return max(1, min(rows, tokens))
 
 
-def _split_mean_scale(n_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """1/n_valid as (forward part 2**k / n_valid in (0.5, 1], backward part 2**-k), 0-dim fp32 device
-    tensors (no host sync); see the module docstring. Every target ignored: (1, 1), as the gradients
-    are zero whatever the scale."""
+def _split_mean_scale(n_valid: int | torch.Tensor, device: torch.device) -> tuple[float | torch.Tensor, torch.Tensor]:
+    """1/n_valid as (forward part 2**k / n_valid in (0.5, 1], backward part 2**-k); see the module
+    docstring. Every target ignored: (1, 1), as the gradients are zero whatever the scale.
+
+    A count known on the host (``n_valid`` an int) gives the forward part as a float, rounded to
+    fp32 where it is used; a count on the device (while a graph is captured: no host sync) gives
+    it as a 0-dim fp32 device tensor, computed without leaving the device, to the same bits. The
+    backward part is a 0-dim fp32 device tensor either way (it is saved for backward)."""
+    if isinstance(n_valid, int):
+        _, exponent = math.frexp(max(n_valid, 1))  # count = m * 2**exponent, m in [0.5, 1)
+        power_of_two = 2.0 ** (exponent - 1)
+        return power_of_two / max(n_valid, 1), torch.full((), 1 / power_of_two, dtype=torch.float32, device=device)
     count = n_valid.clamp(min=1).double()  # exact below 2**53 targets
-    _, exponent = torch.frexp(count)  # count = m * 2**exponent, m in [0.5, 1)
+    _, exponent = torch.frexp(count)
     power_of_two = torch.ldexp(torch.ones_like(count), exponent - 1)
     return (power_of_two / count).float(), power_of_two.reciprocal().float()
 
 
 def _chunked_loss_and_grads(hidden_rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                             counted: torch.Tensor, chunk_tokens: int, compute_dtype: torch.dtype,
-                            want_dhidden: bool, want_dweight: bool, gradient_scale: torch.Tensor):
+                            want_dhidden: bool, want_dweight: bool, gradient_scale: float | torch.Tensor,
+                            kernel_ignore_index: int | None):
     """Per-row losses (fp32, 0 on rows that do not count), and when wanted the gradients of the summed
     loss times ``gradient_scale``: dhidden in hidden's dtype, dweight in fp32.
 
-    ``targets``: int64 class per row, any valid id on rows that do not count; ``counted``: bool per row;
-    ``gradient_scale``: a 0-dim fp32 tensor.
+    ``targets``: int64 class per row (``_count_targets``' ids for the chunk step); ``counted``: bool
+    per row; ``gradient_scale``: a float or 0-dim fp32 tensor (a tensor for PyTorch's step).
+    ``kernel_ignore_index``: each chunk's softmax step by the Triton kernel, which skips the rows of
+    this id; None: by PyTorch's operations.
     """
     tokens, dim = hidden_rows.shape
     # One cast per call (a no-op without autocast when dtypes agree); dropped on return, never saved.
@@ -96,17 +110,32 @@ def _chunked_loss_and_grads(hidden_rows: torch.Tensor, weight: torch.Tensor, tar
     # running fp32 scalar over thousands of one-row chunks would lose digits.
     row_losses = torch.empty(tokens, dtype=torch.float32, device=hidden_rows.device)
     dhidden = torch.empty((tokens, dim), dtype=hidden_rows.dtype, device=hidden_rows.device) if want_dhidden else None
-    dweight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_dweight else None
+    dweight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if want_dweight else None
+    want_grads = want_dhidden or want_dweight
     for start in range(0, tokens, chunk_tokens):
         rows = slice(start, start + chunk_tokens)
         hidden_c = hidden_rows[rows].to(compute_dtype)
-        row_losses[rows], dlogits = _chunk_loss_and_dlogits(hidden_c, weight_c, targets[rows], counted[rows],
-                                                            want_dhidden or want_dweight, gradient_scale)
+        logits_c = hidden_c @ weight_c.t()
+        if kernel_ignore_index is not None:
+            kernels.cross_entropy.cross_entropy_rows_(logits_c, targets[rows], row_losses[rows], kernel_ignore_index,
+                                                      gradient_scale if want_grads else None)
+            dlogits = logits_c if want_grads else None
+        else:
+            row_losses[rows], dlogits = _chunk_loss_and_dlogits(logits_c, targets[rows], counted[rows], want_grads,
+                                                                gradient_scale)
         if dhidden is not None:
-            dhidden[rows] = dlogits @ weight_c
+            if dhidden.dtype == dlogits.dtype:
+                torch.mm(dlogits, weight_c, out=dhidden[rows])
+            else:
+                dhidden[rows] = dlogits @ weight_c
         if dweight is not None:
             if dlogits.dtype == torch.float32:
-                dweight.addmm_(dlogits.t(), hidden_c)
+                if start == 0:
+                    torch.mm(dlogits.t(), hidden_c, out=dweight)
+                else:
+                    dweight.addmm_(dlogits.t(), hidden_c)
+            elif start == 0:
+                dweight.copy_(dlogits.t() @ hidden_c)
             else:
                 # addmm_ needs one dtype: the 16-bit partial product (fp32-accumulated inside the
                 # matmul) is rounded once per chunk and summed over the chunks in fp32.
@@ -114,15 +143,15 @@ def _chunked_loss_and_grads(hidden_rows: torch.Tensor, weight: torch.Tensor, tar
     return row_losses, dhidden, dweight
 
 
-def _chunk_loss_and_dlogits(hidden_c: torch.Tensor, weight_c: torch.Tensor, targets_c: torch.Tensor,
-                            counted_c: torch.Tensor, want_grads: bool, gradient_scale: torch.Tensor):
-    """Losses of one chunk's rows, and gradient_scale * d(summed loss)/d(logits) in the compute dtype
-    (None unless wanted).
+def _chunk_loss_and_dlogits(logits_c: torch.Tensor, targets_c: torch.Tensor, counted_c: torch.Tensor,
+                            want_grads: bool, gradient_scale: torch.Tensor):
+    """Losses of one chunk's rows from its logits (in the compute dtype), and gradient_scale *
+    d(summed loss)/d(logits) in the compute dtype (None unless wanted), by PyTorch's operations:
+    what ``kernels.cross_entropy`` does in one launch, where the kernels do not run.
 
     Returning the low-precision dlogits from here lets the fp32 logits buffer die before the two
     gradient matmuls, so about one fp32 chunk (plus one chunk in the compute dtype) is live at a time.
     """
-    logits_c = hidden_c @ weight_c.t()
     logits = logits_c.float()  # the same tensor as logits_c when computing in fp32
     lse = torch.logsumexp(logits, dim=1)
     target_logit = logits.gather(1, targets_c[:, None]).squeeze(1)
@@ -149,17 +178,19 @@ def _loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     A custom operator, so that torch.compile treats the loss as one node: the target check's host
     sync and the chunk loop stay inside it instead of breaking the graph."""
     vocab = weight.shape[0]
-    counted, n_valid, poison = _count_targets(targets, vocab, ignore_index)
-    # gather/scatter need an id in range on every row; rows that do not count are masked anyway.
-    safe_targets = torch.where(counted, targets, 0)
-    forward_scale, backward_scale = _split_mean_scale(n_valid)
-    args = (hidden, weight, safe_targets, counted, chunk_tokens, compute_dtype, want_dhidden, want_dweight, forward_scale)
+    on_kernel = use_triton(_OP, hidden.device)
+    counted, step_targets, n_valid, poison = _count_targets(targets, vocab, ignore_index, on_kernel)
+    forward_scale, backward_scale = _split_mean_scale(n_valid, hidden.device)
+    if not on_kernel and not isinstance(forward_scale, torch.Tensor):
+        forward_scale = torch.full((), forward_scale, dtype=torch.float32, device=hidden.device)
+    args = (hidden, weight, step_targets, counted, chunk_tokens, compute_dtype, want_dhidden, want_dweight,
+            forward_scale, ignore_index if on_kernel else None)
     if torch.is_autocast_enabled(hidden.device.type):
         with torch.autocast(hidden.device.type, enabled=False):  # dtypes are chosen by compute_dtype
             row_losses, dhidden, dweight = _chunked_loss_and_grads(*args)
     else:
         row_losses, dhidden, dweight = _chunked_loss_and_grads(*args)
-    loss = row_losses.sum() / n_valid.clamp(min=1)
+    loss = row_losses.sum() / (max(n_valid, 1) if isinstance(n_valid, int) else n_valid.clamp(min=1))
     if poison is not None:
         loss, backward_scale = loss + poison, backward_scale + poison
     return (loss, hidden.new_empty(0) if dhidden is None else dhidden,
@@ -260,31 +291,39 @@ def _validate(hidden, weight, targets, ignore_index, chunk_tokens) -> None:
             raise ValueError(f"{_OP}: chunk_tokens must be a positive int or None, got {chunk_tokens}")
 
 
-def _count_targets(targets: torch.Tensor, vocab: int,
-                   ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The rows that count (bool: not ignore_index, and in [0, vocab)), how many are not ignored (a
-    0-dim device tensor) and, while a CUDA graph is being captured, the poison: a 0-dim fp32 tensor,
-    NaN where some id that is not ignored lies outside [0, vocab), else 0.
+def _count_targets(targets: torch.Tensor, vocab: int, ignore_index: int,
+                   on_kernel: bool) -> tuple[torch.Tensor, torch.Tensor, int | torch.Tensor, torch.Tensor | None]:
+    """(the rows that count: bool, not ignore_index and in [0, vocab); the ids the chunk step reads;
+    how many rows are not ignored; poison or None).
 
-    Outside capture an id out of range raises here, at the cost of one host sync: it would otherwise
-    trip a device-side assert in gather, which leaves the CUDA context unusable for the rest of the
-    process. A graph can neither sync nor raise on replay, so there the loss and every gradient are
-    made NaN instead: loud (the step is non-finite, and a trainer skipping such steps skips it), never
-    silently wrong, and the context survives. Rows out of range never reach gather either way.
+    The chunk step's ids: for the kernel (``on_kernel``) the targets, ignore_index on every row
+    that does not count; for PyTorch's gather and scatter, which need an id in range on every row,
+    0 there.
+
+    Outside capture an id out of range raises here, at the cost of one host sync, which also brings
+    the count to the host: it would otherwise read outside the logits (the kernel) or trip a
+    device-side assert in gather, which leaves the CUDA context unusable for the rest of the
+    process. A graph can neither sync nor raise on replay, so there the count stays a 0-dim device
+    tensor and the poison is a 0-dim fp32 tensor, NaN where some id that is not ignored lies outside
+    [0, vocab), else 0: the loss and every gradient are made NaN instead, loud (the step is
+    non-finite, and a trainer skipping such steps skips it), never silently wrong, and the context
+    survives. Rows out of range never reach the logits either way.
     """
     counted = targets != ignore_index
-    in_range = (targets >= 0) & (targets < vocab)
-    out_of_range = counted & ~in_range
-    poison = None
     if backend.graph_capturing():
-        poison = torch.where(out_of_range.any(), torch.nan, 0.0)
-    elif out_of_range.any():
-        bad = targets[out_of_range]
+        in_range = (targets >= 0) & (targets < vocab)
+        poison = torch.where((counted & ~in_range).any(), torch.nan, 0.0)
+        n_valid, counted = counted.sum(), counted & in_range
+        return counted, torch.where(counted, targets, ignore_index if on_kernel else 0), n_valid, poison
+    safe_targets = torch.where(counted, targets, 0)
+    low, high, n_valid = torch.stack((*safe_targets.aminmax(), counted.sum())).tolist()  # the one host sync
+    if low < 0 or high >= vocab:
+        bad = targets[counted & ((targets < 0) | (targets >= vocab))]
         raise ValueError(
             f"{_OP}: targets must be class ids in [0, {vocab}) or ignore_index={ignore_index}; "
             f"{bad.numel()} are not, e.g. {bad[0].item()}"
         )
-    return counted & in_range, counted.sum(), poison
+    return counted, targets if on_kernel else safe_targets, n_valid, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,

@@ -57,7 +57,7 @@ FULL = os.environ.get("FUSED_REMAT_COMPILE_ALL") == "1"
 PROPERTIES = ("fits", "no_spills", "few_spills", "hgmma", "not_serialized", "work_once", "copy_engine", "resident_warps")
 # The row-wise kernels stream memory: at least this many warps an SM in flight (one program of 16
 # warps, or the persistent norm backward's 2 programs an SM of 8).
-ROW_WISE_KERNELS = ("_norm_fwd", "_norm_bwd", "_gelu", "_swiglu")
+ROW_WISE_KERNELS = ("_norm_fwd", "_norm_bwd", "_gelu", "_swiglu", "_cross_entropy_rows")
 MIN_RESIDENT_WARPS = 16
 # fp32 attention's spill budget per thread by head dim (bytes): room above what its tiles
 # (kernels/attention_configs.py, FP32_SHAPES) spill on Triton 3.6 and 3.9, more at D=256, where no
@@ -66,7 +66,8 @@ FP32_SPILL_BUDGET = {64: 64, 128: 64, 256: 512}
 MMA_KERNELS = ("_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv")
 
 # The CI subset: the forward at a configuration both targets pick, the norms held in registers and
-# streamed (backward past 8192 columns, forward past 16384), one activation, RoPE, on sm_90a and sm_80.
+# streamed (backward past 8192 columns, forward past 16384), one activation, RoPE, the loss's
+# softmax step at GPT-2's vocabulary, on sm_90a and sm_80.
 CI_CASES = [
     Case("attention_fwd", "bfloat16", 64, causal=True, config=(128, 64, 8, 3)),
     Case("attention_fwd", "bfloat16", 128, causal=False, config=(128, 64, 8, 3)),
@@ -75,6 +76,7 @@ CI_CASES = [
     Case("layer_norm_fwd", "bfloat16", width=32768),
     Case("swiglu_bwd", "bfloat16", width=4096),
     Case("rope", "bfloat16", 128),
+    Case("cross_entropy", "bfloat16", width=50257),
 ]
 # On sm_90a only (Hopper's own picks): the backward, the largest forward tile, dK/dV with GQA at
 # D=128, where the larger dK/dV tiles spill, the dK/dV tile with the fewest instructions per
@@ -168,7 +170,7 @@ def _kernels(case: Case) -> tuple[str, ...]:
         "layer_norm_fwd": ("_norm_fwd",), "rms_norm_fwd": ("_norm_fwd",),
         "layer_norm_bwd": ("_norm_bwd",), "rms_norm_bwd": ("_norm_bwd",),
         "gelu_fwd": ("_gelu",), "gelu_bwd": ("_gelu",), "swiglu_fwd": ("_swiglu",), "swiglu_bwd": ("_swiglu",),
-        "rope": ("_rope",),
+        "rope": ("_rope",), "cross_entropy": ("_cross_entropy_rows",),
     }[case.op]
 
 
@@ -278,7 +280,7 @@ def test_every_kernel_has_cases():
     """The sets above name every Triton kernel of the launchers (a new kernel needs a case here)."""
     named = {k for c, _ in CI_PAIRS for k in _kernels(c)} | {"_norm_fwd", "_gelu"}
     assert set(ATTENTION_KERNELS) <= named
-    assert {"_attn_bwd_preprocess", "_norm_fwd", "_norm_bwd", "_gelu", "_swiglu", "_rope"} <= named
+    assert {"_attn_bwd_preprocess", "_norm_fwd", "_norm_bwd", "_gelu", "_swiglu", "_rope", "_cross_entropy_rows"} <= named
 
 
 # Floating-point fusion: Triton 3.10 compiles without it by default (3.9 warns where
@@ -290,6 +292,7 @@ FUSION_CASES = [
     Case("attention_fwd", "bfloat16", 64, causal=True, config=(128, 64, 8, 3)),
     Case("attention_bwd", "bfloat16", 64, causal=True, config=(128, 64, 8, 3), dkdv_config=(32, 128, 8, 3)),
     Case("rope", "bfloat16", 128),
+    Case("cross_entropy", "bfloat16", width=50257),
 ]
 SEPARATE_ROUNDING_CASES = [
     Case("layer_norm_fwd", "bfloat16", width=4096),

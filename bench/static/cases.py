@@ -19,13 +19,14 @@ class Case:
     """One launcher call. ``config`` pins the attention configuration; None lets the autotuner
     offer every configuration its pruning keeps (each is compiled and recorded)."""
 
-    op: str  # attention_fwd, attention_bwd, layer_norm_fwd/_bwd, rms_norm_fwd/_bwd, gelu_fwd/_bwd, swiglu_fwd/_bwd, rope,
+    op: str  # attention_fwd, attention_bwd, layer_norm_fwd/_bwd, rms_norm_fwd/_bwd, gelu_fwd/_bwd, swiglu_fwd/_bwd,
+    # cross_entropy, rope,
     # and the yardsticks tutorial_fwd, tutorial_tma_fwd, tutorial_bwd
     dtype: str = "bfloat16"
     head_dim: int = 128
     causal: bool = False
     gqa: bool = False
-    width: int = 4096  # norms and activations: columns
+    width: int = 4096  # norms and activations: columns; cross_entropy: the vocabulary
     config: tuple | None = None  # (BLOCK_M, BLOCK_N, num_warps, num_stages); backward: the dQ kernel's
     dkdv_config: tuple | None = None  # backward: the dK/dV kernel's (default: config)
     variant: str = "dense"  # attention: "dense", or one of VARIANTS (the masks of real batches)
@@ -90,7 +91,7 @@ def run_case(case: Case) -> None:
     """Call the project's launcher for ``case`` on meta tensors (under a stand-in driver)."""
     import torch
 
-    from fused_remat.kernels import activations, attention, norm, rope
+    from fused_remat.kernels import activations, attention, cross_entropy, norm, rope
 
     dtype = getattr(torch, case.dtype)
     meta = dict(device="meta", dtype=dtype)
@@ -140,6 +141,10 @@ def run_case(case: Case) -> None:
         activations.swiglu_fwd(x, torch.empty_like(x))
     elif case.op == "swiglu_bwd":
         activations.swiglu_bwd(torch.empty_like(x), x, torch.empty_like(x), rebuild_output=True)
+    elif case.op == "cross_entropy":  # a chunk of LM-head logits, gradient written over them
+        targets = torch.empty(rows, device="meta", dtype=torch.int64)
+        scale = torch.empty((), device="meta", dtype=torch.float32)
+        cross_entropy.cross_entropy_rows_(x, targets, stats, -100, scale)
     elif case.op == "rope":
         heads = 24  # q and k heads of a packed qkv buffer (16 + 8), rotated in place
         qkv = torch.empty(4, 2048, heads + 8, case.head_dim, **meta)

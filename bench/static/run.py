@@ -64,6 +64,8 @@ def sweep(full: bool) -> list[tuple[Case, str]]:
                     pairs.append((Case(op, dtype, width=width), target))
             for op in ("gelu_fwd", "gelu_bwd", "swiglu_fwd", "swiglu_bwd"):
                 pairs.append((Case(op, dtype, width=4096), target))
+            for vocab in (50257, 128256):  # GPT-2's and Llama 3's
+                pairs.append((Case("cross_entropy", dtype, width=vocab), target))
             for dim in dims:
                 pairs.append((Case("rope", dtype, dim), target))
     return pairs
