@@ -304,11 +304,9 @@ def attention_fwd(q, k, v, causal: bool, scale: float, window=(-1, -1), softcap:
     if plan.launch is not None:
         if plan.tma and isinstance(SCRATCH_ALLOCATOR.get(), NO_SCRATCH_ALLOCATOR):
             ensure_scratch_allocator()
-        if documents is not None:
-            q, k, v, o_heads = _heads_views((q, k, v, o))
-        else:
-            o_heads = o
-        plan.launch(q, k, v, o_heads, lse, *(offsets or (lse, lse)))
+        # the packed tensors themselves, not their (1, H, total, D) views: a bound launch reads only
+        # each tensor's address, the same for the view, and its strides are bound already
+        plan.launch(q, k, v, o, lse, *(offsets or (lse, lse)))
     return o, lse[0] if documents is not None else lse
 
 
@@ -385,10 +383,7 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, window=(-1
     if plan.tma and isinstance(SCRATCH_ALLOCATOR.get(), NO_SCRATCH_ALLOCATOR):
         ensure_scratch_allocator()
     dq, dk, dv = grads
-    if documents is not None:
-        q, k, v, o, do, dq, dk, dv = _heads_views((q, k, v, o, do, dq, dk, dv))
-        lse = lse.unsqueeze(0)
-        dlse = None if dlse is None else dlse.unsqueeze(0)
+    # with documents, the packed tensors stand for their views as in attention_fwd
     delta, bias = torch.empty(plan.delta_shape, device=q.device, dtype=torch.float32).unbind(0)
     offsets = offsets or (lse, lse)
     preprocess, dkdv, dq_launch = plan.launches
