@@ -4,10 +4,10 @@
 of a chunk of logits (in the compute dtype, as the LM head's matmul wrote them) it takes the
 log-sum-exp in fp32 and the row's loss, and, where a gradient is wanted, turns the row in place
 into ``scale * (softmax - onehot)`` rounded to the logits' dtype, ready for the two gradient
-matmuls. Each program takes a few rows (one where the vocabulary is wide) in two sweeps: the log-sum-exp online (a running maximum and the
-sum rescaled to it, Milakov and Gimelshein), then the gradient. Eager PyTorch runs the same step as
-about twenty element-wise operations, each a launch and a pass over the chunk, with an fp32 copy of
-it between them.
+matmuls. Each program takes a few rows (one where the vocabulary is wide) in two sweeps: the
+log-sum-exp online (a running maximum and the sum rescaled to it, Milakov and Gimelshein), then the
+gradient. Eager PyTorch runs the same step as about twenty element-wise operations, each a launch
+and a pass over the chunk, with an fp32 copy of it between them.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import triton
 import triton.language as tl
 
 from .launch import FP_FUSION, KeptKernel, LaunchPlans, cdiv, launch_key, next_power_of_2
-from .limits import triton_interpreting
 from .precision import round_to
 
-# Logits a program holds at a time: 16 fp32 values a thread at 8 warps. The interpreter, which
-# pays per program and not per element, takes tiles four times larger.
-TILE_ELEMENTS = 4096
-INTERPRETER_TILE_ELEMENTS = 16384
+# Logits a program holds at a time: 16 fp32 values a thread at 32 warps. A default chunk has few
+# rows (about as many logits as hidden has elements: 128 rows of GPT-2's vocabulary at 8k tokens),
+# so each row's program must keep many loads in flight to draw the memory bandwidth. Narrow rows
+# share a program, up to 16 of them.
+TILE_ELEMENTS = 16384
 
 
 @triton.jit
@@ -79,10 +79,9 @@ _PLANS = LaunchPlans()
 
 def _tiling(vocab: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_V, num_warps) for rows of ``vocab`` logits."""
-    tile = INTERPRETER_TILE_ELEMENTS if triton_interpreting() else TILE_ELEMENTS
     block_v = min(next_power_of_2(vocab), TILE_ELEMENTS)
-    block_m = max(1, min(16, tile // block_v))
-    return block_m, block_v, max(1, min(8, block_m * block_v // 512))
+    block_m = max(1, min(16, TILE_ELEMENTS // block_v))
+    return block_m, block_v, max(1, min(32, block_m * block_v // 512))
 
 
 def _check(logits: torch.Tensor, targets: torch.Tensor, losses: torch.Tensor, scale) -> None:
