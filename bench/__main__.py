@@ -39,7 +39,7 @@ from bench import harness, report
 # The registry: suite name -> the module whose SUITE (a harness.Suite) it is. A suite module is
 # imported only when it runs, after --smoke has set TRITON_INTERPRET.
 SUITES = {"norms": "bench.bench_norms", "attention": "bench.bench_attention", "memory": "bench.bench_memory",
-          "block": "bench.bench_block", "train": "bench.bench_train"}
+          "block": "bench.bench_block", "train": "bench.bench_train", "loss": "bench.bench_loss"}
 # Commands that are not timing suites and need no GPU: name -> module with main(argv).
 COMMANDS = {"static": "bench.static", "host": "bench.host", "frontier": "bench.frontier", "checkpoint": "bench.checkpoint",
             "gpu_stage": "bench.gpu_check", "peak": "bench.peak", "context_parallel": "bench.context_parallel",

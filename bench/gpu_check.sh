@@ -11,7 +11,8 @@
 #   train     the README's main job without documents, 30 steps eager then 30 with --cuda-graphs
 #             (tokens per second of each; metrics and plots kept, not the checkpoints)
 #   tests     the gpu-marked tests (long sequences, bf16), then the kernels' own tests on the GPU
-#   bench     attention (against SDPA's flash, cuDNN and efficient backends), norms and memory, quick mode
+#   bench     attention (against SDPA's flash, cuDNN and efficient backends), norms, memory and the
+#             loss (against eager, torch.compile and Liger-Kernel), quick mode
 #   capacity  --find-max-seq-len: the longest sequence per policy beside the reference block
 #
 # Default: every stage, in that order; name some to run only those (one device call each). Each
@@ -120,7 +121,7 @@ bench() {
     # the suites' own smoke runs are CI tests (tests/test_bench_cli.py): here the stage's path, on the quickest
     "$python" -m bench --smoke --quick --out "$out/bench" norms && "$python" -m bench summary --out "$out/bench"
   else
-    "$python" -m bench --quick --out "$out" attention norms memory && "$python" -m bench summary --out "$out"
+    "$python" -m bench --quick --out "$out" attention norms memory loss && "$python" -m bench summary --out "$out"
   fi
 }
 
