@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import fused_remat
-from bench.harness import Case, Suite, dtype_name, optional_import, pytest_benchmark_case, rotating
+from bench.harness import Case, Suite, check_smoke_outputs, dtype_name, gpu_benchmark_test, optional_import, rotating
 from bench.providers import compiled
 
 # (name, vocabulary, model width): GPT-2's head and Llama 3 8B's
@@ -85,17 +85,10 @@ def cases(quick: bool, device: str = "cuda") -> list[Case]:
 @pytest.mark.parametrize("point", grid(quick=True, device="cpu"), ids=lambda point: _name(*point))
 def test_smoke_on_cpu(point, triton_backend):
     """Every provider runs through the interpreter, so this suite cannot rot without CI noticing."""
-    built = case(*point, device="cpu")
-    outputs = {name: factory()() for name, factory in built.providers.items()}
-    for ours, eager in zip(outputs["fused_remat"], outputs["eager"]):
-        assert ours.shape == eager.shape and torch.isfinite(ours).all()
+    check_smoke_outputs(case(*point, device="cpu"))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("provider", ["fused_remat", "eager", "torch.compile"])
-@pytest.mark.parametrize("point", grid(quick=True), ids=lambda point: _name(*point))
-def test_gpu(point, provider, benchmark):
-    pytest_benchmark_case(benchmark, case(*point), provider)
+test_gpu = gpu_benchmark_test(grid, case, _name)
 
 
 def plots(folder, results, ceilings):

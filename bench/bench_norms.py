@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import fused_remat
-from bench.harness import Case, Suite, dtype_name, optional_import, pytest_benchmark_case
+from bench.harness import Case, Suite, check_smoke_outputs, dtype_name, gpu_benchmark_test, optional_import
 from bench.providers import MODES, compiled, pass_provider
 
 OPS = ("layer_norm", "rms_norm", "gelu", "swiglu")
@@ -124,18 +124,10 @@ def cases(quick: bool, device: str = "cuda") -> list[Case]:
 @pytest.mark.parametrize("point", grid(quick=True, device="cpu"), ids=lambda point: _name(*point))
 def test_smoke_on_cpu(point, triton_backend):
     """Every provider runs through the interpreter, so this suite cannot rot without CI noticing."""
-    built = case(*point, device="cpu")
-    outputs = {name: factory()() for name, factory in built.providers.items()}
-    ours, eager = outputs["fused_remat"], outputs["eager"]
-    for a, b in zip(ours if isinstance(ours, tuple) else (ours,), eager if isinstance(eager, tuple) else (eager,)):
-        assert a.shape == b.shape and torch.isfinite(a).all()
+    check_smoke_outputs(case(*point, device="cpu"))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("provider", ["fused_remat", "eager", "torch.compile"])
-@pytest.mark.parametrize("point", grid(quick=True), ids=lambda point: _name(*point))
-def test_gpu(point, provider, benchmark):
-    pytest_benchmark_case(benchmark, case(*point), provider)
+test_gpu = gpu_benchmark_test(grid, case, _name)
 
 
 def plots(folder, results, ceilings):

@@ -218,6 +218,29 @@ def pytest_benchmark_case(benchmark, case: Case, provider: str) -> None:
         benchmark.extra_info[case.unit] = case.metric(benchmark.stats.stats.median * 1e3)
 
 
+def check_smoke_outputs(case: Case) -> None:
+    """Run every provider of ``case`` once (a CPU smoke run: the interpreter or the reference) and
+    check that ours gives what eager gives in shape, and finite values."""
+    outputs = {name: factory()() for name, factory in case.providers.items()}
+    ours, eager = (out if isinstance(out, tuple) else (out,) for out in (outputs["fused_remat"], outputs["eager"]))
+    assert len(ours) == len(eager), f"{case.name}: {len(ours)} outputs, eager {len(eager)}"
+    for a, b in zip(ours, eager):
+        assert a.shape == b.shape and torch.isfinite(a).all(), f"{case.name}: {tuple(a.shape)} vs eager {tuple(b.shape)}"
+
+
+def gpu_benchmark_test(grid: Callable[..., list], case: Callable[..., Case], name: Callable[..., str]):
+    """A suite's pytest-benchmark test: each quick-grid point with ours, eager and torch.compile, on a GPU."""
+    import pytest
+
+    @pytest.mark.gpu
+    @pytest.mark.parametrize("provider", ["fused_remat", "eager", "torch.compile"])
+    @pytest.mark.parametrize("point", grid(quick=True), ids=lambda point: name(*point))
+    def test_gpu(point, provider, benchmark):
+        pytest_benchmark_case(benchmark, case(*point), provider)
+
+    return test_gpu
+
+
 def _git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
