@@ -142,8 +142,9 @@ def _launch(kernel, tensors: list[torch.Tensor], **constexprs):
 
 class _Call:
     """A launcher's call for one signature of its inputs, where every input was a view of rows (no
-    copy) and every output new: later calls allocate the outputs like the first input and hand the
-    bound launch each tensor as a (rows, cols) view, in the launch's order of inputs and outputs."""
+    copy) and every output new or given: later calls allocate the new outputs like the first input
+    and hand the bound launch each tensor as a (rows, cols) view, in the launch's order of inputs and
+    outputs. Outputs given to the call (written in place) come among ``inputs``, new ones after."""
 
     __slots__ = ("launch", "outputs", "pick", "rows")
 
@@ -165,6 +166,17 @@ def _keep_call(key: tuple, launch, inputs: tuple, rows: list[torch.Tensor], outp
     it launched on) and its launch was kept."""
     if launch is not None and all(r.data_ptr() == t.data_ptr() for r, t in zip(rows, inputs)):
         _CALLS.keep(key, _Call(launch, outputs, order, rows[0].shape))
+
+
+def _output_slots(given: int, written: list[bool]) -> list[int]:
+    """Where each output of a call comes from among ``_Call``'s tensors (its inputs, the outputs
+    given to it, then the new ones): ``written[i]`` says whether output i was given (written in
+    place) or is new. ``given``: how many tensors the call was given, inputs and outputs."""
+    slots, next_given, next_new = [], given - sum(written), given
+    for was_given in written:
+        slots.append(next_given if was_given else next_new)
+        next_given, next_new = next_given + was_given, next_new + (not was_given)
+    return slots
 
 
 def _unit_column_stride(t: torch.Tensor) -> bool:
@@ -249,13 +261,16 @@ def gelu_bwd(
     writes y = gelu(x), bitwise what gelu_fwd gives (else None). Outputs contiguous, in x's shape,
     unless ``dx`` / ``y`` are given: then written in place and returned (dy itself, x itself or
     any tensor of x's shape and dtype writable as rows with unit column stride)."""
-    new_outputs = dx is None and y is None
-    if new_outputs:
-        key = (("gelu_bwd", approximate, rebuild_output), launch_key(_GELU.compiled, (x, dy)))
-        call = _CALLS.get(key)
-        if call is not None:
-            outputs = call((x, dy))
-            return outputs[0], outputs[1] if rebuild_output else None
+    if not rebuild_output:
+        y = None
+    written = [dx is not None, *([y is not None] if rebuild_output else [])]  # each output: given or new
+    given = (x, dy, *(out for out in (dx, y) if out is not None))
+    key = (("gelu_bwd", approximate, *written), launch_key(_GELU.compiled, given))
+    call = _CALLS.get(key)
+    if call is not None:
+        new = iter(call(given))
+        dx = next(new) if dx is None else dx
+        return dx, (next(new) if y is None else y) if rebuild_output else None
     tanh = _check_approximation(approximate)
     _check_shapes("gelu_bwd", "x", x, dy=dy)
     dx, dx_rows = _output("gelu_bwd", "dx", dx, x, "x")
@@ -264,8 +279,8 @@ def gelu_bwd(
         rows = [_input_rows(x), _input_rows(dy)]
         launch = _launch(_GELU, [*rows, dx_rows, y_rows], APPROXIMATE_TANH=tanh, BACKWARD=True,
                          REBUILD_OUTPUT=rebuild_output)
-        if new_outputs:
-            _keep_call(key, launch, (x, dy), rows, 1 + rebuild_output, (0, 1, 2, 3 if rebuild_output else 2))
+        dx_slot, *y_slot = _output_slots(len(given), written)
+        _keep_call(key, launch, given, rows, len(written) - sum(written), (0, 1, dx_slot, *(y_slot or [dx_slot])))
     return dx, y
 
 
@@ -303,13 +318,17 @@ def swiglu_bwd(
     (M, 2F) gradient buffer), and they may be the inputs themselves (gate, up, dy). Otherwise they
     are new contiguous tensors in gate's shape.
     """
-    new_outputs = dgate is None and dup is None and y is None
-    if new_outputs:
-        key = (("swiglu_bwd", rebuild_output), launch_key(_SWIGLU.compiled, (gate, up, dy)))
-        call = _CALLS.get(key)
-        if call is not None:
-            outputs = call((gate, up, dy))
-            return outputs[0], outputs[1], outputs[2] if rebuild_output else None
+    if not rebuild_output:
+        y = None
+    written = [dgate is not None, dup is not None, *([y is not None] if rebuild_output else [])]
+    given = (gate, up, dy, *(out for out in (dgate, dup, y) if out is not None))
+    key = (("swiglu_bwd", *written), launch_key(_SWIGLU.compiled, given))
+    call = _CALLS.get(key)
+    if call is not None:
+        new = iter(call(given))
+        dgate = next(new) if dgate is None else dgate
+        dup = next(new) if dup is None else dup
+        return dgate, dup, (next(new) if y is None else y) if rebuild_output else None
     _check_shapes("swiglu_bwd", "gate", gate, up=up, dy=dy)
     dgate, dgate_rows = _output("swiglu_bwd", "dgate", dgate, gate)
     dup, dup_rows = _output("swiglu_bwd", "dup", dup, gate)
@@ -317,7 +336,7 @@ def swiglu_bwd(
     if gate.numel():
         rows = [_input_rows(gate), _input_rows(up), _input_rows(dy)]
         launch = _launch(_SWIGLU, [*rows, dgate_rows, dup_rows, y_rows], BACKWARD=True, REBUILD_OUTPUT=rebuild_output)
-        if new_outputs:
-            _keep_call(key, launch, (gate, up, dy), rows, 2 + rebuild_output,
-                       (0, 1, 2, 3, 4, 5 if rebuild_output else 3))
+        dgate_slot, dup_slot, *y_slot = _output_slots(len(given), written)
+        _keep_call(key, launch, given, rows, len(written) - sum(written),
+                   (0, 1, 2, dgate_slot, dup_slot, *(y_slot or [dgate_slot])))
     return dgate, dup, y

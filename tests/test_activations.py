@@ -276,6 +276,35 @@ def test_strided_inputs_reach_the_kernel_uncopied(spies, device):
     assert spies["_GELU"].launches[0][0].data_ptr() != x_t.data_ptr()
 
 
+def test_in_place_calls_are_kept_and_write_the_tensors_given(spies, device):
+    """A call that writes into given outputs (the block's backward: dx over dy, the rebuilt output
+    into u's memory, [dgate | dup] into one buffer) is kept per signature like one with new
+    outputs: its next calls launch on the very tensors given and give the first call's bits."""
+    rows, cols = 5, 37
+
+    def gelu_in_place():
+        x, dy = (torch.randn(rows, cols, device=device) for _ in range(2))
+        expected_dx, expected_y = gelu_bwd(dy, x, "tanh", rebuild_output=True)
+        dx, y = gelu_bwd(dy, x, "tanh", rebuild_output=True, dx=dy, y=x)
+        assert dx is dy and y is x and torch.equal(dx, expected_dx) and torch.equal(y, expected_y)
+        return spies["_GELU"].launches[-1][:4], (x, dy, dy, x)
+
+    def swiglu_in_place():
+        u, dy = torch.randn(rows, 2 * cols, device=device), torch.randn(rows, cols, device=device)
+        gate, up = u[:, :cols], u[:, cols:]
+        expected = swiglu_bwd(dy, gate, up, rebuild_output=True)
+        du = torch.empty_like(u)
+        dgate, dup, y = swiglu_bwd(dy, gate, up, rebuild_output=True, dgate=du[:, :cols], dup=du[:, cols:], y=dy)
+        assert y is dy and all(torch.equal(a, b) for a, b in zip((dgate, dup, y), expected))
+        return spies["_SWIGLU"].launches[-1][:6], (gate, up, dy, dgate, dup, dy)
+
+    for check, kept in ((gelu_in_place, ("gelu_bwd", "tanh", True, True)), (swiglu_in_place, ("swiglu_bwd", True, True, True))):
+        for _ in range(3):  # the signature's first call, then kept ones
+            launched, given = check()
+            assert [t.data_ptr() for t in launched] == [t.data_ptr() for t in given]
+        assert kept in {key[0] for key in kernel_module._CALLS._plans}, f"{kept[0]} with given outputs was not kept"
+
+
 def test_any_shape_comes_back_contiguous_in_that_shape(device):
     x = torch.randn(4, 3, 6, device=device).permute(2, 0, 1)
     dy = torch.randn(6, 4, 3, device=device)
