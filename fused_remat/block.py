@@ -146,6 +146,7 @@ class _BlockCall:
                 raise TypeError(f"_BlockCall.{name}: {kind} has no form in the block operators' schema")
         return cls(**values)
 
+    @functools.cached_property  # asked by each pass that attends, once a call
     def context_parallel_group(self):
         """The process group the sequence is split over, or None."""
         return context_parallel.resolve_group(self.context_parallel) if self.context_parallel else None
@@ -334,7 +335,7 @@ def _rope_qk_(qkv: torch.Tensor, g: _BlockCall, seqs: _Sequences, inverse: bool)
     inv_freq = seqs.rope_inv_freq
     if inv_freq is None:
         inv_freq = _inverse_frequencies(g.head_dim, g.rope_theta, qkv.device)
-    group = g.context_parallel_group()
+    group = g.context_parallel_group
     chunk_starts = None
     if group is not None and seqs.key_rows is None:  # the dense ring's zigzag rows; documents have positions
         chunk_starts = list(context_parallel.local_chunk_starts(g.seq, group))
@@ -413,7 +414,7 @@ def _approximation(g: _BlockCall) -> str:
 
 def _attend(attended: torch.Tensor, g: _BlockCall, seqs: _Sequences) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention's forward on the packed, rotated qkv: (o (T, Hq D) token-major, lse)."""
-    group = g.context_parallel_group()
+    group = g.context_parallel_group
     if group is None:
         return custom_ops.direct.attention_packed_fwd(attended, g.batch, g.n_heads, g.n_kv_heads, *g.attention_mask,
                                                       seqs.cu_seqlens, g.max_seqlen)
@@ -463,26 +464,27 @@ def _replay(x: torch.Tensor, kept: dict, w: _Weights, g: _BlockCall, seqs: _Sequ
     stay as kept (or None: their backward kernels rebuild them). ``owned``: the kept names the
     backward may free; everything replayed is owned too."""
     acts = dict(kept)
-    if g.remat.rebuilds("qkv") or g.remat.rebuilds("rstd1"):
+    keeps = g.remat.keeps  # by membership: the replay's tests run on every backward
+    if "qkv" not in keeps or "rstd1" not in keeps:
         y1, acts["mean1"], acts["rstd1"], _ = _norm_forward(x, w.norm1, g)
-        if g.remat.rebuilds("qkv"):
+        if "qkv" not in keeps:
             acts["qkv"] = w.linear("qkv", y1, w.qkv, w.qkv_bias)
             if not g.qk_norm:
                 _attention_input(acts["qkv"], w, g, seqs)  # RoPE in place: the forward kept qkv rotated
         del y1
-    if g.remat.rebuilds("o"):
+    if "o" not in keeps:
         attended = _attention_input(acts["qkv"], w, g, seqs) if g.qk_norm else acts["qkv"]
         acts["o"], acts["lse"] = _attend(attended, g, seqs)
         del attended
-    if g.remat.rebuilds("h") or g.remat.rebuilds("u") or g.remat.rebuilds("rstd2"):
-        if g.remat.rebuilds("h"):
+    if "h" not in keeps or "u" not in keeps or "rstd2" not in keeps:
+        if "h" not in keeps:
             y2, acts["mean2"], acts["rstd2"], acts["h"] = _norm_forward(
                 x, w.norm2, g, residual=w.linear("out_proj", acts["o"], w.out, w.out_bias))
         else:
             # norm 2 normalizes the rounded sum, which is what h holds: its statistics and output
             # from h alone are bitwise the forward's
             y2, acts["mean2"], acts["rstd2"], _ = _norm_forward(acts["h"], w.norm2, g)
-        if g.remat.rebuilds("u"):
+        if "u" not in keeps:
             acts["u"] = w.linear("fc1", y2, w.fc1, w.fc1_bias)
     return _Activations(**acts, owned=owned | (acts.keys() - kept.keys()))
 
@@ -616,7 +618,7 @@ def _attention_pairs(g: _BlockCall, seqs: _Sequences) -> int:
     if seqs.cu_seqlens is not None:
         keys = seqs.cu_seqlens if seqs.cu_seqlens_k is None else seqs.cu_seqlens_k
         return document_pairs(seqs.cu_seqlens, keys, g.causal, g.window)
-    group = g.context_parallel_group()
+    group = g.context_parallel_group
     world = 1 if group is None else group.size()
     return g.batch * (visible_pairs(g.seq * world, g.seq * world, g.causal, g.window) // world)
 
@@ -838,7 +840,7 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, seqs: 
     d_attn = dh.to(g.compute_dtype)
     grads["out_proj.bias"] = _bias_grad(needs["out_proj.bias"], d_attn, named["out_proj.bias"])
     weight_grads("out_proj", d_attn, acts.o)
-    group = g.context_parallel_group()
+    group = g.context_parallel_group
     attended = _attention_input(acts.qkv, w, g, seqs) if g.qk_norm else acts.qkv
     if group is None:
         dqkv = custom_ops.direct.attention_packed_bwd(w.input_grad("out_proj", d_attn, w.out), attended, acts.o, acts.lse,
