@@ -19,6 +19,7 @@ fused_remat must not import triton.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 
@@ -350,15 +351,20 @@ def token_major_heads(t: Tensor, batch: int, n_heads: int) -> Tensor:
     return t.view(batch, t.shape[0] // batch, n_heads, t.shape[1] // n_heads).transpose(1, 2)
 
 
+def token_heads(t: Tensor, n_heads: int) -> Tensor:
+    """A (T, H D) token-major buffer seen as (T, H, D), the packed-documents layout."""
+    return t.view(t.shape[0], n_heads, t.shape[1] // n_heads)
+
+
 def _packed_layout(batch: int, n_heads: int, n_kv_heads: int, cu_seqlens: Tensor | None, max_seqlen: int):
     """(q/k/v views of a packed buffer, the token-major view of o and dO, the launchers' documents)
-    for ``batch`` equal sequences, or for the documents of ``cu_seqlens``."""
+    for ``batch`` equal sequences, or for the documents of ``cu_seqlens``: the views as partial
+    functions of the buffer (no frame of their own per call)."""
     if cu_seqlens is None:
-        return (lambda t: split_heads(t, batch, n_heads, n_kv_heads),
-                lambda t: token_major_heads(t, batch, n_heads), None)
-    return (lambda t: split_token_heads(t, n_heads, n_kv_heads),
-            lambda t: t.view(t.shape[0], n_heads, t.shape[1] // n_heads),
-            _documents(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen))
+        return (functools.partial(split_heads, batch=batch, n_heads=n_heads, n_kv_heads=n_kv_heads),
+                functools.partial(token_major_heads, batch=batch, n_heads=n_heads), None)
+    return (functools.partial(split_token_heads, n_heads=n_heads, n_kv_heads=n_kv_heads),
+            functools.partial(token_heads, n_heads=n_heads), _documents(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen))
 
 
 @_op("attention_packed_fwd")
