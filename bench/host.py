@@ -491,14 +491,17 @@ def capture_check(cases: list[HostCase]) -> dict[str, str]:
 
 def _launch_summary(launcher_args: tuple) -> tuple:
     """What a launch hands the driver's launcher, comparable across calls: the grid, the stream,
-    the kernel's function handle and metadata, the hooks, then each argument (a tensor as its dtype,
-    shape, strides and whether its address is 16-byte aligned; anything else as itself). The launch
-    metadata (a profiler's description, rebuilt at every launch) is left out."""
+    the kernel's function handle and metadata, the hooks, then each argument: anything but a tensor
+    as itself; a tensor, of which the launcher reads only the address (its strides travel as the
+    integer arguments), as where that address lies: its dtype, its offset in its storage, its
+    number of elements and whether it is 16-byte aligned. (A planned launch may hand the tensor a
+    view was made of: the same address, the same elements.) The launch metadata (a profiler's
+    description, rebuilt at every launch) is left out."""
     import torch
 
     grid_stream_function = launcher_args[:6]
     hooks = launcher_args[7:9]
-    arguments = tuple((t.dtype, tuple(t.shape), t.stride(), t.data_ptr() % 16 == 0) if isinstance(t, torch.Tensor)
+    arguments = tuple((t.dtype, t.storage_offset(), t.numel(), t.data_ptr() % 16 == 0) if isinstance(t, torch.Tensor)
                       else t for t in launcher_args[9:])
     return (*grid_stream_function, *hooks, arguments)
 
