@@ -110,7 +110,9 @@ def _chunked_loss_and_grads(hidden_rows: torch.Tensor, weight: torch.Tensor, tar
     # running fp32 scalar over thousands of one-row chunks would lose digits.
     row_losses = torch.empty(tokens, dtype=torch.float32, device=hidden_rows.device)
     dhidden = torch.empty((tokens, dim), dtype=hidden_rows.dtype, device=hidden_rows.device) if want_dhidden else None
-    dweight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if want_dweight else None
+    # written by the first chunk's product; zeros where there is no chunk
+    dweight = (torch.empty if tokens else torch.zeros)(weight.shape, dtype=torch.float32, device=weight.device) \
+        if want_dweight else None
     want_grads = want_dhidden or want_dweight
     for start in range(0, tokens, chunk_tokens):
         rows = slice(start, start + chunk_tokens)
@@ -316,6 +318,8 @@ def _count_targets(targets: torch.Tensor, vocab: int, ignore_index: int,
         n_valid, counted = counted.sum(), counted & in_range
         return counted, torch.where(counted, targets, ignore_index if on_kernel else 0), n_valid, poison
     safe_targets = torch.where(counted, targets, 0)
+    if not targets.numel():
+        return counted, safe_targets, 0, None
     low, high, n_valid = torch.stack((*safe_targets.aminmax(), counted.sum())).tolist()  # the one host sync
     if low < 0 or high >= vocab:
         bad = targets[counted & ((targets < 0) | (targets >= vocab))]
@@ -323,7 +327,7 @@ def _count_targets(targets: torch.Tensor, vocab: int, ignore_index: int,
             f"{_OP}: targets must be class ids in [0, {vocab}) or ignore_index={ignore_index}; "
             f"{bad.numel()} are not, e.g. {bad[0].item()}"
         )
-    return counted, targets if on_kernel else safe_targets, n_valid, None
+    return counted, targets.contiguous() if on_kernel else safe_targets, n_valid, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,

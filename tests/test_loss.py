@@ -143,6 +143,22 @@ def test_capture_form_makes_an_out_of_range_target_a_nan_step_not_an_error(monke
     assert torch.isnan(loss) and torch.isnan(dhidden).all() and torch.isnan(dweight).all()
 
 
+def test_no_tokens_give_zero_loss_and_zero_gradients():
+    hidden, weight, targets = _inputs((0,), 11, 8, torch.float32)
+    loss, dhidden, dweight = _loss_and_grads(fused_remat.linear_cross_entropy, hidden, weight, targets, torch.tensor(1.0))
+    assert loss.item() == 0 and dhidden.shape == (0, 8) and torch.equal(dweight, torch.zeros_like(weight))
+
+
+def test_strided_targets_give_the_contiguous_result():
+    hidden, weight, targets = _inputs((37,), 300, 24, torch.float32)
+    strided = torch.stack((targets, torch.zeros_like(targets)), dim=1)[:, 0]  # stride 2
+    assert strided.stride() == (2,)
+    ours = _loss_and_grads(fused_remat.linear_cross_entropy, hidden, weight, strided, torch.tensor(1.0))
+    contiguous = _loss_and_grads(fused_remat.linear_cross_entropy, hidden, weight, targets, torch.tensor(1.0))
+    for a, b in zip(ours, contiguous):
+        assert torch.equal(a, b)
+
+
 def test_int32_targets_give_the_same_result():
     hidden, weight, targets = _inputs((300,), 100, 32, torch.float32)
     as_int64 = _loss_and_grads(fused_remat.linear_cross_entropy, hidden, weight, targets, torch.tensor(1.0))
