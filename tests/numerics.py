@@ -3,6 +3,9 @@ the error of plain PyTorch computing the same thing in the input dtype, plus a t
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 
 # Absolute floor, relative to the reference's scale: enough for fp32 rounding of a few reductions,
@@ -34,3 +37,16 @@ def assert_error_rule(name: str, ours: torch.Tensor, torch_same_dtype: torch.Ten
         f"{name}: {metric} error {ours_error:.3e} exceeds 2 x PyTorch's {torch_error:.3e} + floor "
         f"{FLOOR[dtype] * scale:.3e} ({dtype}, reference scale {scale:.3e})"
     )
+
+
+@functools.lru_cache(maxsize=None)
+def interpreter_dots_by_row() -> bool:
+    """Whether this machine's numpy float32 matmul, which Triton's interpreter runs ``tl.dot`` on, gives
+    a row of a product the same bits wherever the row sits in its tile, as a GPU's matrix
+    instructions do. Some CPUs' BLAS kernels sum a row in another order by its place in the tile;
+    there a claim that a row's bits do not depend on its tile holds on the GPU but cannot be
+    checked through the interpreter."""
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((16, 16), dtype=np.float32), rng.standard_normal((16, 16), dtype=np.float32)
+    product = a @ b
+    return all(np.array_equal(np.roll(np.roll(a, shift, axis=0) @ b, -shift, axis=0), product) for shift in range(1, 16))
