@@ -10,12 +10,11 @@ of them. Inputs, targets and the incoming gradient are drawn before the timed ca
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 
 import fused_remat
-from bench.harness import Case, Suite, check_smoke_outputs, dtype_name, gpu_benchmark_test, optional_import, rotating
+from bench.harness import Case, Suite, dtype_name, grid_suite, optional_import, rotating
 from bench.providers import compiled
 
 # (name, vocabulary, model width): GPT-2's head and Llama 3 8B's
@@ -78,17 +77,7 @@ def case(head: str, tokens: int, device: str = "cuda") -> Case:
     )
 
 
-def cases(quick: bool, device: str = "cuda") -> list[Case]:
-    return [case(*point, device=device) for point in grid(quick, device)]
-
-
-@pytest.mark.parametrize("point", grid(quick=True, device="cpu"), ids=lambda point: _name(*point))
-def test_smoke_on_cpu(point, triton_backend):
-    """Every provider runs through the interpreter, so this suite cannot rot without CI noticing."""
-    check_smoke_outputs(case(*point, device="cpu"))
-
-
-test_gpu = gpu_benchmark_test(grid, case, _name)
+cases, test_smoke_on_cpu, test_gpu = grid_suite(grid, case, _name)
 
 
 def plots(folder, results, ceilings):

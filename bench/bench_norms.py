@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import functools
 
-import pytest
 import torch
 import torch.nn.functional as F
 
 import fused_remat
-from bench.harness import Case, Suite, check_smoke_outputs, dtype_name, gpu_benchmark_test, optional_import
+from bench.harness import Case, Suite, dtype_name, grid_suite, optional_import
 from bench.providers import MODES, compiled, pass_provider
 
 OPS = ("layer_norm", "rms_norm", "gelu", "swiglu")
@@ -117,17 +116,7 @@ def case(op: str, mode: str, rows: int, hidden: int, device: str = "cuda") -> Ca
     )
 
 
-def cases(quick: bool, device: str = "cuda") -> list[Case]:
-    return [case(*point, device=device) for point in grid(quick, device)]
-
-
-@pytest.mark.parametrize("point", grid(quick=True, device="cpu"), ids=lambda point: _name(*point))
-def test_smoke_on_cpu(point, triton_backend):
-    """Every provider runs through the interpreter, so this suite cannot rot without CI noticing."""
-    check_smoke_outputs(case(*point, device="cpu"))
-
-
-test_gpu = gpu_benchmark_test(grid, case, _name)
+cases, test_smoke_on_cpu, test_gpu = grid_suite(grid, case, _name)
 
 
 def plots(folder, results, ceilings):

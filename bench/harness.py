@@ -228,9 +228,19 @@ def check_smoke_outputs(case: Case) -> None:
         assert a.shape == b.shape and torch.isfinite(a).all(), f"{case.name}: {tuple(a.shape)} vs eager {tuple(b.shape)}"
 
 
-def gpu_benchmark_test(grid: Callable[..., list], case: Callable[..., Case], name: Callable[..., str]):
-    """A suite's pytest-benchmark test: each quick-grid point with ours, eager and torch.compile, on a GPU."""
+def grid_suite(grid: Callable[..., list], case: Callable[..., Case], name: Callable[..., str]):
+    """What a suite whose cases are the points of ``grid`` (``case(*point, device=...)``, named
+    ``name(*point)``) defines beside them: ``cases(quick, device)``; its CPU smoke test, every
+    provider through the interpreter on the CPU grid (so the suite cannot rot without CI noticing);
+    and its pytest-benchmark test, each quick-grid point with ours, eager and torch.compile on a GPU."""
     import pytest
+
+    def cases(quick: bool, device: str = "cuda") -> list[Case]:
+        return [case(*point, device=device) for point in grid(quick, device)]
+
+    @pytest.mark.parametrize("point", grid(quick=True, device="cpu"), ids=lambda point: name(*point))
+    def test_smoke_on_cpu(point, triton_backend):
+        check_smoke_outputs(case(*point, device="cpu"))
 
     @pytest.mark.gpu
     @pytest.mark.parametrize("provider", ["fused_remat", "eager", "torch.compile"])
@@ -238,7 +248,7 @@ def gpu_benchmark_test(grid: Callable[..., list], case: Callable[..., Case], nam
     def test_gpu(point, provider, benchmark):
         pytest_benchmark_case(benchmark, case(*point), provider)
 
-    return test_gpu
+    return cases, test_smoke_on_cpu, test_gpu
 
 
 def _git_commit() -> str:
