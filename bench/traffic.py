@@ -7,14 +7,14 @@ statistics included. Moves: every element a load or store touches, each time it 
 Method. Each launcher (`kernels/norm.py`, `kernels/activations.py`) runs as a user's call runs it,
 its kernels in Triton's interpreter, with every `tl.load` and `tl.store` tallied by the addresses
 its mask lets through, and every aten operation the launcher runs on the host beside its kernels
-(the streamed residual add, the zeroed partial sums, their sum) tallied by the tensors it reads and
+(the streamed residual add) tallied by the tensors it reads and
 writes. Must-move is what those accesses touch at least once (distinct addresses read, plus
 distinct addresses written); moved is every access. The interpreter runs the program the compiler
 compiles, tile for tile; a compiled kernel can only move fewer bytes (the compiler may merge loads)
 or more through spills, which `python -m bench static` and the compile-target tests hold at zero.
 
 Two row counts, ROWS: the per-row cost is the difference, so what a launch pays once per program
-(its dW/dB partial sums, written once) or once per call (their sum) cancels, and what it pays per
+(its dW/dB partial sums, written once) or once per call (their sum, `_sum_partials`) cancels, and what it pays per
 row (a partial sum read and written back for every row) does not. Weight and bias are vectors of
 one row's width (at most 32k fp32, 128 KiB): a GPU's L2 (40-60 MB) serves their re-reads, so they
 are counted apart ("L2") and not in the ratio.

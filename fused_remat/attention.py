@@ -62,7 +62,7 @@ class _VarlenAttention(torch.autograd.Function):
     def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                 scale: float, window: list[int], softcap: float, untraced: bool):
         ops = custom_ops.direct if untraced else custom_ops.ops(q.device)
-        return ops.attention_varlen_fwd(q, k, v, cu_seqlens_q, _key_offsets(cu_seqlens_q, cu_seqlens_k), max_seqlen_q,
+        return ops.attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k, max_seqlen_q,
                                         max_seqlen_k, causal, scale, window, softcap)
 
     @staticmethod
@@ -71,7 +71,7 @@ class _VarlenAttention(torch.autograd.Function):
         o, lse = output
         # Everything kept for backward, in one place: q, k, v, o, the fp32 log-sum-exp (Hq, total_q)
         # and the document offsets (int32, documents + 1 each).
-        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, _key_offsets(cu_seqlens_q, cu_seqlens_k))
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k)
         ctx.mask = (max_seqlen_q, max_seqlen_k, causal, scale, window, softcap)
         ctx.set_materialize_grads(False)
 
@@ -121,10 +121,6 @@ def _checked(op: str, tensors: tuple, scale, window, softcap, check) -> tuple[fl
 
 _SIGNATURE = operator.attrgetter("shape", "dtype", "device")
 _LAST_STRIDE = operator.methodcaller("stride", -1)
-
-
-def _key_offsets(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None) -> torch.Tensor:
-    return cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
 
 
 def attention(

@@ -262,12 +262,6 @@ def _(do_shape, q_shape, k_shape, v_shape, o_shape, lse_shape, dlse_shape, causa
                               backward=True)
 
 
-def _documents(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int):
-    Documents = kernels.attention.Documents
-
-    return Documents(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-
-
 @_op("attention_varlen_fwd")
 def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                          max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float, window: list[int],
@@ -276,7 +270,7 @@ def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, 
     launch = kernels.attention.attention_fwd
 
     return launch(q, k, v, causal, scale, window=tuple(window), softcap=softcap,
-                  documents=_documents(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+                  documents=kernels.attention.Documents(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
 
 
 @attention_varlen_fwd.register_fake
@@ -303,7 +297,7 @@ def attention_varlen_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor,
     launch = kernels.attention.attention_bwd
 
     return launch(do, q, k, v, o, lse, causal, scale, window=tuple(window), softcap=softcap, dlse=dlse,
-                  documents=_documents(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+                  documents=kernels.attention.Documents(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
 
 
 @attention_varlen_bwd.register_fake
@@ -364,7 +358,8 @@ def _packed_layout(batch: int, n_heads: int, n_kv_heads: int, cu_seqlens: Tensor
         return (functools.partial(split_heads, batch=batch, n_heads=n_heads, n_kv_heads=n_kv_heads),
                 functools.partial(token_major_heads, batch=batch, n_heads=n_heads), None)
     return (functools.partial(split_token_heads, n_heads=n_heads, n_kv_heads=n_kv_heads),
-            functools.partial(token_heads, n_heads=n_heads), _documents(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen))
+            functools.partial(token_heads, n_heads=n_heads),
+            kernels.attention.Documents(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen))
 
 
 @_op("attention_packed_fwd")

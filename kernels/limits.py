@@ -229,7 +229,8 @@ def check_varlen_offsets(op: str, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     if torch.compiler.is_compiling() or q.device.type == "meta":
         return
     _check_offsets_once(op, "cu_seqlens_q", cu_seqlens_q, "q", q.shape[0], "max_seqlen_q", max_seqlen_q)
-    _check_offsets_once(op, "cu_seqlens_k", cu_seqlens_k, "k and v", k.shape[0], "max_seqlen_k", max_seqlen_k)
+    if cu_seqlens_k is not cu_seqlens_q or k.shape[0] != q.shape[0] or max_seqlen_k != max_seqlen_q:  # else just done
+        _check_offsets_once(op, "cu_seqlens_k", cu_seqlens_k, "k and v", k.shape[0], "max_seqlen_k", max_seqlen_k)
 
 
 def _check_offsets_once(op: str, name: str, cu_seqlens, packed: str, total: int, max_name: str, max_len: int) -> None:

@@ -10,8 +10,8 @@ Rows of up to ``MAX_SINGLE_PASS_N`` columns (16384 forward, 8192 backward) are h
 the row's input is read twice (``python -m bench traffic`` counts the bytes).
 
 Weight/bias gradients are deterministic: each program of the backward grid accumulates its own
-rows into its own row of an fp32 partial buffer, written once, and the host sums that buffer in a
-fixed order.
+rows into its own row of an fp32 partial buffer, written once, and a second kernel
+(``_sum_partials``) sums that buffer's rows in a fixed order into dW and dB, in the weight's dtype.
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ def _row_sums(X, DY, W, rows64, row_mask, mean, rstd, N, stride_x, stride_dy,
 
 @triton.jit
 def _norm_bwd(
-    X, W, B, DY, DRES, DX, Y, MEAN, RSTD, DW_PARTIAL, DB_PARTIAL, SUMS,
+    X, W, B, DY, DRES, DX, Y, MEAN, RSTD, PARTIALS, SUMS,
     M, N, stride_x, stride_dy, stride_dres, stride_dx, stride_y,
     IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DRES: tl.constexpr, REBUILD_OUTPUT: tl.constexpr,
     SINGLE_PASS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -224,15 +224,15 @@ def _norm_bwd(
     HAS_DRES adds a residual branch's gradient into dx. REBUILD_OUTPUT also writes the rebuilt forward
     output x_hat * w + b, for the weight gradient of the linear layer the norm feeds.
     Program p owns row blocks p, p + P, p + 2P, ... and row p of the partial buffers, which it writes
-    once. Streamed rows take two sweeps: row by row the sums c1 and c2 (kept in SUMS, two per row),
+    once: PARTIALS holds dW's (P, N) and then, with HAS_BIAS, dB's. Streamed rows take two sweeps: row by row the sums c1 and c2 (kept in SUMS, two per row),
     then chunk by chunk over the program's rows dx and that chunk's weight gradients, accumulated in
     registers."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     row_blocks = tl.cdiv(M, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    partial_row = DW_PARTIAL + pid.to(tl.int64) * N
-    bias_partial_row = DB_PARTIAL + pid.to(tl.int64) * N
+    partial_row = PARTIALS + pid.to(tl.int64) * N
+    bias_partial_row = PARTIALS + (programs + pid).to(tl.int64) * N
     if SINGLE_PASS:
         col_mask = cols < N
         dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -278,7 +278,32 @@ def _norm_bwd(
             _store_partials(partial_row, bias_partial_row, col, col_mask, dw_acc, db_acc, HAS_BIAS=HAS_BIAS)
 
 
-_NORM_FWD, _NORM_BWD = KeptKernel(_norm_fwd), KeptKernel(_norm_bwd)
+@triton.jit
+def _sum_partials(
+    PARTIALS, DW, DB, P, N,
+    HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dW (and dB) = the sum of the P rows of _norm_bwd's fp32 partials (dW's P rows of N, then
+    dB's), ``BLOCK_N`` columns a program, in a fixed order (deterministic), rounded once to DW's
+    (DB's) dtype."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, P, BLOCK_P):
+        rows = (start + tl.arange(0, BLOCK_P)).to(tl.int64)
+        mask = (rows < P)[:, None] & col_mask[None, :]
+        dw += tl.sum(load_tile(PARTIALS, N, rows, cols, mask), axis=0)
+        if HAS_BIAS:
+            db += tl.sum(load_tile(PARTIALS, N, rows + P, cols, mask), axis=0)
+    tl.store(DW + cols, round_to(dw, DW.dtype.element_ty), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB + cols, round_to(db, DB.dtype.element_ty), mask=col_mask)
+
+
+_NORM_FWD, _NORM_BWD, _SUM_PARTIALS = KeptKernel(_norm_fwd), KeptKernel(_norm_bwd), KeptKernel(_sum_partials)
+# _sum_partials' tile: columns a program (many programs even for narrow rows) and partial rows a step
+SUM_BLOCK_N, SUM_TILE = 64, 4096
 
 
 @functools.lru_cache(maxsize=4096)  # asked at every launch, the same few shapes over and over
@@ -361,6 +386,18 @@ class _BackwardPlan:
     programs: int
     single_pass: bool  # streamed rows need a scratch for their sums
     launch: object
+    sum_partials: object  # the bound _sum_partials launch
+
+
+def _sum_partials_launch(partials, dw, db, has_bias: bool):
+    """Launches _sum_partials over ``partials`` (1 or 2, P, N) into dw (and db); returns the bound
+    launch (None where it is not kept)."""
+    _, programs, cols = partials.shape
+    block_n = min(SUM_BLOCK_N, next_power_of_2(cols))
+    block_p = min(next_power_of_2(programs), SUM_TILE // block_n)
+    return _SUM_PARTIALS.bind((cdiv(cols, block_n),), (partials, dw, db if has_bias else dw), (programs, cols),
+                              HAS_BIAS=has_bias, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4,
+                              **SEPARATE_ROUNDING)
 
 
 def norm_bwd(dy, x, weight, bias, mean, rstd, residual_grad, rms: bool, has_bias: bool, rebuild_output: bool = False,
@@ -389,30 +426,30 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, residual_grad, rms: bool, has_bias
         programs, single_pass = plan.programs, plan.single_pass
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     y = torch.empty(x.shape, device=x.device, dtype=out_dtype or x.dtype) if rebuild_output else None
+    # dW and dB are separate tensors (a custom operator's outputs may not alias)
+    dw = torch.empty(cols, device=x.device, dtype=weight.dtype)
+    db = torch.empty(cols, device=x.device, dtype=weight.dtype) if has_bias else None
+    if rows == 0:
+        return dx, dw.zero_(), None if db is None else db.zero_(), y
     # dW's partial sums and dB's, one row per program, each written once
-    partials = (torch.empty if rows > 0 else torch.zeros)(
-        (2 if has_bias else 1, programs, cols), device=x.device, dtype=torch.float32)
-    if rows > 0:
-        # streamed rows: each row's two sums between the sweeps
-        sums = partials if single_pass else torch.empty(2 * rows, device=x.device, dtype=torch.float32)
-        tensors = (x, weight, bias if bias is not None else weight, dy,
-                   residual_grad if residual_grad is not None else dy, dx, y if rebuild_output else dx,
-                   mean if not rms else rstd, rstd, partials[0], partials[-1], sums)
-        if plan is not None:
-            plan.launch(*tensors)
-        else:
-            launch = _NORM_BWD.bind(
-                (programs,), tensors,
-                (rows, cols, x.stride(0), dy.stride(0), residual_grad.stride(0) if residual_grad is not None else 0,
-                 dx.stride(0), y.stride(0) if rebuild_output else 0),
-                IS_RMS=rms, HAS_BIAS=has_bias, HAS_DRES=residual_grad is not None, REBUILD_OUTPUT=rebuild_output,
-                SINGLE_PASS=single_pass, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **SEPARATE_ROUNDING,
-            )
-            if launch is not None:
-                _BWD_PLANS.keep(key, _BackwardPlan(programs, single_pass, launch))
-    # one sum each: dW and dB are separate tensors (a custom operator's outputs may not alias)
-    dw = partials[0].sum(dim=0)
-    db = partials[1].sum(dim=0) if has_bias else None
-    if dw.dtype != weight.dtype:
-        dw, db = dw.to(weight.dtype), None if db is None else db.to(weight.dtype)
+    partials = torch.empty((2 if has_bias else 1, programs, cols), device=x.device, dtype=torch.float32)
+    # streamed rows: each row's two sums between the sweeps
+    sums = partials if single_pass else torch.empty(2 * rows, device=x.device, dtype=torch.float32)
+    tensors = (x, weight, bias if bias is not None else weight, dy,
+               residual_grad if residual_grad is not None else dy, dx, y if rebuild_output else dx,
+               mean if not rms else rstd, rstd, partials, sums)
+    if plan is not None:
+        plan.launch(*tensors)
+        plan.sum_partials(partials, dw, db if has_bias else dw)
+        return dx, dw, db, y
+    launch = _NORM_BWD.bind(
+        (programs,), tensors,
+        (rows, cols, x.stride(0), dy.stride(0), residual_grad.stride(0) if residual_grad is not None else 0,
+         dx.stride(0), y.stride(0) if rebuild_output else 0),
+        IS_RMS=rms, HAS_BIAS=has_bias, HAS_DRES=residual_grad is not None, REBUILD_OUTPUT=rebuild_output,
+        SINGLE_PASS=single_pass, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **SEPARATE_ROUNDING,
+    )
+    sum_partials = _sum_partials_launch(partials, dw, db, has_bias)
+    if launch is not None and sum_partials is not None:
+        _BWD_PLANS.keep(key, _BackwardPlan(programs, single_pass, launch, sum_partials))
     return dx, dw, db, y

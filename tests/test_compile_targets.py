@@ -168,7 +168,7 @@ def _kernels(case: Case) -> tuple[str, ...]:
         "attention_fwd": ("_attn_fwd",),
         "attention_bwd": ("_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"),
         "layer_norm_fwd": ("_norm_fwd",), "rms_norm_fwd": ("_norm_fwd",),
-        "layer_norm_bwd": ("_norm_bwd",), "rms_norm_bwd": ("_norm_bwd",),
+        "layer_norm_bwd": ("_norm_bwd", "_sum_partials"), "rms_norm_bwd": ("_norm_bwd", "_sum_partials"),
         "gelu_fwd": ("_gelu",), "gelu_bwd": ("_gelu",), "swiglu_fwd": ("_swiglu",), "swiglu_bwd": ("_swiglu",),
         "rope": ("_rope",), "cross_entropy": ("_cross_entropy_rows",),
     }[case.op]
@@ -280,7 +280,8 @@ def test_every_kernel_has_cases():
     """The sets above name every Triton kernel of the launchers (a new kernel needs a case here)."""
     named = {k for c, _ in CI_PAIRS for k in _kernels(c)} | {"_norm_fwd", "_gelu"}
     assert set(ATTENTION_KERNELS) <= named
-    assert {"_attn_bwd_preprocess", "_norm_fwd", "_norm_bwd", "_gelu", "_swiglu", "_rope", "_cross_entropy_rows"} <= named
+    assert {"_attn_bwd_preprocess", "_norm_fwd", "_norm_bwd", "_sum_partials", "_gelu", "_swiglu", "_rope",
+            "_cross_entropy_rows"} <= named
 
 
 # Floating-point fusion: Triton 3.10 compiles without it by default (3.9 warns where
