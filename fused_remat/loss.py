@@ -109,7 +109,7 @@ def _chunked_loss_and_grads(hidden_rows: torch.Tensor, weight: torch.Tensor, tar
     # Per-row losses summed once at the end (pairwise inside torch.sum), as PyTorch's mean does: a
     # running fp32 scalar over thousands of one-row chunks would lose digits.
     row_losses = torch.empty(tokens, dtype=torch.float32, device=hidden_rows.device)
-    dhidden = torch.empty((tokens, dim), dtype=hidden_rows.dtype, device=hidden_rows.device) if want_dhidden else None
+    dhidden = torch.empty(tokens, dim, dtype=hidden_rows.dtype, device=hidden_rows.device) if want_dhidden else None
     # written by the first chunk's product; zeros where there is no chunk
     dweight = (torch.empty if tokens else torch.zeros)(weight.shape, dtype=torch.float32, device=weight.device) \
         if want_dweight else None
@@ -242,7 +242,7 @@ def _loss_backward(ctx, grad_loss, *_):
         if torch.is_grad_enabled():  # create_graph=True: out= cannot record, and first_order_only refuses anyway
             dweight = (dweight_kept * scale).to(ctx.weight_dtype)
         else:  # straight into weight's dtype: one rounding, no second (V, dim) fp32 buffer
-            dweight = torch.empty(dweight_kept.shape, dtype=ctx.weight_dtype, device=dweight_kept.device)
+            dweight = torch.empty_like(dweight_kept, dtype=ctx.weight_dtype)  # dweight_kept: contiguous
             torch.mul(dweight_kept, scale, out=dweight)
     # The kept gradients are constants: a second derivative through them would be wrong.
     return first_order_only(_OP, dhidden, dweight, None, None, None, None, None, None)

@@ -299,8 +299,8 @@ def attention_fwd(q, k, v, causal: bool, scale: float, window=(-1, -1), softcap:
     plan = _FWD_PLANS.get(key)
     if plan is None:
         return _attention_fwd_planned(key, q, k, v, causal, scale, window, softcap, documents, out, config, tma)
-    o = torch.empty(q.shape, device=q.device, dtype=q.dtype) if out is None else out
-    lse = torch.empty(plan.lse_shape, device=q.device, dtype=torch.float32)
+    o = new_like(q) if out is None else out
+    lse = torch.empty(*plan.lse_shape, device=q.device, dtype=torch.float32)
     if plan.launch is not None:
         if plan.tma and isinstance(SCRATCH_ALLOCATOR.get(), NO_SCRATCH_ALLOCATOR):
             ensure_scratch_allocator()
@@ -384,7 +384,7 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool, scale: float, *, window=(-1
         ensure_scratch_allocator()
     dq, dk, dv = grads
     # with documents, the packed tensors stand for their views as in attention_fwd
-    delta, bias = torch.empty(plan.delta_shape, device=q.device, dtype=torch.float32).unbind(0)
+    delta, bias = torch.empty(*plan.delta_shape, device=q.device, dtype=torch.float32).unbind(0)
     offsets = offsets or (lse, lse)
     preprocess, dkdv, dq_launch = plan.launches
     preprocess(o, do, lse, lse if dlse is None else dlse, delta, bias)

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import (SEPARATE_ROUNDING, KeptKernel, LaunchPlans, cdiv, launch_key, next_power_of_2,
+from .launch import (SEPARATE_ROUNDING, KeptKernel, LaunchPlans, cdiv, launch_key, new_like, next_power_of_2,
                      persistent_program_count)
 from .limits import MAX_NORM_WIDTH
 from .precision import load_tile, round_to, store_tile
@@ -425,14 +425,14 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, residual_grad, rms: bool, has_bias
         rows, cols = x.shape
         programs, single_pass = plan.programs, plan.single_pass
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
-    y = torch.empty(x.shape, device=x.device, dtype=out_dtype or x.dtype) if rebuild_output else None
+    y = torch.empty_like(x, dtype=out_dtype or x.dtype, memory_format=torch.contiguous_format) if rebuild_output else None
     # dW and dB are separate tensors (a custom operator's outputs may not alias)
-    dw = torch.empty(cols, device=x.device, dtype=weight.dtype)
-    db = torch.empty(cols, device=x.device, dtype=weight.dtype) if has_bias else None
+    dw = new_like(weight)  # weight: (cols,), contiguous
+    db = new_like(weight) if has_bias else None
     if rows == 0:
         return dx, dw.zero_(), None if db is None else db.zero_(), y
     # dW's partial sums and dB's, one row per program, each written once
-    partials = torch.empty((2 if has_bias else 1, programs, cols), device=x.device, dtype=torch.float32)
+    partials = torch.empty(2 if has_bias else 1, programs, cols, device=x.device, dtype=torch.float32)
     # streamed rows: each row's two sums between the sweeps
     sums = partials if single_pass else torch.empty(2 * rows, device=x.device, dtype=torch.float32)
     tensors = (x, weight, bias if bias is not None else weight, dy,
