@@ -28,19 +28,20 @@ REPO = Path(__file__).resolve().parent.parent
 
 # case: (Triton launches, most Python calls of the op's own: outside Triton and outside the case's
 # torch.autograd.grad) for one forward + backward; the ceilings are today's counts plus 3%, and at
-# most the 30 an op may run
+# most the 30 an op may run but for the norms, whose backward's second bound launch (dW and dB from
+# the partial sums) is one Python call more
 EXPECTED = {
-    "rms_norm": (2, 30),
+    "rms_norm": (3, 31),
     "gelu": (2, 27),
     "swiglu": (2, 30),
     "attention": (4, 30),
-    "attention_varlen": (4, 44),
+    "attention_varlen": (4, 38),
     "linear_cross_entropy": (1, 29),
-    "block gpt2-small cheap": (10, 179),
-    "block gpt2-small full": (13, 201),
-    "block llama cheap": (12, 204),
-    "block llama memory_budget=0.5": (16, 247),
-    "block llama cheap, 2 packed documents": (12, 220),
+    "block gpt2-small cheap": (12, 180),
+    "block gpt2-small full": (15, 202),
+    "block llama cheap": (14, 205),
+    "block llama memory_budget=0.5": (18, 247),
+    "block llama cheap, 2 packed documents": (14, 219),
 }
 
 
