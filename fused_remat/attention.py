@@ -62,8 +62,9 @@ class _VarlenAttention(torch.autograd.Function):
     def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                 scale: float, window: list[int], softcap: float, untraced: bool):
         ops = custom_ops.direct if untraced else custom_ops.ops(q.device)
-        return ops.attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k, max_seqlen_q,
-                                        max_seqlen_k, causal, scale, window, softcap)
+        key_offsets = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
+        return ops.attention_varlen_fwd(q, k, v, cu_seqlens_q, key_offsets, max_seqlen_q, max_seqlen_k, causal, scale,
+                                        window, softcap)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -224,9 +224,9 @@ def _norm_bwd(
     HAS_DRES adds a residual branch's gradient into dx. REBUILD_OUTPUT also writes the rebuilt forward
     output x_hat * w + b, for the weight gradient of the linear layer the norm feeds.
     Program p owns row blocks p, p + P, p + 2P, ... and row p of the partial buffers, which it writes
-    once: PARTIALS holds dW's (P, N) and then, with HAS_BIAS, dB's. Streamed rows take two sweeps: row by row the sums c1 and c2 (kept in SUMS, two per row),
-    then chunk by chunk over the program's rows dx and that chunk's weight gradients, accumulated in
-    registers."""
+    once: PARTIALS holds dW's (P, N) and then, with HAS_BIAS, dB's. Streamed rows take two sweeps:
+    row by row the sums c1 and c2 (kept in SUMS, two per row), then chunk by chunk over the
+    program's rows dx and that chunk's weight gradients, accumulated in registers."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     row_blocks = tl.cdiv(M, BLOCK_M)
@@ -425,7 +425,8 @@ def norm_bwd(dy, x, weight, bias, mean, rstd, residual_grad, rms: bool, has_bias
         rows, cols = x.shape
         programs, single_pass = plan.programs, plan.single_pass
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
-    y = torch.empty_like(x, dtype=out_dtype or x.dtype, memory_format=torch.contiguous_format) if rebuild_output else None
+    y = (torch.empty_like(x, dtype=out_dtype or x.dtype, memory_format=torch.contiguous_format) if rebuild_output
+         else None)
     # dW and dB are separate tensors (a custom operator's outputs may not alias)
     dw = new_like(weight)  # weight: (cols,), contiguous
     db = new_like(weight) if has_bias else None
