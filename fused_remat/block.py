@@ -322,13 +322,6 @@ class _Sequences:
         return cp_documents.DocumentKeys(group.size(), g.causal, g.window, self.cu_seqlens, self.cu_seqlens_k,
                                          self.key_rows, g.first_keys, g.max_seqlen, g.max_seqlen_k)
 
-    def rope_positions(self, g: _BlockCall) -> torch.Tensor | None:
-        if self.position_ids is not None:
-            return self.position_ids
-        if self.cu_seqlens is not None:
-            return reference.document_positions(self.cu_seqlens, g.tokens).view(g.batch, g.seq)
-        return None
-
 
 def _rope_qk_(qkv: torch.Tensor, g: _BlockCall, seqs: _Sequences, inverse: bool) -> None:
     """RoPE on the q and k heads of a packed qkv (or, inverse, dqkv) buffer, in place."""
@@ -339,8 +332,10 @@ def _rope_qk_(qkv: torch.Tensor, g: _BlockCall, seqs: _Sequences, inverse: bool)
     chunk_starts = None
     if group is not None and seqs.key_rows is None:  # the dense ring's zigzag rows; documents have positions
         chunk_starts = list(context_parallel.local_chunk_starts(g.seq, group))
-    custom_ops.direct.rope_qk_(qkv, inv_freq, g.batch, g.n_heads, g.n_kv_heads, inverse, chunk_starts,
-                        seqs.rope_positions(g))
+    positions = seqs.position_ids
+    # packed documents without positions: the kernel finds each token's place in its document
+    custom_ops.direct.rope_qk_(qkv, inv_freq, g.batch, g.n_heads, g.n_kv_heads, inverse, chunk_starts, positions,
+                               seqs.cu_seqlens if positions is None else None)
 
 
 def _inverse_frequencies(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:

@@ -418,20 +418,20 @@ def _(do, qkv, o, lse, batch, n_heads, n_kv_heads, causal, scale, window, softca
 
 @_op("rope_qk_", mutates_args=("qkv",))
 def rope_qk_(qkv: Tensor, inv_freq: Tensor, batch: int, n_heads: int, n_kv_heads: int, inverse: bool,
-               chunk_starts: list[int] | None = None, positions: Tensor | None = None) -> None:
-    """Rotary embedding (positions 0..N-1, two chunks from ``chunk_starts``, or per-token
-    ``positions`` of shape (batch, N), see kernels.rope.rope_) of the q and k heads of a packed qkv
-    or dqkv, in place."""
-    rope_ = kernels.rope.rope_
-
+             chunk_starts: list[int] | None = None, positions: Tensor | None = None,
+             cu_seqlens: Tensor | None = None) -> None:
+    """Rotary embedding (positions 0..N-1, two chunks from ``chunk_starts``, per-token ``positions``
+    of shape (batch, N), or each token's place in its document for documents packed by
+    ``cu_seqlens``; see kernels.rope.rope_) of the q and k heads of a packed qkv or dqkv, in place."""
     head_dim = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
     heads = qkv.view(batch, qkv.shape[0] // batch, n_heads + 2 * n_kv_heads, head_dim)
-    rope_(heads[:, :, :n_heads + n_kv_heads], inv_freq, inverse=inverse,
-                      chunk_starts=None if chunk_starts is None else tuple(chunk_starts), positions=positions)
+    kernels.rope.rope_(heads[:, :, :n_heads + n_kv_heads], inv_freq, inverse=inverse,
+                       chunk_starts=None if chunk_starts is None else tuple(chunk_starts), positions=positions,
+                       cu_seqlens=cu_seqlens)
 
 
 @rope_qk_.register_fake
-def _(qkv, inv_freq, batch, n_heads, n_kv_heads, inverse, chunk_starts=None, positions=None):
+def _(qkv, inv_freq, batch, n_heads, n_kv_heads, inverse, chunk_starts=None, positions=None, cu_seqlens=None):
     return None
 
 

@@ -222,10 +222,6 @@ class LanguageModel(nn.Module):
             sequences.update(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         elif max_seqlen is not None:
             raise ValueError("LanguageModel: max_seqlen is given without cu_seqlens")
-        if position_ids is None and cu_seqlens is not None and self.config.rope_theta is not None:
-            # each token's position in its document, made once for every layer (a block given only the
-            # offsets makes them for each RoPE pass, forward and backward)
-            position_ids = reference.document_positions(cu_seqlens, tokens.numel()).view(tokens.shape)
         if position_ids is not None:
             sequences["position_ids"] = position_ids
         if documents is not None:

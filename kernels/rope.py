@@ -10,9 +10,12 @@ float32(position) * inv_freq[i] as one fp32 product (bitwise the reference's ang
 fp32, (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin); ``inverse`` negates sin.
 
 Positions: token n of each row sits at n by default, at one of two chunk starts for context
-parallelism (``chunk_starts``), or wherever a (B, N) ``positions`` tensor puts it: packed documents
-whose positions restart at each document, or a user's ``position_ids``. The choice is a constexpr, so
-the kernel without positions compiles to the same code as before they existed.
+parallelism (``chunk_starts``), wherever a (B, N) ``positions`` tensor puts it (a user's
+``position_ids``), or at its place in its document for documents packed by ``cu_seqlens``: each
+token finds its document's first token by a binary search over the offsets (log2 of the documents
+loads of a few hundred bytes, which stay in cache), so no (B, N) positions are built for packed
+documents, on the host or the GPU. The choice is a constexpr: the kernel without positions compiles
+to the same code as before they existed.
 
 Tiling: a program owns BLOCK_T tokens x BLOCK_H heads x all D/2 pairs. cos and sin depend only on
 (token, pair), so each program computes them once for its [BLOCK_T, pairs] tile and reuses them for
@@ -61,7 +64,8 @@ def _rope(
     split, first_start, second_start,
     stride_b, stride_n, stride_h,
     stride_positions_b, stride_positions_n,
-    INVERSE: tl.constexpr, HAS_POSITIONS: tl.constexpr,
+    n_documents, search_steps,
+    INVERSE: tl.constexpr, HAS_POSITIONS: tl.constexpr, DOCUMENTS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -72,6 +76,17 @@ def _rope(
         # int64 offsets (batch and position are int64), as for x: B * N may pass 2^31.
         absolute = tl.load(POSITIONS + batch * stride_positions_b + position * stride_positions_n,
                            mask=token_mask, other=0)
+    elif DOCUMENTS:
+        # POSITIONS holds the offsets over the B * N tokens. A token's document is the last one that
+        # starts at or before it (an empty document starts where the next does: same start).
+        first = tl.zeros_like(tokens)
+        last = first + (n_documents - 1)
+        for _ in range(search_steps):
+            middle = (first + last + 1) // 2
+            starts_before = tl.load(POSITIONS + middle) <= tokens
+            first = tl.where(starts_before, middle, first)
+            last = tl.where(starts_before, last, middle - 1)
+        absolute = tokens - tl.load(POSITIONS + first)
     else:
         # Local tokens before ``split`` sit at first_start + i, the rest at second_start + (i - split).
         absolute = tl.where(position < split, position + first_start, position - split + second_start)
@@ -153,8 +168,23 @@ def _check_positions(x: torch.Tensor, positions, chunk_starts) -> None:
         raise ValueError(f"rope_: positions is on {positions.device} but x is on {x.device}")
 
 
+def _check_documents(x: torch.Tensor, cu_seqlens, positions, chunk_starts) -> None:
+    if positions is not None or chunk_starts is not None:
+        raise ValueError("rope_: give one of cu_seqlens, positions and chunk_starts (each places every token)")
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"rope_: cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise TypeError(f"rope_: cu_seqlens must be int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.stride(0) != 1:
+        raise ValueError("rope_: cu_seqlens must be contiguous and 1-D with (documents + 1) >= 2 entries, got shape "
+                         f"{tuple(cu_seqlens.shape)} and strides {cu_seqlens.stride()}")
+    if cu_seqlens.device != x.device:
+        raise ValueError(f"rope_: cu_seqlens is on {cu_seqlens.device} but x is on {x.device}")
+
+
 def rope_(x: torch.Tensor, inv_freq: torch.Tensor, *, inverse: bool = False,
-          chunk_starts: tuple[int, int] | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+          chunk_starts: tuple[int, int] | None = None, positions: torch.Tensor | None = None,
+          cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate x (B, N, H, D) in place by the rotary embedding of positions 0..N-1 and return x.
 
     ``chunk_starts=(first, second)`` (N even) instead places x's first N/2 tokens at positions
@@ -164,6 +194,13 @@ def rope_(x: torch.Tensor, inv_freq: torch.Tensor, *, inverse: bool = False,
     positions[b, n]: documents packed in one row with positions restarting at each, or a user's
     position_ids. ``positions = arange(N)`` gives bitwise the default. Not with ``chunk_starts``.
 
+    ``cu_seqlens`` (contiguous int32 (documents + 1,) on x's device) instead places each token at its
+    place in its document, for documents packed by these offsets over the B * N tokens taken row
+    after row (as ``fused_remat.attention_varlen``'s): bitwise ``positions`` from
+    ``reference.document_positions``. The offsets are not read on the host (no sync): they must
+    start at 0, never decrease and end at B * N, which the block's and the model's checks ensure.
+    Not with ``positions`` or ``chunk_starts``.
+
     x: fp32/fp16/bf16, any strides with a contiguous last dim (e.g. the q,k heads of a packed qkv
     buffer). inv_freq: contiguous fp32 (D/2,), as ``reference.rope_inverse_frequencies``.
     ``inverse=True`` rotates by the opposite angles: the transpose, which maps dq, dk back.
@@ -171,19 +208,22 @@ def rope_(x: torch.Tensor, inv_freq: torch.Tensor, *, inverse: bool = False,
     Every position must be below 2^24 in magnitude: it becomes an fp32 before the product with
     inv_freq, and fp32 holds integers exactly only up to 2^24. Negative positions rotate backwards.
     """
-    has_positions = positions is not None
+    # the tensor that places the tokens, if any: POSITIONS (else inv_freq stands in, never read)
+    placing = positions if cu_seqlens is None else cu_seqlens
     key = None
     if isinstance(x, torch.Tensor) and isinstance(inv_freq, torch.Tensor) and (
-            not has_positions or isinstance(positions, torch.Tensor)):
+            placing is None or isinstance(placing, torch.Tensor)):
         # everything the checks read and the launch depends on
-        key = (launch_key(_ROPE.compiled, (x, inv_freq, positions) if has_positions else (x, inv_freq)),
-               bool(inverse), None if chunk_starts is None else tuple(chunk_starts))
+        key = (launch_key(_ROPE.compiled, (x, inv_freq) if placing is None else (x, inv_freq, placing)),
+               bool(inverse), None if chunk_starts is None else tuple(chunk_starts), cu_seqlens is None)
         launch = _PLANS.get(key)
         if launch is not None:
-            launch(x, inv_freq, positions if has_positions else inv_freq)
+            launch(x, inv_freq, inv_freq if placing is None else placing)
             return x
     _check(x, inv_freq)
-    if has_positions:
+    if cu_seqlens is not None:
+        _check_documents(x, cu_seqlens, positions, chunk_starts)
+    elif positions is not None:
         _check_positions(x, positions, chunk_starts)
     batch, seq_len, n_heads, head_dim = x.shape
     if x.numel() == 0:
@@ -193,12 +233,14 @@ def rope_(x: torch.Tensor, inv_freq: torch.Tensor, *, inverse: bool = False,
     block_t, block_h, block_half = _blocks(n_tokens, n_heads, half)
     grid = (cdiv(n_tokens, block_t), cdiv(n_heads, block_h))
     split, first_start, second_start = (seq_len, 0, 0) if chunk_starts is None else (seq_len // 2, *chunk_starts)
+    n_documents = 0 if cu_seqlens is None else cu_seqlens.numel() - 1
     launch = _ROPE.bind(
-        # Without positions the pointer is never read: inv_freq stands in.
-        grid, (x, inv_freq, positions if has_positions else inv_freq),
+        grid, (x, inv_freq, inv_freq if placing is None else placing),
         (n_tokens, seq_len, n_heads, half, split, first_start, second_start, x.stride(0), x.stride(1), x.stride(2),
-         *(positions.stride() if has_positions else (0, 0))),
-        INVERSE=bool(inverse), HAS_POSITIONS=has_positions,
+         *(positions.stride() if positions is not None else (0, 0)),
+         # the searched range halves at each step, from all documents to one
+         n_documents, max(n_documents - 1, 0).bit_length()),
+        INVERSE=bool(inverse), HAS_POSITIONS=positions is not None, DOCUMENTS=cu_seqlens is not None,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_HALF=block_half,
         num_warps=NUM_WARPS, **FP_FUSION,
     )

@@ -192,6 +192,7 @@ def test_custom_ops_fake_implementations_agree_with_the_kernels(device, triton_b
         (custom_ops.rope_qk_, (qkv.clone(), torch.rand(8, device=device), 2, HEADS, KV_HEADS, False)),
         (custom_ops.rope_qk_, (qkv.clone(), torch.rand(8, device=device), 2, HEADS, KV_HEADS, False, None,
                                torch.randint(0, 50, (2, 7), device=device))),
+        (custom_ops.rope_qk_, (qkv.clone(), torch.rand(8, device=device), 2, HEADS, KV_HEADS, True, None, None, cu_q)),
         (custom_ops.gelu_bwd, (u.clone(), u, "none", True)),
     ]
     for op, args in cases:

@@ -81,8 +81,9 @@ CI_CASES = [
 # On sm_90a only (Hopper's own picks): the backward, the largest forward tile, dK/dV with GQA at
 # D=128, where the larger dK/dV tiles spill, the dK/dV tile with the fewest instructions per
 # multiply-add, fp32 (FFMA dots, the small tiles of FP32_SHAPES) and D=256 with causal GQA (dK/dV's
-# mma.sync tile, HOPPER_D256_DKDV).
+# mma.sync tile, HOPPER_D256_DKDV), and RoPE placing packed documents' tokens by their offsets.
 CI_SM90_CASES = [
+    Case("rope", "bfloat16", 128, variant="varlen"),
     Case("attention_bwd", "bfloat16", 64, causal=True, config=(128, 64, 8, 3), dkdv_config=(32, 128, 8, 3)),
     Case("attention_fwd", "bfloat16", 128, causal=True, config=(128, 128, 8, 3)),
     Case("attention_bwd", "bfloat16", 128, causal=True, gqa=True, config=(128, 32, 8, 3), dkdv_config=(16, 128, 8, 3)),

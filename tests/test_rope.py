@@ -227,8 +227,59 @@ def test_inverse_undoes_forward_with_positions(dtype, device):
     assert err <= tol, f"inverse(forward(x)) off by {err:.3e} > {tol:.3e} ({dtype})"
 
 
+# Offsets over B * N tokens taken row after row: documents that cross rows, empty ones (first, in
+# the middle, last), one document, and one per token (the deepest search: 2^7 > 113 documents).
+def _offsets(lengths, device):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device, dtype=torch.int32)
+
+
+OFFSET_CASES = {
+    "across rows": ((2, 100), [0, 5, 1, 120, 0, 33, 41, 0]),
+    "one document": ((3, 17), [51]),
+    "one token each": ((1, 113), [1] * 113),
+    "long and short": ((1, 1000), [3, 990, 7]),
+}
+
+
+@pytest.mark.parametrize("inverse", [False, True], ids=["forward", "inverse"])
+@pytest.mark.parametrize("case", list(OFFSET_CASES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_offsets_give_each_documents_positions(dtype, case, inverse, device):
+    """cu_seqlens places every token where document_positions of the same offsets does, bitwise, and
+    under the error rule against the float64 reference."""
+    (batch, seq), lengths = OFFSET_CASES[case]
+    cu_seqlens = _offsets(lengths, device)
+    positions = reference.document_positions(cu_seqlens, batch * seq).view(batch, seq)
+    theta, head_dim = 10000.0, 80
+    inv_freq = reference.rope_inverse_frequencies(head_dim, theta, device)
+    x = torch.randn(batch, seq, 3, head_dim, device=device).to(dtype)
+    by_offsets = rope_(x.clone(), inv_freq, inverse=inverse, cu_seqlens=cu_seqlens)
+    assert torch.equal(by_offsets, rope_(x.clone(), inv_freq, inverse=inverse, positions=positions))
+    _check_against_references(f"rope {case}", by_offsets, x, theta, inverse, dtype, positions=positions)
+
+
+def test_bad_offsets(device):
+    inv8 = reference.rope_inverse_frequencies(8, 10000.0, device)
+    x = torch.randn(2, 5, 1, 8, device=device)
+    offsets = torch.tensor([0, 4, 10], device=device, dtype=torch.int32)
+    with pytest.raises(TypeError, match="cu_seqlens must be int32"):
+        rope_(x, inv8, cu_seqlens=offsets.long())
+    with pytest.raises(TypeError, match="cu_seqlens must be a torch.Tensor"):
+        rope_(x, inv8, cu_seqlens=[0, 4, 10])
+    for bad in (offsets[:1], offsets.view(1, 3), torch.arange(6, device=device, dtype=torch.int32)[::2]):
+        with pytest.raises(ValueError, match="cu_seqlens must be contiguous and 1-D"):
+            rope_(x, inv8, cu_seqlens=bad)
+    other_device = "meta" if device.type == "cpu" else "cpu"
+    with pytest.raises(ValueError, match="cu_seqlens is on"):
+        rope_(x, inv8, cu_seqlens=offsets.to(other_device))
+    with pytest.raises(ValueError, match="one of cu_seqlens, positions and chunk_starts"):
+        rope_(x, inv8, cu_seqlens=offsets, positions=torch.arange(5, device=device).expand(2, 5))
+    with pytest.raises(ValueError, match="one of cu_seqlens, positions and chunk_starts"):
+        rope_(torch.randn(2, 4, 1, 8, device=device), inv8, cu_seqlens=offsets, chunk_starts=(0, 6))
+
+
 def test_packed_qkv_operator_takes_positions(device, triton_backend):
-    """rope_qk_ passes positions to the kernel; its fake and schema agree (opcheck)."""
+    """rope_qk_ passes positions and document offsets to the kernel; its fake and schema agree (opcheck)."""
     batch, seq, q_heads, kv_heads, head_dim = 2, 100, 4, 2, 16
     inv_freq = reference.rope_inverse_frequencies(head_dim, 10000.0, device)
     positions = _document_positions(DOCUMENT_LENGTHS, torch.int64, device)
@@ -238,6 +289,14 @@ def test_packed_qkv_operator_takes_positions(device, triton_backend):
     custom_ops.rope_qk_(qkv, inv_freq, batch, q_heads, kv_heads, False, None, positions)
     assert torch.equal(qkv, expected)
     torch.library.opcheck(custom_ops.rope_qk_, (qkv, inv_freq, batch, q_heads, kv_heads, False, None, positions),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+    cu_seqlens = _offsets([lengths for row in DOCUMENT_LENGTHS for lengths in row], device)
+    by_offsets = qkv.clone()
+    custom_ops.rope_qk_(by_offsets, inv_freq, batch, q_heads, kv_heads, True, None, None, cu_seqlens)
+    custom_ops.rope_qk_(qkv, inv_freq, batch, q_heads, kv_heads, True, None, positions)
+    assert torch.equal(by_offsets, qkv)
+    torch.library.opcheck(custom_ops.rope_qk_, (qkv, inv_freq, batch, q_heads, kv_heads, False, None, None, cu_seqlens),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 

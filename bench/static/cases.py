@@ -29,7 +29,8 @@ class Case:
     width: int = 4096  # norms and activations: columns; cross_entropy: the vocabulary
     config: tuple | None = None  # (BLOCK_M, BLOCK_N, num_warps, num_stages); backward: the dQ kernel's
     dkdv_config: tuple | None = None  # backward: the dK/dV kernel's (default: config)
-    variant: str = "dense"  # attention: "dense", or one of VARIANTS (the masks of real batches)
+    variant: str = "dense"  # attention: "dense", or one of VARIANTS (the masks of real batches); rope: "dense"
+    # or "varlen" (positions found from packed documents' offsets)
 
     @property
     def id(self) -> str:
@@ -42,7 +43,7 @@ class Case:
             if self.dkdv_config:
                 parts.append("dkdv_M{}N{}w{}s{}".format(*self.dkdv_config))
         elif self.op == "rope":
-            parts = [self.op, self.dtype, f"D{self.head_dim}"]
+            parts = [self.op, self.dtype, f"D{self.head_dim}"] + ([self.variant] if self.variant != "dense" else [])
         else:
             parts = [self.op, self.dtype, f"N{self.width}"]
         return "-".join(parts)
@@ -149,6 +150,7 @@ def run_case(case: Case) -> None:
         heads = 24  # q and k heads of a packed qkv buffer (16 + 8), rotated in place
         qkv = torch.empty(4, 2048, heads + 8, case.head_dim, **meta)
         freqs = torch.empty(case.head_dim // 2, device="meta", dtype=torch.float32)
-        rope.rope_(qkv[:, :, :heads], freqs)
+        documents = torch.empty(9, device="meta", dtype=torch.int32) if case.variant == "varlen" else None
+        rope.rope_(qkv[:, :, :heads], freqs, cu_seqlens=documents)
     else:
         raise ValueError(f"unknown op {case.op!r}")
