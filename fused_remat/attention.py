@@ -105,7 +105,7 @@ def _checked(op: str, tensors: tuple, scale, window, softcap, check) -> tuple[fl
     may carry more options that the checks read. While torch.compile traces, every time (it traces
     the checks, not the table)."""
     key = None
-    if (not torch.compiler.is_compiling() and all(map(isinstance, tensors, itertools.repeat(torch.Tensor))) and (scale is None or type(scale) is float) and type(softcap) is float
+    if (not torch.compiler.is_dynamo_compiling() and all(map(isinstance, tensors, itertools.repeat(torch.Tensor))) and (scale is None or type(scale) is float) and type(softcap) is float
             and type(window) in (tuple, list) and len(window) == 2 and type(window[0]) is int
             and type(window[1]) is int):
         key = (op, *map(_SIGNATURE, tensors), *map(_LAST_STRIDE, tensors), scale, *window, softcap)

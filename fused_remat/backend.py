@@ -118,7 +118,7 @@ def graph_capturing() -> bool:
     graphs capture). A call that would read values on the host or keep a tensor across calls takes
     its capture-safe form then, and one that a graph cannot hold refuses; ``bench.host.host_read_guard``
     answers True here to check those forms on CPU tensors."""
-    return (torch.cuda.is_initialized() and not torch.compiler.is_compiling()
+    return (torch.cuda.is_initialized() and not torch.compiler.is_dynamo_compiling()
             and torch.cuda.is_current_stream_capturing())
 
 

@@ -75,7 +75,7 @@ class _BlockCall:
     def norm(self) -> str:
         return "rmsnorm" if self.rms else "layernorm"
 
-    @property
+    @functools.cached_property  # asked by each pass that attends
     def attention_mask(self) -> tuple:
         """(causal, scale, window, softcap) as the attention operators take them."""
         return self.causal, self.softmax_scale, list(self.window), self.softcap
@@ -191,21 +191,27 @@ class _LowRank:
     seed: int
 
     def _dropped(self, x: torch.Tensor) -> torch.Tensor:
-        return x if not self.dropout else x * reference.lora_dropout_scale(x, self.dropout, self.seed)
+        """x times the dropout mask; callers ask ``self.dropout`` first (no call without dropout)."""
+        return x * reference.lora_dropout_scale(x, self.dropout, self.seed)
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> None:
-        out[:, self.rows] += (self._dropped(x) @ self.a.t()) @ (self.scale * self.b).t()
+        out[:, self.rows] += ((self._dropped(x) if self.dropout else x) @ self.a.t()) @ (self.scale * self.b).t()
 
     def add_input_grad(self, dx: torch.Tensor, dy: torch.Tensor) -> None:
-        dx += self._dropped(((dy[:, self.rows] @ self.b) * self.scale) @ self.a)
+        dx_low = ((dy[:, self.rows] @ self.b) * self.scale) @ self.a
+        dx += self._dropped(dx_low) if self.dropout else dx_low
 
     def grads(self, dy: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(dA, dB) from the output's gradient and the input, in the adapter's dtype."""
-        x = self._dropped(x)
+        if self.dropout:
+            x = self._dropped(x)
         d_low = (dy[:, self.rows] @ self.b) * self.scale  # (T, r)
         da = d_low.t() @ x
         db = (dy[:, self.rows] * self.scale).t() @ (x @ self.a.t())
         return da.to(self.dtype), db.to(self.dtype)
+
+
+_NO_ADAPTERS = dict.fromkeys(_LINEARS, ())  # _Weights.adapters of a call without adapters (never added to)
 
 
 class _Weights:
@@ -221,10 +227,11 @@ class _Weights:
          self.fc2_bias) = [t if t is None or t.dtype == compute_dtype else t.to(compute_dtype)
                            for t in map(named.get, _MATMUL_OPERANDS)]
         self.q_norm, self.k_norm = named["q_norm.weight"], named["k_norm.weight"]
-        self.adapters = {name: [] for name in _LINEARS}
+        self.rope_inv_freq = None  # RoPE's inverse frequencies, once the pass has found them (_rope_qk_)
+        self.adapters = {name: [] for name in _LINEARS} if adapters else _NO_ADAPTERS
         for index, ((linear, first, rows, seed, scale, dropout), a, b) in enumerate(zip(adapters, lora[0::2], lora[1::2])):
             self.adapters[_LINEARS[linear]].append(
-                _LowRank(_in_dtype(a, compute_dtype), _in_dtype(b, compute_dtype), scale, slice(first, first + rows),
+                _LowRank(a.to(compute_dtype), b.to(compute_dtype), scale, slice(first, first + rows),
                          index, a.dtype, dropout, seed))
 
     def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
@@ -323,11 +330,14 @@ class _Sequences:
                                          self.key_rows, g.first_keys, g.max_seqlen, g.max_seqlen_k)
 
 
-def _rope_qk_(qkv: torch.Tensor, g: _BlockCall, seqs: _Sequences, inverse: bool) -> None:
+def _rope_qk_(qkv: torch.Tensor, g: _BlockCall, seqs: _Sequences, w: _Weights, inverse: bool) -> None:
     """RoPE on the q and k heads of a packed qkv (or, inverse, dqkv) buffer, in place."""
-    inv_freq = seqs.rope_inv_freq
-    if inv_freq is None:
-        inv_freq = _inverse_frequencies(g.head_dim, g.rope_theta, qkv.device)
+    inv_freq = w.rope_inv_freq
+    if inv_freq is None:  # the given frequencies, else rope_theta's: found once a pass
+        inv_freq = seqs.rope_inv_freq
+        if inv_freq is None:
+            inv_freq = _inverse_frequencies(g.head_dim, g.rope_theta, qkv.device)
+        w.rope_inv_freq = inv_freq
     group = g.context_parallel_group
     chunk_starts = None
     if group is not None and seqs.key_rows is None:  # the dense ring's zigzag rows; documents have positions
@@ -339,11 +349,12 @@ def _rope_qk_(qkv: torch.Tensor, g: _BlockCall, seqs: _Sequences, inverse: bool)
 
 
 def _inverse_frequencies(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    """RoPE's D/2 inverse frequencies for ``theta``: kept per (head_dim, theta, device) for eager
-    calls; made in the call where torch.compile traces (a kept tensor would be invisible to it) or a
-    CUDA graph is being captured (its kernels run only at replay, so a tensor kept from the capture
-    would hold nothing for the eager calls after it)."""
-    if custom_ops.traced(device) or backend.graph_capturing():
+    """RoPE's D/2 inverse frequencies for ``theta``: kept per (head_dim, theta, device); made in the
+    call while a CUDA graph is being captured (its kernels run only at replay, so a tensor kept from
+    the capture would hold nothing for the eager calls after it, and a graph must not read a kept
+    tensor that the table may drop). Only the block's passes ask, which torch.compile never traces:
+    it sees each as one custom operator."""
+    if backend.graph_capturing():
         return reference.rope_inverse_frequencies(head_dim, theta, device)
     return _kept_inverse_frequencies(head_dim, theta, device)
 
@@ -371,7 +382,7 @@ def _attention_input(qkv: torch.Tensor, w: _Weights, g: _BlockCall, seqs: _Seque
             y, _, _, _ = custom_ops.direct.norm_fwd(heads, getattr(w, weight), None, None, g.eps, True, g.compute_dtype)
             qkv[:, columns] = y.view(g.tokens, -1)
     if g.rope_theta is not None:
-        _rope_qk_(qkv, g, seqs, inverse=False)
+        _rope_qk_(qkv, g, seqs, w, inverse=False)
     return qkv
 
 
@@ -484,10 +495,6 @@ def _replay(x: torch.Tensor, kept: dict, w: _Weights, g: _BlockCall, seqs: _Sequ
     return _Activations(**acts, owned=owned | (acts.keys() - kept.keys()))
 
 
-def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype else t.to(dtype)
-
-
 def _weight_grad(needed: bool, grad_out: torch.Tensor, inputs: torch.Tensor, param: torch.Tensor | None):
     if not needed:
         return None
@@ -495,9 +502,7 @@ def _weight_grad(needed: bool, grad_out: torch.Tensor, inputs: torch.Tensor, par
     return grad if grad.dtype == param.dtype else grad.to(param.dtype)
 
 
-def _bias_grad(needed: bool, grad_out: torch.Tensor, param: torch.Tensor | None):
-    if not needed:
-        return None
+def _bias_grad(grad_out: torch.Tensor, param: torch.Tensor):
     grad = grad_out.sum(dim=0, dtype=torch.float32)
     return grad if grad.dtype == param.dtype else grad.to(param.dtype)
 
@@ -816,7 +821,7 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, seqs: 
         return dx_norm
 
     dz = dy.to(g.compute_dtype)
-    grads["fc2.bias"] = _bias_grad(needs["fc2.bias"], dz, named["fc2.bias"])
+    grads["fc2.bias"] = _bias_grad(dz, named["fc2.bias"]) if needs["fc2.bias"] else None
     kept_a = acts.a is not None
     if kept_a:
         weight_grads("fc2", dz, acts.a)
@@ -827,13 +832,13 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, seqs: 
         _free(a)  # in the input gradient's memory, u's or its own
     del a, dz
 
-    grads["fc1.bias"] = _bias_grad(needs["fc1.bias"], du, named["fc1.bias"])
+    grads["fc1.bias"] = _bias_grad(du, named["fc1.bias"]) if needs["fc1.bias"] else None
     dh = linear_and_norm_backward("fc1", w.fc1, du, 2, acts.h, dy)
     acts.drop("h")
     del du
 
     d_attn = dh.to(g.compute_dtype)
-    grads["out_proj.bias"] = _bias_grad(needs["out_proj.bias"], d_attn, named["out_proj.bias"])
+    grads["out_proj.bias"] = _bias_grad(d_attn, named["out_proj.bias"]) if needs["out_proj.bias"] else None
     weight_grads("out_proj", d_attn, acts.o)
     group = g.context_parallel_group
     attended = _attention_input(acts.qkv, w, g, seqs) if g.qk_norm else acts.qkv
@@ -861,12 +866,12 @@ def _backward_pass(dy, x, acts: _Activations, w: _Weights, g: _BlockCall, seqs: 
     del d_attn, attended
     acts.drop("o", "lse")
     if g.rope_theta is not None:
-        _rope_qk_(dqkv, g, seqs, inverse=True)
+        _rope_qk_(dqkv, g, seqs, w, inverse=True)
     if g.qk_norm:
         grads.update(_qk_norm_backward(dqkv, acts.qkv, w, g, needs))
     acts.drop("qkv")
 
-    grads["qkv.bias"] = _bias_grad(needs["qkv.bias"], dqkv, named["qkv.bias"])
+    grads["qkv.bias"] = _bias_grad(dqkv, named["qkv.bias"]) if needs["qkv.bias"] else None
     grads["x"] = linear_and_norm_backward("qkv", w.qkv, dqkv, 1, x, dh)
     del dqkv
     grads = {name: grad for name, grad in grads.items() if name == "x" or needs[name]}
@@ -893,6 +898,16 @@ def _norm_backward(dy, x, weights, mean, rstd, residual_grad, rebuild: bool, g: 
     weight, bias = weights
     return custom_ops.direct.norm_bwd(dy, x, weight, bias, mean, rstd, residual_grad, g.rms, bias is not None, rebuild,
                                       g.compute_dtype)
+
+
+def _budget_point(budget: float, configuration: tuple, residual_dtype: torch.dtype, compute_dtype: torch.dtype,
+                  seq_len: int, causal: bool, window: tuple[int, int]) -> Remat:
+    """``remat.point_for_call`` for a block of ``configuration`` (``block_widths``' arguments)."""
+    return point_for_call(budget, block_widths(*configuration), residual_dtype.itemsize, compute_dtype.itemsize, seq_len,
+                          causal, window)
+
+
+_kept_budget_point = functools.lru_cache(maxsize=1024)(_budget_point)
 
 
 _eager_apply = None
@@ -990,20 +1005,25 @@ class TransformerBlock(reference.TransformerBlock):
         """The point this block runs under its ``memory_budget`` for a call whose attention spans
         ``seq_len`` tokens (the longest packed document, or the whole sequence), with x in
         ``residual_dtype`` and the matmuls in ``compute_dtype`` (``remat.point_for_call``)."""
-        widths = block_widths(self.dim, self.n_heads, self.n_kv_heads, self.ffn_dim, self.norm, self.activation,
-                              self.head_dim)
-        return point_for_call(self.memory_budget, widths, residual_dtype.itemsize, compute_dtype.itemsize, seq_len,
-                              self.causal, self.window)
+        return _budget_point(self._memory_budget, (self.dim, self.n_heads, self.n_kv_heads, self.ffn_dim, self.norm,
+                                                   self.activation, self.head_dim),
+                             residual_dtype, compute_dtype, seq_len, self.causal, self.window)
 
     def _call_remat(self, x: torch.Tensor, max_seqlen: int, compute_dtype: torch.dtype | None = None) -> Remat:
         """``remat``, or under ``memory_budget`` this call's ``budget_point``: priced at the longest
         document, the whole sequence under context parallelism."""
-        if self.memory_budget is None:
-            return self.remat
+        budget = self._memory_budget
+        if budget is None:
+            return self._remat
         seq = max_seqlen or x.shape[1]
         if self.context_parallel is not None:
             seq *= self.context_parallel.size()
-        return self.budget_point(seq, x.dtype, compute_dtype or autocast_dtype(x.device.type) or x.dtype)
+        # the point kept per configuration and call, looked up without a Python call; searched while
+        # torch.compile traces, which cannot trace the table
+        choose = _budget_point if torch.compiler.is_dynamo_compiling() else _kept_budget_point
+        return choose(budget, (self.dim, self.n_heads, self.n_kv_heads, self.ffn_dim, self.norm, self.activation,
+                               self.head_dim), x.dtype, compute_dtype or autocast_dtype(x.device.type) or x.dtype, seq,
+                      self.causal, tuple(self.window))
 
     @classmethod
     def from_reference(cls, block: reference.TransformerBlock, remat: Remat | str = Remat.CHEAP) -> TransformerBlock:
@@ -1041,7 +1061,7 @@ class TransformerBlock(reference.TransformerBlock):
         else:
             max_seqlen = self._check_sequences(x, cu_seqlens, max_seqlen, position_ids, rope_inv_freq)
         if adapters:
-            adapters = reference.check_adapters(_OP, adapters, {name: getattr(self, name) for name in reference.LINEARS})
+            adapters = reference.check_adapters(_OP, adapters, self)
         else:
             adapters = ()
         if self.context_parallel is not None and keys is None and (
@@ -1063,11 +1083,15 @@ class TransformerBlock(reference.TransformerBlock):
         # Each parameter as a call sees it now (None for an absent module or bias): from its module's
         # table, where torch.func.functional_call and FSDP also put the tensors they swap in, else by
         # attribute lookup (a parametrization's property); not get_parameter, which stops at the table.
+        # An attribute that neither the tables, the module's class nor the module itself has (an RMSNorm's
+        # bias) is None without a getattr, which would raise and catch an AttributeError.
         params = []
         for module_name, attr in _PARAMETER_PATHS:
             module = self._modules.get(module_name)
             params.append(None if module is None else module._parameters[attr] if attr in module._parameters
-                          else getattr(module, attr, None))
+                          else getattr(module, attr, None) if (hasattr(type(module), attr) or attr in module.__dict__
+                                                               or attr in module._buffers)
+                          else None)
         compute_dtype = self._compute_dtype(x, params)  # the same dtype check on both paths
         # Meta tensors (a model sized before it is allocated) take the custom operators too: their fake
         # kernels give the fused block's shapes, their FLOP formulas its counts.
@@ -1084,8 +1108,8 @@ class TransformerBlock(reference.TransformerBlock):
             window=self.window, softcap=self.softcap, max_seqlen=max_seqlen, scale=self.attention_scale or 0.0,
             qk_norm=self.q_norm is not None, max_seqlen_k=0 if keys is None else keys.max_seqlen_k,
             first_keys=0 if keys is None else keys.first_keys,
-            adapters=tuple((_LINEARS.index(a.linear), a.first_row, a.b.shape[0], a.seed, float(a.scale), float(a.dropout))
-                           for a in adapters),
+            adapters=tuple([(_LINEARS.index(a.linear), a.first_row, a.b.shape[0], a.seed, float(a.scale),
+                             float(a.dropout)) for a in adapters]),
         )
         key_layout = (None, None) if keys is None else (keys.cu_seqlens_k, keys.key_rows)
         inputs = (x.reshape(call.tokens, self.dim).contiguous(), call, cu_seqlens, position_ids, rope_inv_freq,
@@ -1130,7 +1154,7 @@ class TransformerBlock(reference.TransformerBlock):
             raise ValueError(f"{_OP}: x must have shape (B, N, dim={self.dim}), got {tuple(x.shape)}")
         if x.shape[0] == 0 or x.shape[1] == 0:
             raise ValueError(f"{_OP}: x must have at least one sequence and one position, got {tuple(x.shape)}")
-        weight = self.qkv.weight
+        weight = self._modules["qkv"].weight
         if x.device != weight.device:
             raise ValueError(f"{_OP}: x is on {x.device} but the block's parameters are on {weight.device}")
         if x.dtype not in SUPPORTED_DTYPES:

@@ -241,7 +241,7 @@ def _prefix_keys(k: torch.Tensor, v: torch.Tensor, keys: DocumentKeys, group) ->
 def _documents(keys: DocumentKeys):
     from .kernels.attention import Documents
 
-    return Documents(keys.cu_seqlens_q, keys.cu_seqlens_k, keys.max_seqlen_q, keys.max_seqlen_k)
+    return Documents((keys.cu_seqlens_q, keys.cu_seqlens_k, keys.max_seqlen_q, keys.max_seqlen_k))
 
 
 def document_attention_fwd(q, k, v, keys: DocumentKeys, group, scale: float, softcap: float = 0.0, *, out=None):

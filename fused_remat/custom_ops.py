@@ -96,8 +96,8 @@ def traced(device: torch.device) -> bool:
     traces (it must see one opaque node), under a dispatch or function mode (FlopCounterMode,
     FakeTensorMode, a user's) or a functorch transform, and on meta tensors (whose fake kernels
     give shapes and FLOP counts). Elsewhere calls go straight to the implementations."""
-    # is_compiling first: torch.compile traces this function, and sees a constant there
-    return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+    # is_dynamo_compiling first: torch.compile traces this function, and sees a constant there
+    return (torch.compiler.is_dynamo_compiling() or torch._C._len_torch_dispatch_stack() > 0
             or torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active()
             or (device.type == "meta" and not launches_kernels(device)))
 
@@ -270,7 +270,7 @@ def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, 
     launch = kernels.attention.attention_fwd
 
     return launch(q, k, v, causal, scale, window=tuple(window), softcap=softcap,
-                  documents=kernels.attention.Documents(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+                  documents=kernels.attention.Documents((cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)))
 
 
 @attention_varlen_fwd.register_fake
@@ -297,7 +297,7 @@ def attention_varlen_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor,
     launch = kernels.attention.attention_bwd
 
     return launch(do, q, k, v, o, lse, causal, scale, window=tuple(window), softcap=softcap, dlse=dlse,
-                  documents=kernels.attention.Documents(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+                  documents=kernels.attention.Documents((cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)))
 
 
 @attention_varlen_bwd.register_fake
@@ -359,7 +359,7 @@ def _packed_layout(batch: int, n_heads: int, n_kv_heads: int, cu_seqlens: Tensor
                 functools.partial(token_major_heads, batch=batch, n_heads=n_heads), None)
     return (functools.partial(split_token_heads, n_heads=n_heads, n_kv_heads=n_kv_heads),
             functools.partial(token_heads, n_heads=n_heads),
-            kernels.attention.Documents(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen))
+            kernels.attention.Documents((cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)))
 
 
 @_op("attention_packed_fwd")

@@ -24,7 +24,7 @@ _MOST_VALID = 4096
 def _checked(op: str, x, weight, bias, eps) -> None:
     """``_validate`` once per argument signature (every time while torch.compile traces: it traces
     the checks, not the table)."""
-    if (not torch.compiler.is_compiling() and isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
+    if (not torch.compiler.is_dynamo_compiling() and isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
             and type(eps) is float
             and (bias is None or isinstance(bias, torch.Tensor))):
         key = (op, x.dtype, x.device, x.dim() and x.shape[-1], weight.shape, weight.dtype, weight.device,

@@ -222,16 +222,21 @@ def _dropped(x: torch.Tensor, adapter: LowRankAdapter) -> torch.Tensor:
     return (flat * lora_dropout_scale(flat, adapter.dropout, adapter.seed)).view(x.shape)
 
 
-def check_adapters(op: str, adapters, layers: dict) -> tuple:
-    """``adapters`` as a tuple of LowRankAdapter that fit ``layers`` (name -> nn.Linear)."""
+def _real(value) -> bool:
+    """A real number that is not a bool (callers ask ``type(value) is float`` first: no call for a float)."""
+    return type(value) is int or (not isinstance(value, bool) and isinstance(value, numbers.Real))
+
+
+def check_adapters(op: str, adapters, block: nn.Module) -> tuple:
+    """``adapters`` as a tuple of LowRankAdapter that fit ``block``'s linear layers (LINEARS)."""
     adapters = tuple(adapters or ())
     for i, adapter in enumerate(adapters):
         where = f"{op}: adapters[{i}]"
         if not isinstance(adapter, LowRankAdapter):
             raise TypeError(f"{where} must be a LowRankAdapter, got {type(adapter).__name__}")
-        if adapter.linear not in layers:
-            raise ValueError(f"{where}.linear must be one of {tuple(layers)}, got {adapter.linear!r}")
-        weight = layers[adapter.linear].weight
+        if adapter.linear not in LINEARS:
+            raise ValueError(f"{where}.linear must be one of {LINEARS}, got {adapter.linear!r}")
+        weight = block._modules[adapter.linear].weight
         a, b = adapter.a, adapter.b
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == 2 and b.dim() == 2
                 and a.shape[1] == weight.shape[1] and b.shape[1] == a.shape[0]):
@@ -244,18 +249,17 @@ def check_adapters(op: str, adapters, layers: dict) -> tuple:
         if not (a.is_floating_point() and b.is_floating_point()) or a.device != weight.device or b.device != weight.device:
             raise TypeError(f"{where}: A and B must be float tensors on {adapter.linear}.weight's device "
                             f"{weight.device}, got {a.dtype}/{b.dtype} on {a.device}/{b.device}")
-        if isinstance(adapter.scale, bool) or not isinstance(adapter.scale, numbers.Real) or not math.isfinite(adapter.scale):
+        if not (type(adapter.scale) is float or _real(adapter.scale)) or not math.isfinite(adapter.scale):
             raise ValueError(f"{where}.scale must be a finite real number, got {adapter.scale!r}")
-        if isinstance(adapter.dropout, bool) or not isinstance(adapter.dropout, numbers.Real) \
-                or not 0 <= adapter.dropout < 1:
+        if not (type(adapter.dropout) is float or _real(adapter.dropout)) or not 0 <= adapter.dropout < 1:
             raise ValueError(f"{where}.dropout must be a probability in [0, 1), got {adapter.dropout!r}")
         if adapter.dropout and not adapter.seed and backend.graph_capturing():
             raise RuntimeError(f"{where}: LoRA dropout draws a new mask for every call, which a CUDA graph would "
                                "freeze into the same mask on every replay; set the dropout to 0 (or a fixed seed) "
                                "to capture, or train without CUDA graphs")
     # a mask seed per call where none is given, from the global generator (as nn.Dropout draws from it)
-    return tuple(dataclasses.replace(a, seed=int(torch.randint(1, 2**62, ()))) if a.dropout and not a.seed else a
-                 for a in adapters)
+    return tuple([dataclasses.replace(a, seed=int(torch.randint(1, 2**62, ()))) if a.dropout and not a.seed else a
+                  for a in adapters])
 
 
 NORMS = ("layernorm", "rmsnorm")
@@ -354,7 +358,7 @@ class TransformerBlock(nn.Module):
         inverse frequencies instead of rope_theta's, for scaled RoPE (the block must have RoPE);
         ``adapters``: LowRankAdapter (LoRA) terms added to the linear layers' outputs."""
         max_seqlen = self._check_sequences(x, cu_seqlens, max_seqlen, position_ids, rope_inv_freq)
-        adapters = check_adapters("TransformerBlock", adapters, {name: getattr(self, name) for name in LINEARS})
+        adapters = check_adapters("TransformerBlock", adapters, self)
         if self._call_remat(x, max_seqlen).replays and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(self._eager, x, cu_seqlens, max_seqlen, position_ids,
                                                      rope_inv_freq, adapters, use_reentrant=False)

@@ -388,7 +388,7 @@ def point_for_call(fraction: float, widths: dict[str, int], residual_bytes: int,
     every call, the trainer for the plan it prints. Kept per argument set (``within_budget``);
     searched afresh while torch.compile traces, which cannot trace the table."""
     pairs_per_token = visible_pairs(seq_len, seq_len, causal, window) / seq_len
-    choose = search_budget if torch.compiler.is_compiling() else within_budget
+    choose = search_budget if torch.compiler.is_dynamo_compiling() else within_budget
     return choose(fraction, widths, residual_bytes, compute_bytes, pairs_per_token)
 
 

@@ -264,7 +264,7 @@ def gelu_bwd(
     if not rebuild_output:
         y = None
     written = [dx is not None, *([y is not None] if rebuild_output else [])]  # each output: given or new
-    given = (x, dy, *(out for out in (dx, y) if out is not None))
+    given = (x, dy, *[out for out in (dx, y) if out is not None])
     key = (("gelu_bwd", approximate, *written), launch_key(_GELU.compiled, given))
     call = _CALLS.get(key)
     if call is not None:
@@ -321,7 +321,7 @@ def swiglu_bwd(
     if not rebuild_output:
         y = None
     written = [dgate is not None, dup is not None, *([y is not None] if rebuild_output else [])]
-    given = (gate, up, dy, *(out for out in (dgate, dup, y) if out is not None))
+    given = (gate, up, dy, *[out for out in (dgate, dup, y) if out is not None])
     key = (("swiglu_bwd", *written), launch_key(_SWIGLU.compiled, given))
     call = _CALLS.get(key)
     if call is not None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import operator
 
 import torch
 import triton
@@ -62,22 +63,27 @@ _INTERPRETER_LAUNCH = {**INTERPRETER_CONFIG, **FP_FUSION}
 # be used. Callers outside the library validate with check_attention_args first.
 
 
-@dataclasses.dataclass(frozen=True)
-class Documents:
+class Documents(tuple):
     """The packed variable-length layout of FlashAttention 2's varlen API: q (total_q, Hq, D) and
     k, v (total_k, Hkv, D) hold documents one after another; document i is rows
     cu_seqlens_q[i]:cu_seqlens_q[i + 1] of q and cu_seqlens_k[i]:cu_seqlens_k[i + 1] of k and v
     (int32, on the tensors' device), and no document is longer than max_seqlen_q / max_seqlen_k.
-    Validated by ``limits.check_varlen_args``."""
+    Validated by ``limits.check_varlen_args``.
 
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    max_seqlen_q: int
-    max_seqlen_k: int
+    Made as ``Documents((cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))``: a tuple with
+    named fields read by C getters, so that making and reading one (every packed-document launch)
+    runs no Python call."""
+
+    __slots__ = ()
+
+    cu_seqlens_q = property(operator.itemgetter(0))
+    cu_seqlens_k = property(operator.itemgetter(1))
+    max_seqlen_q = property(operator.itemgetter(2))
+    max_seqlen_k = property(operator.itemgetter(3))
 
     @property
     def count(self) -> int:
-        return self.cu_seqlens_q.shape[0] - 1
+        return self[0].shape[0] - 1
 
 
 def _heads_views(tensors) -> tuple[torch.Tensor, ...]:

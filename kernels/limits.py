@@ -226,9 +226,11 @@ def check_varlen_args(op: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
 def check_varlen_offsets(op: str, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int) -> None:
     """The part of ``check_varlen_args`` that reads the offsets' values (the rest reads only what a
     call's signature holds, so a caller may keep its answer per signature; this part it may not)."""
-    if torch.compiler.is_compiling() or q.device.type == "meta":
+    if torch.compiler.is_dynamo_compiling() or q.device.type == "meta":
         return
-    _check_offsets_once(op, "cu_seqlens_q", cu_seqlens_q, "q", q.shape[0], "max_seqlen_q", max_seqlen_q)
+    # _check_offsets_once's kept reading, looked up here first: a call per layer and step
+    if getattr(cu_seqlens_q, _CHECKED_OFFSETS, None) != (cu_seqlens_q._version, q.shape[0], max_seqlen_q):
+        _check_offsets_once(op, "cu_seqlens_q", cu_seqlens_q, "q", q.shape[0], "max_seqlen_q", max_seqlen_q)
     if cu_seqlens_k is not cu_seqlens_q or k.shape[0] != q.shape[0] or max_seqlen_k != max_seqlen_q:  # else just done
         _check_offsets_once(op, "cu_seqlens_k", cu_seqlens_k, "k and v", k.shape[0], "max_seqlen_k", max_seqlen_k)
 
@@ -238,10 +240,13 @@ def _check_offsets_once(op: str, name: str, cu_seqlens, packed: str, total: int,
     and bounds (kept on the tensor, as check_documents keeps its reading): the same offsets handed
     to every layer, or to a step captured in a CUDA graph after its warm-up, are not read again."""
     key = (cu_seqlens._version, total, max_len)
-    if getattr(cu_seqlens, "_fused_remat_offsets_checked", None) == key:
+    if getattr(cu_seqlens, _CHECKED_OFFSETS, None) == key:
         return
     _check_offsets(op, name, cu_seqlens.tolist(), packed, total, max_name, max_len)
-    cu_seqlens._fused_remat_offsets_checked = key
+    setattr(cu_seqlens, _CHECKED_OFFSETS, key)
+
+
+_CHECKED_OFFSETS = "_fused_remat_offsets_checked"  # the attribute that keeps an offsets tensor's reading
 
 
 def _check_offsets_tensor(op: str, name: str, cu_seqlens) -> None:
@@ -281,7 +286,7 @@ def check_documents(op: str, cu_seqlens, tokens: int, device: torch.device, max_
         raise ValueError(f"{op}: cu_seqlens is on {cu_seqlens.device} but x is on {device}")
     if max_seqlen is not None and (not _is_int(max_seqlen) or max_seqlen < 0):
         raise ValueError(f"{op}: max_seqlen must be an int >= 0 or None, got {max_seqlen!r}")
-    if torch.compiler.is_compiling() or device.type == "meta":
+    if torch.compiler.is_dynamo_compiling() or device.type == "meta":
         if max_seqlen is None:
             raise ValueError(f"{op}: pass max_seqlen with cu_seqlens under torch.compile or on the meta device "
                              "(reading it from the offsets needs their values)")

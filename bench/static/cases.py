@@ -108,7 +108,7 @@ def run_case(case: Case) -> None:
         if case.variant == "varlen":  # the same tokens as documents of `length` packed along the rows
             q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], case.head_dim) for t in (q, k, v))
             offsets = torch.empty(batch + 1, device="meta", dtype=torch.int32)
-            mask = dict(mask, documents=attention.Documents(offsets, offsets, length, length))
+            mask = dict(mask, documents=attention.Documents((offsets, offsets, length, length)))
         if case.op == "attention_fwd":
             attention.attention_fwd(q, k, v, case.causal, scale, config=config, **mask)
         elif case.op == "attention_bwd":

@@ -68,6 +68,7 @@ def sweep(full: bool) -> list[tuple[Case, str]]:
                 pairs.append((Case("cross_entropy", dtype, width=vocab), target))
             for dim in dims:
                 pairs.append((Case("rope", dtype, dim), target))
+            pairs.append((Case("rope", dtype, 128, variant="varlen"), target))  # positions from document offsets
     return pairs
 
 
