@@ -205,7 +205,7 @@ def test_check_varlen_args_reads_no_values_on_meta_or_under_compile(monkeypatch)
     check_varlen_args("attention_varlen", **_varlen(**meta))
     with pytest.raises(TypeError, match="cu_seqlens_q must have dtype torch.int32"):
         check_varlen_args("attention_varlen", **_varlen(**{**meta, "cu_seqlens_q": decreasing.to("meta", torch.int64)}))
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(torch.compiler, "is_dynamo_compiling", lambda: True)
     check_varlen_args("attention_varlen", **_varlen(cu_seqlens_q=decreasing))
 
 
