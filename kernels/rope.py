@@ -13,8 +13,8 @@ Positions: token n of each row sits at n by default, at one of two chunk starts 
 parallelism (``chunk_starts``), wherever a (B, N) ``positions`` tensor puts it (a user's
 ``position_ids``), or at its place in its document for documents packed by ``cu_seqlens``: each
 token finds its document's first token by a binary search over the offsets (log2 of the documents
-loads of a few hundred bytes, which stay in cache), so no (B, N) positions are built for packed
-documents, on the host or the GPU. The choice is a constexpr: the kernel without positions compiles
+loads from offsets of 4 bytes a document, which stay in cache), so no (B, N) positions are built for
+packed documents, on the host or the GPU. The choice is a constexpr: the kernel without positions compiles
 to the same code as before they existed.
 
 Tiling: a program owns BLOCK_T tokens x BLOCK_H heads x all D/2 pairs. cos and sin depend only on
@@ -215,7 +215,8 @@ def rope_(x: torch.Tensor, inv_freq: torch.Tensor, *, inverse: bool = False,
             placing is None or isinstance(placing, torch.Tensor)):
         # everything the checks read and the launch depends on
         key = (launch_key(_ROPE.compiled, (x, inv_freq) if placing is None else (x, inv_freq, placing)),
-               bool(inverse), None if chunk_starts is None else tuple(chunk_starts), cu_seqlens is None)
+               bool(inverse), None if chunk_starts is None else tuple(chunk_starts), positions is None,
+               cu_seqlens is None)
         launch = _PLANS.get(key)
         if launch is not None:
             launch(x, inv_freq, inv_freq if placing is None else placing)

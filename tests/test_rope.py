@@ -272,6 +272,7 @@ def test_bad_offsets(device):
     other_device = "meta" if device.type == "cpu" else "cpu"
     with pytest.raises(ValueError, match="cu_seqlens is on"):
         rope_(x, inv8, cu_seqlens=offsets.to(other_device))
+    rope_(x, inv8, cu_seqlens=offsets)  # a valid call first: its kept launch must not serve the bad ones
     with pytest.raises(ValueError, match="one of cu_seqlens, positions and chunk_starts"):
         rope_(x, inv8, cu_seqlens=offsets, positions=torch.arange(5, device=device).expand(2, 5))
     with pytest.raises(ValueError, match="one of cu_seqlens, positions and chunk_starts"):
