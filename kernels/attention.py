@@ -71,8 +71,8 @@ class Documents(tuple):
     Validated by ``limits.check_varlen_args``.
 
     Made as ``Documents((cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))``: a tuple with
-    named fields read by C getters, so that making and reading one (every packed-document launch)
-    runs no Python call."""
+    named fields read by C getters, so that making one and reading its fields (every
+    packed-document launch) runs no Python call."""
 
     __slots__ = ()
 

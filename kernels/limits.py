@@ -211,7 +211,7 @@ def check_varlen_args(op: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     _check_qkv_tensors(op, q, k, v, dims=("total_q", "H", "D"), kv_dims=("total_k", "Hkv", "D"))
     scale = _check_heads_strides_scale(op, q, k, v, scale)
     for name, cu_seqlens in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        _check_offsets_tensor(op, name, cu_seqlens)
+        check_offsets_tensor(op, name, cu_seqlens)
     check_same_device(op, "q", q, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(f"{op}: cu_seqlens_q has {cu_seqlens_q.numel()} entries but cu_seqlens_k has "
@@ -249,7 +249,8 @@ def _check_offsets_once(op: str, name: str, cu_seqlens, packed: str, total: int,
 _CHECKED_OFFSETS = "_fused_remat_offsets_checked"  # the attribute that keeps an offsets tensor's reading
 
 
-def _check_offsets_tensor(op: str, name: str, cu_seqlens) -> None:
+def check_offsets_tensor(op: str, name: str, cu_seqlens) -> None:
+    """Document offsets as a tensor: int32, 1-D, at least two entries (their values unread)."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype != torch.int32:
@@ -281,7 +282,7 @@ def check_documents(op: str, cu_seqlens, tokens: int, device: torch.device, max_
     ``tokens`` = B N tokens (int32 offsets on ``device``, as check_varlen_args's). ``max_seqlen``
     None reads it from the offsets (one sync on a GPU; under torch.compile, pass it); given, it is
     checked like the varlen op's. Errors name the argument."""
-    _check_offsets_tensor(op, "cu_seqlens", cu_seqlens)
+    check_offsets_tensor(op, "cu_seqlens", cu_seqlens)
     if cu_seqlens.device != device:
         raise ValueError(f"{op}: cu_seqlens is on {cu_seqlens.device} but x is on {device}")
     if max_seqlen is not None and (not _is_int(max_seqlen) or max_seqlen < 0):

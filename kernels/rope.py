@@ -31,7 +31,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .launch import FP_FUSION, KeptKernel, LaunchPlans, cdiv, launch_key, next_power_of_2
-from .limits import MAX_HEAD_DIM
+from .limits import MAX_HEAD_DIM, check_offsets_tensor
 from .precision import INTERPRETED, round_to
 
 # Pairs (2 elements each) one program rotates: 4096 elements, 8 KiB of bf16 in and out.
@@ -171,13 +171,9 @@ def _check_positions(x: torch.Tensor, positions, chunk_starts) -> None:
 def _check_documents(x: torch.Tensor, cu_seqlens, positions, chunk_starts) -> None:
     if positions is not None or chunk_starts is not None:
         raise ValueError("rope_: give one of cu_seqlens, positions and chunk_starts (each places every token)")
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(f"rope_: cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype != torch.int32:
-        raise TypeError(f"rope_: cu_seqlens must be int32, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.stride(0) != 1:
-        raise ValueError("rope_: cu_seqlens must be contiguous and 1-D with (documents + 1) >= 2 entries, got shape "
-                         f"{tuple(cu_seqlens.shape)} and strides {cu_seqlens.stride()}")
+    check_offsets_tensor("rope_", "cu_seqlens", cu_seqlens)
+    if cu_seqlens.stride(0) != 1:
+        raise ValueError(f"rope_: cu_seqlens must be contiguous, got strides {cu_seqlens.stride()}")
     if cu_seqlens.device != x.device:
         raise ValueError(f"rope_: cu_seqlens is on {cu_seqlens.device} but x is on {x.device}")
 
