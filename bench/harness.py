@@ -252,10 +252,17 @@ def grid_suite(grid: Callable[..., list], case: Callable[..., Case], name: Calla
 
 
 def _git_commit() -> str:
+    """HEAD's short hash, marked where tracked files outside bench/results differ from it: the code
+    measured is then not that commit's."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+        commit = git("rev-parse", "--short", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench/results")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return f"{commit} with uncommitted changes" if changed else commit
 
 
 def _nvidia_driver() -> str | None:

@@ -84,6 +84,7 @@ class HostCase:
     ours: Callable[[], Callable[[], object]]
     eager: Callable[[], Callable[[], object]]
     eager_note: str = ""
+    function: bool = True  # ours runs through a torch.autograd.Function (an op's is timed beside ``function_floor``)
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,8 +214,39 @@ def counts(call: Callable[[], object], driver) -> dict:
             "triton_calls": tally["triton_calls"], "dispatches": tally["dispatches"]}
 
 
+def function_floor() -> Callable[[], object]:
+    """forward + backward of the least an op can be as a Python ``torch.autograd.Function``: one that
+    allocates its output and its input's gradient and launches nothing, applied as every op applies
+    its Function (``custom_ops.apply``) and differentiated as every case is (``_step``). What an op
+    costs above it is its checks, its launches and its allocations; what it costs below eager's
+    figure is what no trimming of those can reach while the op is a Python Function."""
+    import torch
+
+    from fused_remat import custom_ops
+
+    @custom_ops.cached_forward_signature
+    class Floor(torch.autograd.Function):
+        @staticmethod
+        def forward(x, untraced: bool):
+            return torch.empty_like(x)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(inputs[0])  # as an op keeps its input
+
+        @staticmethod
+        def backward(ctx, dy):
+            return torch.empty_like(dy), None
+
+    return _step(lambda x: custom_ops.apply(Floor, x.device, x), [_tensor(TOKENS, WIDTH)])
+
+
 def measure(case: HostCase, driver, repeats: int, warmup: int = 3) -> dict:
+    """One case's row: ours and eager's host time and counts, and for an op the Function floor's
+    time (``function_floor``), the three timed in turns."""
     calls = {side: getattr(case, side)() for side in ("ours", "eager")}
+    if case.kind == "op" and case.function:
+        calls["floor"] = function_floor()
     for call in calls.values():
         for _ in range(warmup):
             call()
@@ -332,7 +364,7 @@ def op_cases() -> list[HostCase]:
         return call
 
     cases.append(HostCase("rope (forward and inverse)", "op", ours=rope_case, eager=eager_rope,
-                          eager_note="the reference's rotate-half RoPE of q and k"))
+                          eager_note="the reference's rotate-half RoPE of q and k", function=False))
 
     vocab = 256
 
@@ -574,15 +606,21 @@ def markdown(rows: list[dict], env: dict) -> str:
         f"Forward + backward of each op and block on {DEVICE} tensors of {TOKENS} tokens, Triton's launcher a no-op "
         "(`python -m bench host`, bench/host.py): what a call costs the host before a GPU sees it, never GPU time. "
         "Python calls: the op's own, then in brackets those of the case's `torch.autograd.grad` outside the "
-        "Functions it runs (the same for any op) and Triton's launch path (its driver's stand-in included).",
+        "Functions it runs (the same for any op) and Triton's launch path (its driver's stand-in included). "
+        "Function floor (timed in turns with each op that runs one): a Python `torch.autograd.Function` that "
+        "allocates its output and its input's gradient and launches nothing, applied and differentiated as the "
+        "ops are; in brackets over eager's time. An op cannot cost less than its floor while it is a Python "
+        "Function: its checks, launches and allocations come on top.",
         "",
-        "| case | ours us | eager us | ours / eager | launches | Python calls (autograd.grad, Triton) | dispatches "
-        "| eager Python calls (autograd.grad) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| case | ours us | eager us | ours / eager | Function floor us (/ eager) | launches "
+        "| Python calls (autograd.grad, Triton) | dispatches | eager Python calls (autograd.grad) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         ours, eager = row["ours"], row["eager"]
-        lines.append(f"| {row['case']} | {ours['host_us']:.0f} | {eager['host_us']:.0f} | {row['ratio']:.2f} | "
+        floor = row.get("floor")
+        floor = f"{floor['host_us']:.0f} ({floor['host_us'] / eager['host_us']:.2f})" if floor else "-"
+        lines.append(f"| {row['case']} | {ours['host_us']:.0f} | {eager['host_us']:.0f} | {row['ratio']:.2f} | {floor} | "
                      f"{ours['launches']} | {ours['own_calls']} ({ours['harness_calls']}, {ours['triton_calls']}) | "
                      f"{ours['dispatches']} | {eager['own_calls']} ({eager['harness_calls']}) |")
     notes = [f"- {row['case']}: eager is {row['eager_note']}." for row in rows if row["eager_note"]]

@@ -41,7 +41,10 @@ few tokens split into a few chunks they can reach about twice eager's.
 
 from __future__ import annotations
 
+import collections
 import math
+import threading
+from collections.abc import Callable
 
 import torch
 
@@ -177,26 +180,95 @@ def _loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     """(mean loss, dhidden and dweight short of the factor backward_scale (empty unless wanted),
     backward_scale) for hidden (T, dim) and targets (T,) int64.
 
-    A custom operator, so that torch.compile treats the loss as one node: the target check's host
-    sync and the chunk loop stay inside it instead of breaking the graph."""
+    A custom operator, so that torch.compile treats the loss as one node: the target check and the
+    chunk loop stay inside it instead of breaking the graph."""
     vocab = weight.shape[0]
-    on_kernel = use_triton(_OP, hidden.device)
-    counted, step_targets, n_valid, poison = _count_targets(targets, vocab, ignore_index, on_kernel)
-    forward_scale, backward_scale = _split_mean_scale(n_valid, hidden.device)
-    if not on_kernel and not isinstance(forward_scale, torch.Tensor):
-        forward_scale = torch.full((), forward_scale, dtype=torch.float32, device=hidden.device)
-    args = (hidden, weight, step_targets, counted, chunk_tokens, compute_dtype, want_dhidden, want_dweight,
-            forward_scale, ignore_index if on_kernel else None)
+    read_now = False
+    if use_triton(_OP, hidden.device):
+        # The targets' count, check and the mean's scales by one kernel, read on the device
+        capturing = backend.graph_capturing()
+        if _CHECKS and not capturing:
+            _raise_for_checked_targets()  # an earlier call's, where its check has reached the host
+        step, targets = kernels.cross_entropy, targets.contiguous()
+        # zeros: the out-of-range flag is read on the host (launches stubbed, it reads no garbage)
+        stats = torch.zeros(step.STATISTICS, dtype=torch.float32, device=hidden.device)
+        backward_scale = torch.empty((), dtype=torch.float32, device=hidden.device)
+        step.target_statistics_(targets, vocab, ignore_index, stats, backward_scale)
+        out_of_range = stats[step.OUT_OF_RANGE:]
+        read_now = not capturing and not _check_later(out_of_range, targets, vocab, ignore_index)
+        args = (hidden, weight, targets, None, chunk_tokens, compute_dtype, want_dhidden, want_dweight, stats,
+                ignore_index)
+        divisor, poison = stats[step.DIVISOR], None
+    else:
+        counted, step_targets, n_valid, poison = _count_targets(targets, vocab, ignore_index)
+        forward_scale, backward_scale = _split_mean_scale(n_valid, hidden.device)
+        if not isinstance(forward_scale, torch.Tensor):
+            forward_scale = torch.full((), forward_scale, dtype=torch.float32, device=hidden.device)
+        args = (hidden, weight, step_targets, counted, chunk_tokens, compute_dtype, want_dhidden, want_dweight,
+                forward_scale, None)
+        divisor = max(n_valid, 1) if isinstance(n_valid, int) else n_valid.clamp(min=1)
     if torch.is_autocast_enabled(hidden.device.type):
         with torch.autocast(hidden.device.type, enabled=False):  # dtypes are chosen by compute_dtype
             row_losses, dhidden, dweight = _chunked_loss_and_grads(*args)
     else:
         row_losses, dhidden, dweight = _chunked_loss_and_grads(*args)
-    loss = row_losses.sum() / (max(n_valid, 1) if isinstance(n_valid, int) else n_valid.clamp(min=1))
+    if read_now and out_of_range.item():  # on the host already: no wait
+        raise _out_of_range(targets, vocab, ignore_index)
+    loss = row_losses.sum() / divisor
     if poison is not None:
         loss, backward_scale = loss + poison, backward_scale + poison
     return (loss, hidden.new_empty(0) if dhidden is None else dhidden,
             hidden.new_empty(0, dtype=torch.float32) if dweight is None else dweight, backward_scale)
+
+
+# ------------------------------------------------------------------------------------------------
+# The target check on a GPU: read on the host once the GPU has made it, never waited for
+# ------------------------------------------------------------------------------------------------
+
+# Calls whose check is on its way to the host, oldest first: (the out-of-range flag in host memory,
+# whether it has arrived, then the targets, vocabulary and ignore_index, for the error's example)
+_CHECKS: collections.deque[tuple] = collections.deque()
+_CHECKS_LOCK = threading.Lock()  # autograd runs a CUDA backward on a thread of its own
+
+
+# Devices where reading a kernel's output on the host waits for the device; elsewhere a tensor's value
+# is on the host when the kernel that wrote it returns, and is read at once
+_READ_LATER_ON = frozenset({"cuda"})
+
+
+def _on_host(out_of_range: torch.Tensor) -> tuple[torch.Tensor, Callable[[], bool]]:
+    """The flag on its way to host memory, and whether it has arrived: a copy into pinned memory
+    behind the call's launches and an event after it, so that reading it never waits for the GPU."""
+    flag = torch.empty(1, dtype=torch.float32, pin_memory=True)
+    flag.copy_(out_of_range, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return flag, copied.query
+
+
+def _check_later(out_of_range: torch.Tensor, targets: torch.Tensor, vocab: int, ignore_index: int) -> bool:
+    """Sends a call's out-of-range flag to the host, to be read once there (``_CHECKS``), where
+    reading it now would wait for the device; False where it can be read now."""
+    if out_of_range.device.type not in _READ_LATER_ON:
+        return False
+    on_host = _on_host(out_of_range)
+    with _CHECKS_LOCK:
+        _CHECKS.append((*on_host, targets, vocab, ignore_index))
+    return True
+
+
+def _raise_for_checked_targets() -> None:
+    """Drops every check that has reached the host, oldest first, and raises for the first that
+    found a target outside the vocabulary: an earlier call's, whose loss and gradients came out NaN."""
+    while True:
+        with _CHECKS_LOCK:
+            if not _CHECKS or not _CHECKS[0][1]():
+                return
+            flag, _, targets, vocab, ignore_index = _CHECKS.popleft()
+        if flag.item():  # host memory: no wait
+            raise _out_of_range(targets, vocab, ignore_index,
+                                " (given to an earlier call, whose loss and gradients came out NaN: on a GPU the "
+                                "check is read once the GPU has made it, never waited for)")
 
 
 _loss_and_grads_op = torch.library.custom_op("fused_remat::linear_cross_entropy_fwd", mutates_args=())(_loss_and_grads)
@@ -230,6 +302,8 @@ def _setup_loss_context(ctx, inputs, output):
 
 
 def _loss_backward(ctx, grad_loss, *_):
+    if _CHECKS and not backend.graph_capturing():
+        _raise_for_checked_targets()  # before any weight sees a step's NaN gradients
     backward_scale, *kept = ctx.saved_tensors
     scale = grad_loss * backward_scale  # exact (a power of two), and a 0-dim device tensor: no host sync
     want_dhidden, want_dweight = ctx.wants
@@ -293,41 +367,40 @@ def _validate(hidden, weight, targets, ignore_index, chunk_tokens) -> None:
             raise ValueError(f"{_OP}: chunk_tokens must be a positive int or None, got {chunk_tokens}")
 
 
-def _count_targets(targets: torch.Tensor, vocab: int, ignore_index: int,
-                   on_kernel: bool) -> tuple[torch.Tensor, torch.Tensor, int | torch.Tensor, torch.Tensor | None]:
-    """(the rows that count: bool, not ignore_index and in [0, vocab); the ids the chunk step reads;
-    how many rows are not ignored; poison or None).
-
-    The chunk step's ids: for the kernel (``on_kernel``) the targets, ignore_index on every row
-    that does not count; for PyTorch's gather and scatter, which need an id in range on every row,
-    0 there.
+def _count_targets(targets: torch.Tensor, vocab: int,
+                   ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, int | torch.Tensor, torch.Tensor | None]:
+    """PyTorch's step (where the kernels do not run): (the rows that count: bool, not ignore_index
+    and in [0, vocab); the ids gather and scatter read, which need one in range on every row: 0
+    where a row does not count; how many rows are not ignored; poison or None).
 
     Outside capture an id out of range raises here, at the cost of one host sync, which also brings
-    the count to the host: it would otherwise read outside the logits (the kernel) or trip a
-    device-side assert in gather, which leaves the CUDA context unusable for the rest of the
-    process. A graph can neither sync nor raise on replay, so there the count stays a 0-dim device
-    tensor and the poison is a 0-dim fp32 tensor, NaN where some id that is not ignored lies outside
-    [0, vocab), else 0: the loss and every gradient are made NaN instead, loud (the step is
-    non-finite, and a trainer skipping such steps skips it), never silently wrong, and the context
-    survives. Rows out of range never reach the logits either way.
+    the count to the host: it would otherwise trip a device-side assert in gather, which leaves the
+    CUDA context unusable for the rest of the process. A graph can neither sync nor raise on
+    replay, so there the count stays a 0-dim device tensor and the poison is a 0-dim fp32 tensor,
+    NaN where some id that is not ignored lies outside [0, vocab), else 0: the loss and every
+    gradient are made NaN instead, loud, never silently wrong (the kernels' step does the same with
+    ``target_statistics_``, everywhere, and raises once the flag is on the host).
     """
     counted = targets != ignore_index
     if backend.graph_capturing():
         in_range = (targets >= 0) & (targets < vocab)
         poison = torch.where((counted & ~in_range).any(), torch.nan, 0.0)
         n_valid, counted = counted.sum(), counted & in_range
-        return counted, torch.where(counted, targets, ignore_index if on_kernel else 0), n_valid, poison
+        return counted, torch.where(counted, targets, 0), n_valid, poison
     safe_targets = torch.where(counted, targets, 0)
     if not targets.numel():
         return counted, safe_targets, 0, None
     low, high, n_valid = torch.stack((*safe_targets.aminmax(), counted.sum())).tolist()  # the one host sync
     if low < 0 or high >= vocab:
-        bad = targets[counted & ((targets < 0) | (targets >= vocab))]
-        raise ValueError(
-            f"{_OP}: targets must be class ids in [0, {vocab}) or ignore_index={ignore_index}; "
-            f"{bad.numel()} are not, e.g. {bad[0].item()}"
-        )
-    return counted, targets.contiguous() if on_kernel else safe_targets, n_valid, None
+        raise _out_of_range(targets, vocab, ignore_index)
+    return counted, safe_targets, n_valid, None
+
+
+def _out_of_range(targets: torch.Tensor, vocab: int, ignore_index: int, when: str = "") -> ValueError:
+    """The error for targets with ids outside [0, vocab) that are not ignore_index."""
+    bad = targets[(targets != ignore_index) & ((targets < 0) | (targets >= vocab))]
+    return ValueError(f"{_OP}: targets must be class ids in [0, {vocab}) or ignore_index={ignore_index}; "
+                      f"{bad.numel()} are not, e.g. {bad[0].item()}{when}")
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
@@ -347,8 +420,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     If every target is ignored the loss is 0 with zero gradients, where PyTorch returns NaN (0/0):
     a batch of nothing but padding then leaves the weights alone instead of poisoning them.
 
-    Costs one host sync to check the target ids, except while a CUDA graph is being captured: there an
-    id out of range makes the loss and gradients NaN instead of raising (``_count_targets``).
+    Never waits for the GPU: the target ids are counted and checked by a kernel. An id out of range
+    makes the loss and every gradient NaN at once and raises a ValueError as soon as the check's
+    flag is on the host: on a CPU tensor in the call itself; on CUDA in the next call, or a backward,
+    made once the GPU has done the check (the first step with such an id is NaN, which a trainer
+    skipping non-finite steps drops). While a CUDA graph is captured it is NaN only. Where the
+    kernels do not run, PyTorch's step costs one host sync instead and raises in the call.
     """
     _validate(hidden, weight, targets, ignore_index, chunk_tokens)
     vocab, dim = weight.shape

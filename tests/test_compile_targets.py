@@ -67,7 +67,7 @@ MMA_KERNELS = ("_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv")
 
 # The CI subset: the forward at a configuration both targets pick, the norms held in registers and
 # streamed (backward past 8192 columns, forward past 16384), one activation, RoPE, the loss's
-# softmax step at GPT-2's vocabulary, on sm_90a and sm_80.
+# softmax step at GPT-2's vocabulary and its targets' statistics, on sm_90a and sm_80.
 CI_CASES = [
     Case("attention_fwd", "bfloat16", 64, causal=True, config=(128, 64, 8, 3)),
     Case("attention_fwd", "bfloat16", 128, causal=False, config=(128, 64, 8, 3)),
@@ -77,6 +77,7 @@ CI_CASES = [
     Case("swiglu_bwd", "bfloat16", width=4096),
     Case("rope", "bfloat16", 128),
     Case("cross_entropy", "bfloat16", width=50257),
+    Case("target_statistics", "int64", width=50257),
 ]
 # On sm_90a only (Hopper's own picks): the backward, the largest forward tile, dK/dV with GQA at
 # D=128, where the larger dK/dV tiles spill, the dK/dV tile with the fewest instructions per
@@ -171,7 +172,7 @@ def _kernels(case: Case) -> tuple[str, ...]:
         "layer_norm_fwd": ("_norm_fwd",), "rms_norm_fwd": ("_norm_fwd",),
         "layer_norm_bwd": ("_norm_bwd", "_sum_partials"), "rms_norm_bwd": ("_norm_bwd", "_sum_partials"),
         "gelu_fwd": ("_gelu",), "gelu_bwd": ("_gelu",), "swiglu_fwd": ("_swiglu",), "swiglu_bwd": ("_swiglu",),
-        "rope": ("_rope",), "cross_entropy": ("_cross_entropy_rows",),
+        "rope": ("_rope",), "cross_entropy": ("_cross_entropy_rows",), "target_statistics": ("_target_statistics",),
     }[case.op]
 
 
@@ -282,14 +283,15 @@ def test_every_kernel_has_cases():
     named = {k for c, _ in CI_PAIRS for k in _kernels(c)} | {"_norm_fwd", "_gelu"}
     assert set(ATTENTION_KERNELS) <= named
     assert {"_attn_bwd_preprocess", "_norm_fwd", "_norm_bwd", "_sum_partials", "_gelu", "_swiglu", "_rope",
-            "_cross_entropy_rows"} <= named
+            "_cross_entropy_rows", "_target_statistics"} <= named
 
 
 # Floating-point fusion: Triton 3.10 compiles without it by default (3.9 warns where
 # TRITON_DEFAULT_FP_FUSION is unset), so every launch says what it wants (kernels/launch.py): the
-# attention and RoPE launches ask for fusion (FP_FUSION), the row-wise ones for separate rounding
-# (SEPARATE_ROUNDING: outputs other kernels rebuild bitwise). One case per launch site: each kernel of
-# the launchers (swiglu shares gelu's launch).
+# attention, RoPE and cross-entropy launches ask for fusion (FP_FUSION), the norms and activations for
+# separate rounding (SEPARATE_ROUNDING: outputs other kernels rebuild bitwise), and so do the loss's
+# target statistics (one division, nothing to fuse). One case per launch site: each kernel of the
+# launchers (swiglu shares gelu's launch).
 FUSION_CASES = [
     Case("attention_fwd", "bfloat16", 64, causal=True, config=(128, 64, 8, 3)),
     Case("attention_bwd", "bfloat16", 64, causal=True, config=(128, 64, 8, 3), dkdv_config=(32, 128, 8, 3)),
@@ -300,6 +302,7 @@ SEPARATE_ROUNDING_CASES = [
     Case("layer_norm_fwd", "bfloat16", width=4096),
     Case("rms_norm_bwd", "bfloat16", width=4096),
     Case("swiglu_bwd", "bfloat16", width=4096),
+    Case("target_statistics", "int64", width=50257),
 ]
 
 
@@ -343,7 +346,8 @@ def test_fused_multiply_adds_with_fusion_defaulted_off(facts_cache, monkeypatch,
 def test_row_wise_kernels_round_every_operation_whatever_the_default(facts_cache, monkeypatch, case):
     """The norm and activation kernels compile without fusion under either default, to the same
     SASS: each multiply and add rounds on its own, so a backward that rebuilds their output gets the
-    forward's bits (what the remat points' bitwise equality rests on, on a GPU)."""
+    forward's bits (what the remat points' bitwise equality rests on, on a GPU). The loss's target
+    statistics likewise (the scales it rounds are the host's)."""
     for on, off in _compiled_with_fusion_defaulted_on_and_off(facts_cache, monkeypatch, case):
         assert not on["fp_fusion"] and not off["fp_fusion"], f"{off['kernel']}: compiled with fusion"
 

@@ -143,6 +143,75 @@ def test_capture_form_makes_an_out_of_range_target_a_nan_step_not_an_error(monke
     assert torch.isnan(loss) and torch.isnan(dhidden).all() and torch.isnan(dweight).all()
 
 
+@pytest.mark.parametrize("valid, ignored, outside", [
+    (0, 0, 0), (0, 5, 0), (1, 0, 0), (3, 2, 0), (7, 0, 0), (1000, 13, 0), (4097, 1, 0), (12345, 0, 0),
+    (5, 3, 1), (4100, 0, 2),
+])
+def test_target_statistics_are_the_hosts_count_and_scales_bit_for_bit(valid, ignored, outside):
+    """The kernel's count, scales and divisor are what the host computes from the count (in
+    Python's doubles, rounded to fp32 where used), past one 4096-target step too; a target outside
+    the vocabulary makes them NaN and raises the flag."""
+    from fused_remat.custom_ops import kernels
+    from fused_remat.loss import _split_mean_scale
+
+    step, vocab = kernels.cross_entropy, 97
+    targets = torch.cat([torch.randint(0, vocab, (valid,)), torch.full((ignored,), -100),
+                         torch.tensor([vocab, -3])[:outside]])
+    targets = targets[torch.randperm(len(targets))]
+    stats, backward_scale = torch.full((step.STATISTICS,), 7.0), torch.tensor(7.0)
+    step.target_statistics_(targets, vocab, -100, stats, backward_scale)
+    if outside:
+        assert stats[step.OUT_OF_RANGE] == 1.0
+        assert stats[[step.FORWARD_SCALE, step.DIVISOR]].isnan().all() and backward_scale.isnan()
+        return
+    forward, backward = _split_mean_scale(valid + outside, torch.device("cpu"))
+    assert stats[step.OUT_OF_RANGE] == 0.0
+    assert stats[step.FORWARD_SCALE] == torch.tensor(forward, dtype=torch.float32)
+    assert torch.equal(backward_scale, backward)
+    assert stats[step.DIVISOR] == torch.tensor(max(valid, 1), dtype=torch.float32)
+
+
+@pytest.fixture
+def checked_later(monkeypatch):
+    """The GPU's way with the target check on CPU tensors: each flag copied on its way to the host,
+    arriving when the test appends to the list this returns (on CUDA: a pinned copy and an event)."""
+    from fused_remat import loss as loss_module
+
+    arrived = []
+    monkeypatch.setattr(loss_module, "_CHECKS", type(loss_module._CHECKS)())
+    monkeypatch.setattr(loss_module, "_READ_LATER_ON", frozenset({"cpu"}))
+    monkeypatch.setattr(loss_module, "_on_host", lambda flag: (flag.clone(), lambda: bool(arrived)))
+    return arrived
+
+
+def test_on_a_gpu_an_out_of_range_target_is_a_nan_step_then_an_error_once_its_check_arrives(checked_later):
+    """No call waits for the check: the step comes out NaN, and the next call (or backward) after the
+    check reaches the host raises, naming the earlier call; a check that passed is dropped silently."""
+    hidden, weight, targets = _inputs((12,), 50, 8, torch.float32)
+    bad = targets.clone()
+    bad[3] = 50
+    loss = fused_remat.linear_cross_entropy(hidden, weight, bad)
+    assert loss.isnan()
+    loss.backward()  # the check has not arrived
+    assert hidden.grad.isnan().all() and weight.grad.isnan().all()
+    checked_later.append(True)
+    with pytest.raises(ValueError, match=r"^linear_cross_entropy: targets must be class ids in \[0, 50\) or "
+                                         r"ignore_index=-100; 1 are not, e.g. 50 \(given to an earlier call"):
+        fused_remat.linear_cross_entropy(hidden, weight, targets)
+    assert torch.isfinite(fused_remat.linear_cross_entropy(hidden, weight, targets))  # raised once
+
+
+def test_on_a_gpu_the_backward_raises_for_a_check_that_arrived_before_it(checked_later):
+    hidden, weight, targets = _inputs((12,), 50, 8, torch.float32)
+    fused_remat.linear_cross_entropy(hidden, weight, targets)  # passes, whenever it arrives
+    targets[5] = -7
+    loss = fused_remat.linear_cross_entropy(hidden, weight, targets)
+    checked_later.append(True)
+    with pytest.raises(ValueError, match=r"1 are not, e.g. -7 \(given to an earlier call"):
+        loss.backward()
+    assert hidden.grad is None and weight.grad is None
+
+
 def test_no_tokens_give_zero_loss_and_zero_gradients():
     hidden, weight, targets = _inputs((0,), 11, 8, torch.float32)
     loss, dhidden, dweight = _loss_and_grads(fused_remat.linear_cross_entropy, hidden, weight, targets, torch.tensor(1.0))
@@ -322,6 +391,29 @@ ERRORS = [
 def test_errors_name_the_argument(make_args, error, message):
     with pytest.raises(error, match=f"^linear_cross_entropy: .*{re.escape(message)}"):
         fused_remat.linear_cross_entropy(**make_args())
+
+
+@pytest.mark.gpu
+def test_cuda_loss_never_waits_for_the_gpu_and_reports_a_bad_target_once_checked():
+    """torch.cuda's sync debug mode raises on any call that waits for the GPU (``.item()``, a
+    blocking copy to the host): the loss's forward and backward make none, valid targets or not."""
+    hidden, weight, targets = (t.cuda() for t in _inputs((300,), 1000, 64, torch.bfloat16))
+    hidden, weight = _leaves(hidden, weight)
+    bad = targets.clone()
+    bad[7] = 1000
+    fused_remat.linear_cross_entropy(hidden, weight, targets).backward()  # its kernels compile outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for ids in (targets, bad):
+            loss = fused_remat.linear_cross_entropy(hidden, weight, ids)
+            loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert loss.isnan() and hidden.grad.isnan().any()
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=r"1 are not, e.g. 1000 \(given to an earlier call"):
+        fused_remat.linear_cross_entropy(hidden, weight, targets)
 
 
 @pytest.mark.gpu

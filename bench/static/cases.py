@@ -20,13 +20,13 @@ class Case:
     offer every configuration its pruning keeps (each is compiled and recorded)."""
 
     op: str  # attention_fwd, attention_bwd, layer_norm_fwd/_bwd, rms_norm_fwd/_bwd, gelu_fwd/_bwd, swiglu_fwd/_bwd,
-    # cross_entropy, rope,
+    # cross_entropy, target_statistics (dtype int64, the targets'), rope,
     # and the yardsticks tutorial_fwd, tutorial_tma_fwd, tutorial_bwd
     dtype: str = "bfloat16"
     head_dim: int = 128
     causal: bool = False
     gqa: bool = False
-    width: int = 4096  # norms and activations: columns; cross_entropy: the vocabulary
+    width: int = 4096  # norms and activations: columns; cross_entropy, target_statistics: the vocabulary
     config: tuple | None = None  # (BLOCK_M, BLOCK_N, num_warps, num_stages); backward: the dQ kernel's
     dkdv_config: tuple | None = None  # backward: the dK/dV kernel's (default: config)
     variant: str = "dense"  # attention: "dense", or one of VARIANTS (the masks of real batches); rope: "dense"
@@ -146,6 +146,11 @@ def run_case(case: Case) -> None:
         targets = torch.empty(rows, device="meta", dtype=torch.int64)
         scale = torch.empty((), device="meta", dtype=torch.float32)
         cross_entropy.cross_entropy_rows_(x, targets, stats, -100, scale)
+    elif case.op == "target_statistics":  # the loss's count of its targets and the mean's scales
+        targets = torch.empty(rows, device="meta", dtype=torch.int64)
+        cross_entropy.target_statistics_(targets, case.width, -100,
+                                         torch.empty(cross_entropy.STATISTICS, device="meta", dtype=torch.float32),
+                                         torch.empty((), device="meta", dtype=torch.float32))
     elif case.op == "rope":
         heads = 24  # q and k heads of a packed qkv buffer (16 + 8), rotated in place
         qkv = torch.empty(4, 2048, heads + 8, case.head_dim, **meta)

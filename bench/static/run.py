@@ -69,6 +69,7 @@ def sweep(full: bool) -> list[tuple[Case, str]]:
             for dim in dims:
                 pairs.append((Case("rope", dtype, dim), target))
             pairs.append((Case("rope", dtype, 128, variant="varlen"), target))  # positions from document offsets
+        pairs.append((Case("target_statistics", "int64", width=50257), target))  # the loss's targets, once
     return pairs
 
 
