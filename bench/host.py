@@ -437,21 +437,22 @@ def all_cases() -> list[HostCase]:
 # --------------------------------------------------------------------------------------------
 
 
-def host_read_guard():
+def host_read_guard(capturing: bool = True):
     """A dispatch mode that raises where a call needs a tensor's values on the host (``.item()``,
     ``int()``/``bool()`` of a tensor, ``.tolist()``, ``.numpy()``, ``.cpu()``: a device-to-host copy
     and a sync on a GPU, an error during CUDA graph capture) or makes a shape from them (nonzero,
     masked_select, unique, repeat_interleave without output_size). It looks inside our custom
     operators too: a ``fused_remat::`` operator runs its implementation under the guard. Within it
     ``fused_remat.backend.graph_capturing()`` answers True, as during a capture, so that a call with a
-    capture-safe form takes it."""
+    capture-safe form takes it; with ``capturing`` False it answers as outside the guard, for a path
+    that must read no value outside a capture either."""
     import torch
     from torch._library.custom_ops import OPDEFS
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from fused_remat import backend
 
-    def capturing() -> bool:
+    def answer_capturing() -> bool:
         return True
 
     aten = torch.ops.aten
@@ -481,7 +482,9 @@ def host_read_guard():
                 self.methods = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "cpu")}
                 for name in self.methods:
                     setattr(torch.Tensor, name, refuse(f"Tensor.{name}"))
-                self.capturing, backend.graph_capturing = backend.graph_capturing, capturing
+                self.capturing = backend.graph_capturing
+                if capturing:
+                    backend.graph_capturing = answer_capturing
             self.depth += 1
             return super().__enter__()
 

@@ -212,6 +212,21 @@ def test_on_a_gpu_the_backward_raises_for_a_check_that_arrived_before_it(checked
     assert hidden.grad is None and weight.grad is None
 
 
+def test_on_a_gpu_the_loss_reads_no_value_on_the_host_outside_capture_either(checked_later):
+    """The CUDA path outside capture (its pinned copy stood in for) runs forward and backward under
+    the guard that fails on any host read (``bench.host.host_read_guard``), valid targets or not."""
+    from bench.host import host_read_guard
+
+    hidden, weight, targets = _inputs((40,), 50, 8, torch.float32)
+    bad = targets.clone()
+    bad[9] = 50
+    for ids in (targets, bad):
+        with host_read_guard(capturing=False):
+            loss = fused_remat.linear_cross_entropy(hidden, weight, ids, chunk_tokens=16)
+            loss.backward()
+    assert loss.isnan()
+
+
 def test_no_tokens_give_zero_loss_and_zero_gradients():
     hidden, weight, targets = _inputs((0,), 11, 8, torch.float32)
     loss, dhidden, dweight = _loss_and_grads(fused_remat.linear_cross_entropy, hidden, weight, targets, torch.tensor(1.0))
