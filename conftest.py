@@ -45,3 +45,17 @@ def fresh_seed(request):
     seed = zlib.crc32(request.node.nodeid.encode())
     torch.manual_seed(seed)
     return seed
+
+
+@pytest.fixture
+def checked_later(monkeypatch):
+    """The GPU's way with value checks (fused_remat.value_checks) on CPU tensors: each flag copied on
+    its way to the host, arriving when the test appends to the list this returns (on CUDA: a pinned
+    copy and an event)."""
+    from fused_remat import value_checks
+
+    arrived = []
+    monkeypatch.setattr(value_checks, "PENDING", type(value_checks.PENDING)())
+    monkeypatch.setattr(value_checks, "READ_LATER_ON", frozenset({DEVICE.type}))
+    monkeypatch.setattr(value_checks, "_on_host", lambda flag: (flag.clone(), lambda: bool(arrived)))
+    return arrived

@@ -41,14 +41,11 @@ few tokens split into a few chunks they can reach about twice eager's.
 
 from __future__ import annotations
 
-import collections
 import math
-import threading
-from collections.abc import Callable
 
 import torch
 
-from . import backend
+from . import backend, value_checks
 from .backend import autocast_dtype, use_triton
 from .custom_ops import cached_forward_signature, first_order_only, kernels, traced
 from .flops import flop_formula, matmul_flops
@@ -183,19 +180,19 @@ def _loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     A custom operator, so that torch.compile treats the loss as one node: the target check and the
     chunk loop stay inside it instead of breaking the graph."""
     vocab = weight.shape[0]
-    read_now = False
     if use_triton(_OP, hidden.device):
         # The targets' count, check and the mean's scales by one kernel, read on the device
         capturing = backend.graph_capturing()
-        if _CHECKS and not capturing:
-            _raise_for_checked_targets()  # an earlier call's, where its check has reached the host
+        if value_checks.PENDING and not capturing:
+            value_checks.raise_arrived()  # an earlier call's, where its check has reached the host
         step, targets = kernels.cross_entropy, targets.contiguous()
         # zeros: the out-of-range flag is read on the host (launches stubbed, it reads no garbage)
         stats = torch.zeros(step.STATISTICS, dtype=torch.float32, device=hidden.device)
         backward_scale = torch.empty((), dtype=torch.float32, device=hidden.device)
         step.target_statistics_(targets, vocab, ignore_index, stats, backward_scale)
-        out_of_range = stats[step.OUT_OF_RANGE:]
-        read_now = not capturing and not _check_later(out_of_range, targets, vocab, ignore_index)
+        if not capturing:
+            value_checks.check_later(stats[step.OUT_OF_RANGE:], lambda later: _out_of_range(
+                targets, vocab, ignore_index, _FOUND_LATER if later else ""))
         args = (hidden, weight, targets, None, chunk_tokens, compute_dtype, want_dhidden, want_dweight, stats,
                 ignore_index)
         divisor, poison = stats[step.DIVISOR], None
@@ -212,63 +209,11 @@ def _loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
             row_losses, dhidden, dweight = _chunked_loss_and_grads(*args)
     else:
         row_losses, dhidden, dweight = _chunked_loss_and_grads(*args)
-    if read_now and out_of_range.item():  # on the host already: no wait
-        raise _out_of_range(targets, vocab, ignore_index)
     loss = row_losses.sum() / divisor
     if poison is not None:
         loss, backward_scale = loss + poison, backward_scale + poison
     return (loss, hidden.new_empty(0) if dhidden is None else dhidden,
             hidden.new_empty(0, dtype=torch.float32) if dweight is None else dweight, backward_scale)
-
-
-# ------------------------------------------------------------------------------------------------
-# The target check on a GPU: read on the host once the GPU has made it, never waited for
-# ------------------------------------------------------------------------------------------------
-
-# Calls whose check is on its way to the host, oldest first: (the out-of-range flag in host memory,
-# whether it has arrived, then the targets, vocabulary and ignore_index, for the error's example)
-_CHECKS: collections.deque[tuple] = collections.deque()
-_CHECKS_LOCK = threading.Lock()  # autograd runs a CUDA backward on a thread of its own
-
-
-# Devices where reading a kernel's output on the host waits for the device; elsewhere a tensor's value
-# is on the host when the kernel that wrote it returns, and is read at once
-_READ_LATER_ON = frozenset({"cuda"})
-
-
-def _on_host(out_of_range: torch.Tensor) -> tuple[torch.Tensor, Callable[[], bool]]:
-    """The flag on its way to host memory, and whether it has arrived: a copy into pinned memory
-    behind the call's launches and an event after it, so that reading it never waits for the GPU."""
-    flag = torch.empty(1, dtype=torch.float32, pin_memory=True)
-    flag.copy_(out_of_range, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
-    return flag, copied.query
-
-
-def _check_later(out_of_range: torch.Tensor, targets: torch.Tensor, vocab: int, ignore_index: int) -> bool:
-    """Sends a call's out-of-range flag to the host, to be read once there (``_CHECKS``), where
-    reading it now would wait for the device; False where it can be read now."""
-    if out_of_range.device.type not in _READ_LATER_ON:
-        return False
-    on_host = _on_host(out_of_range)
-    with _CHECKS_LOCK:
-        _CHECKS.append((*on_host, targets, vocab, ignore_index))
-    return True
-
-
-def _raise_for_checked_targets() -> None:
-    """Drops every check that has reached the host, oldest first, and raises for the first that
-    found a target outside the vocabulary: an earlier call's, whose loss and gradients came out NaN."""
-    while True:
-        with _CHECKS_LOCK:
-            if not _CHECKS or not _CHECKS[0][1]():
-                return
-            flag, _, targets, vocab, ignore_index = _CHECKS.popleft()
-        if flag.item():  # host memory: no wait
-            raise _out_of_range(targets, vocab, ignore_index,
-                                " (given to an earlier call, whose loss and gradients came out NaN: on a GPU the "
-                                "check is read once the GPU has made it, never waited for)")
 
 
 _loss_and_grads_op = torch.library.custom_op("fused_remat::linear_cross_entropy_fwd", mutates_args=())(_loss_and_grads)
@@ -302,8 +247,8 @@ def _setup_loss_context(ctx, inputs, output):
 
 
 def _loss_backward(ctx, grad_loss, *_):
-    if _CHECKS and not backend.graph_capturing():
-        _raise_for_checked_targets()  # before any weight sees a step's NaN gradients
+    if value_checks.PENDING and not backend.graph_capturing():
+        value_checks.raise_arrived()  # before any weight sees a step's NaN gradients
     backward_scale, *kept = ctx.saved_tensors
     scale = grad_loss * backward_scale  # exact (a power of two), and a 0-dim device tensor: no host sync
     want_dhidden, want_dweight = ctx.wants
@@ -394,6 +339,11 @@ def _count_targets(targets: torch.Tensor, vocab: int,
     if low < 0 or high >= vocab:
         raise _out_of_range(targets, vocab, ignore_index)
     return counted, safe_targets, n_valid, None
+
+
+# How an error found after its call returned says so (fused_remat.value_checks)
+_FOUND_LATER = (" (given to an earlier call, whose loss and gradients came out NaN: on a GPU the check is read once "
+                "the GPU has made it, never waited for)")
 
 
 def _out_of_range(targets: torch.Tensor, vocab: int, ignore_index: int, when: str = "") -> ValueError:

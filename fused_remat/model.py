@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import backend, reference
+from . import backend, reference, value_checks
 from . import context_parallel as cp
 from .block import TransformerBlock
 from .kernels.limits import check_documents, check_eps, check_softcap, check_window
@@ -32,6 +32,14 @@ from .remat import Remat, check_memory_budget, parse_per_layer
 BLOCK_CLASSES = {"fused": TransformerBlock, "reference": reference.TransformerBlock}
 BLOCK_IMPLS = tuple(BLOCK_CLASSES)
 IGNORE_INDEX = -100  # targets that do not count (padding), as in F.cross_entropy
+
+
+def _out_of_vocabulary(tokens: torch.Tensor, vocab: int, later: bool) -> ValueError:
+    """The error for token ids outside 0..vocab-1 (``later``: found after the forward returned)."""
+    low, high = torch.stack(torch.aminmax(tokens)).tolist()
+    when = (" (given to an earlier forward, whose loss and gradients came out NaN: on a GPU the check is read once "
+            "the GPU has made it, never waited for)") if later else ""
+    return ValueError(f"tokens must hold ids in 0..{vocab - 1}, got {low if low < 0 else high}{when}")
 
 
 @dataclass(frozen=True)
@@ -212,10 +220,10 @@ class LanguageModel(nn.Module):
         batch's offsets), and tokens and targets are this rank's share (``documents.shard``)."""
         self._check_tokens("tokens", tokens)
         if targets is not None:
-            # Before the blocks run: a bad target would otherwise surface only after the whole forward.
+            # Their type and shape; their range is the loss's to check (linear_cross_entropy).
             if isinstance(targets, torch.Tensor) and targets.shape != tokens.shape:
                 raise ValueError(f"targets must have the shape of tokens {tuple(tokens.shape)}, got {tuple(targets.shape)}")
-            self._check_tokens("targets", targets, ignore_index=IGNORE_INDEX)
+            self._check_tokens("targets", targets)
         sequences = {}
         if cu_seqlens is not None:
             max_seqlen = check_documents("LanguageModel", cu_seqlens, tokens.numel(), tokens.device, max_seqlen)
@@ -229,14 +237,7 @@ class LanguageModel(nn.Module):
                 raise ValueError("LanguageModel: documents (a DocumentShards) split documents over context-parallel "
                                  "ranks; build the model with context_parallel=group, or pass cu_seqlens")
             sequences["documents"] = documents
-        poison = None
-        if backend.graph_capturing():
-            # A graph can neither read the ids on the host nor raise on replay: an id out of range
-            # makes the whole step NaN instead (loud, and dropped by a trainer that skips non-finite
-            # steps), and is clamped so that the embedding's gather stays in bounds.
-            vocab = self.config.vocab_size
-            poison = torch.where(((tokens < 0) | (tokens >= vocab)).any(), torch.nan, 0.0)
-            tokens = tokens.clamp(0, vocab - 1)
+        tokens, poison = self._in_vocabulary(tokens)
         x = self.embed(tokens)
         if poison is not None:
             x = x + poison
@@ -257,23 +258,29 @@ class LanguageModel(nn.Module):
             return rms_norm(x, self.norm.weight, self.config.eps)
         return layer_norm(x, self.norm.weight, self.norm.bias, self.config.eps)
 
-    def _check_tokens(self, name: str, tokens, ignore_index: int | None = None) -> None:
-        """Type, shape and range of token ids (``ignore_index`` also allowed where given).
-
-        One min/max reduction and one host sync (on a GPU): without it an out-of-range id fails
-        inside the embedding, as a bare IndexError on CPU or a device-side assert on CUDA. Not
-        under torch.compile (reading values would break the graph) nor on the meta device (no
-        values): there the embedding's own check remains. Nor while a CUDA graph is captured:
-        ``forward`` and the loss then turn an id out of range into a NaN step."""
+    @staticmethod
+    def _check_tokens(name: str, tokens) -> None:
+        """Type and shape of token ids."""
         if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"{name} must be an int64 or int32 tensor of token ids")
         if tokens.dim() != 2 or 0 in tokens.shape:
             raise ValueError(f"{name} must have shape (batch, seq_len) with both > 0, got {tuple(tokens.shape)}")
-        if torch.compiler.is_compiling() or tokens.device.type == "meta" or backend.graph_capturing():
-            return
-        ids = tokens if ignore_index is None else tokens.masked_fill(tokens == ignore_index, 0)
-        low, high = torch.stack(torch.aminmax(ids)).tolist()
+
+    def _in_vocabulary(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(tokens clamped to the vocabulary, a 0-dim poison: NaN where some id lay outside it, else 0),
+        and the check that raises for such an id without waiting for the GPU
+        (``fused_remat.value_checks``: on a CPU tensor at once, on CUDA once the flag is on the host).
+        Unchecked, the embedding would fail with a bare IndexError on CPU or a device-side assert on
+        CUDA that leaves the CUDA context unusable; the NaN keeps the step loud until the error comes
+        (and dropped by a trainer that skips non-finite steps). A captured graph gets the clamp and
+        the NaN only (a replay cannot raise). Under torch.compile and on the meta device (no values)
+        the tokens go to the embedding as they are, and its own check remains."""
+        if torch.compiler.is_compiling() or tokens.device.type == "meta":
+            return tokens, None
         vocab = self.config.vocab_size
-        if low < 0 or high >= vocab:
-            allowed = f"0..{vocab - 1}" + ("" if ignore_index is None else f" or {ignore_index} (ignored)")
-            raise ValueError(f"{name} must hold ids in {allowed}, got {low if low < 0 else high}")
+        outside = ((tokens < 0) | (tokens >= vocab)).any()
+        if not backend.graph_capturing():
+            if value_checks.PENDING:
+                value_checks.raise_arrived()  # an earlier step's, where its check has reached the host
+            value_checks.check_later(outside, lambda later: _out_of_vocabulary(tokens, vocab, later))
+        return tokens.clamp(0, vocab - 1), torch.where(outside, torch.nan, 0.0)

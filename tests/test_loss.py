@@ -171,19 +171,6 @@ def test_target_statistics_are_the_hosts_count_and_scales_bit_for_bit(valid, ign
     assert stats[step.DIVISOR] == torch.tensor(max(valid, 1), dtype=torch.float32)
 
 
-@pytest.fixture
-def checked_later(monkeypatch):
-    """The GPU's way with the target check on CPU tensors: each flag copied on its way to the host,
-    arriving when the test appends to the list this returns (on CUDA: a pinned copy and an event)."""
-    from fused_remat import loss as loss_module
-
-    arrived = []
-    monkeypatch.setattr(loss_module, "_CHECKS", type(loss_module._CHECKS)())
-    monkeypatch.setattr(loss_module, "_READ_LATER_ON", frozenset({"cpu"}))
-    monkeypatch.setattr(loss_module, "_on_host", lambda flag: (flag.clone(), lambda: bool(arrived)))
-    return arrived
-
-
 def test_on_a_gpu_an_out_of_range_target_is_a_nan_step_then_an_error_once_its_check_arrives(checked_later):
     """No call waits for the check: the step comes out NaN, and the next call (or backward) after the
     check reaches the host raises, naming the earlier call; a check that passed is dropped silently."""

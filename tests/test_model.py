@@ -346,21 +346,78 @@ def test_model_config_rejects_eps_that_is_not_finite_and_positive(eps):
 
 
 def test_token_and_target_ids_out_of_range_are_named(device):
-    model = LanguageModel(CONFIG, "none", block_impl="reference", device=device)  # vocab_size 200; checked before the blocks
+    model = LanguageModel(CONFIG, "none", block_impl="reference", device=device)  # vocab_size 200
     tokens = torch.zeros(2, 5, dtype=torch.long, device=device)
     for bad in (200, -1, -100):
         wrong = tokens.clone()
         wrong[1, 3] = bad
         with pytest.raises(ValueError, match=rf"^tokens must hold ids in 0\.\.199, got {bad}$"):
             model(wrong)
-        if bad != -100:
-            with pytest.raises(ValueError, match=rf"^targets must hold ids in 0\.\.199 or -100 \(ignored\), got {bad}$"):
+        if bad != -100:  # the loss's check
+            with pytest.raises(ValueError, match=rf"^linear_cross_entropy: targets must be class ids in \[0, 200\) "
+                                                 rf"or ignore_index=-100; 1 are not, e.g. {bad}$"):
                 model(tokens, wrong)
     with pytest.raises(ValueError, match=r"^tokens must hold ids in 0\.\.199, got 200$"):
         model(tokens.int().index_fill(1, torch.tensor([0], device=device), 200))  # int32 too
     ignored = torch.full_like(tokens, -100)
     ignored[0, 0] = 199
     assert torch.isfinite(model(tokens, ignored))  # IGNORE_INDEX and the last id are valid targets
+
+
+def test_on_a_gpu_a_token_out_of_range_is_a_nan_step_then_an_error_once_its_check_arrives(device, checked_later):
+    """No forward waits for the check: the ids are clamped (the embedding stays in bounds), the step
+    comes out NaN, and the next forward after the check reaches the host raises, naming the earlier one."""
+    model = LanguageModel(CONFIG, "none", device=device)
+    tokens = torch.randint(0, 200, (2, 5), device=device)
+    wrong = tokens.clone()
+    wrong[0, 2] = 200
+    loss = model(wrong, tokens)
+    assert loss.isnan()
+    loss.backward()
+    checked_later.append(True)
+    with pytest.raises(ValueError, match=r"^tokens must hold ids in 0\.\.199, got 200 \(given to an earlier forward"):
+        model(tokens, tokens)
+    assert torch.isfinite(model(tokens, tokens))  # raised once
+
+
+def test_on_a_gpu_a_training_step_reads_no_value_on_the_host(device, triton_backend, checked_later):
+    """A LanguageModel's forward and backward on the fused blocks, loss included, outside capture and
+    with its value checks on their GPU path (their pinned copies stood in for), under the guard that
+    fails on any host read (``bench.host.host_read_guard``): nothing a step does waits for the GPU."""
+    from bench.host import host_read_guard
+
+    model = LanguageModel(CONFIG, "cheap", device=device)
+    tokens = torch.randint(0, 200, (2, 6), device=device)
+    targets = torch.randint(0, 200, (2, 6), device=device)
+    targets[1, 2] = -100
+    with host_read_guard(capturing=False):
+        loss = model(tokens, targets)
+        loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.gpu
+def test_cuda_training_step_never_waits_for_the_gpu():
+    """torch.cuda's sync debug mode raises on any call that waits for the GPU: a LanguageModel's
+    forward and backward on the fused blocks make none, a token out of range included (its check
+    raises at the next forward, once on the host)."""
+    model = LanguageModel(CONFIG, "cheap", device="cuda")
+    tokens = torch.randint(0, 200, (2, 64), device="cuda")
+    wrong = tokens.clone()
+    wrong[1, 7] = 200
+    model(tokens, tokens).backward()  # the kernels compile outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for ids in (tokens, wrong):
+            loss = model(ids, tokens)
+            loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert loss.isnan()
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=r"got 200 \(given to an earlier forward"):
+        model(tokens, tokens)
 
 
 def test_documents_attend_only_within_themselves(device, triton_backend, monkeypatch):
