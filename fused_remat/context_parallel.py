@@ -89,16 +89,20 @@ def local_chunk_starts(local_len: int, group) -> tuple[int, int]:
     return zigzag_positions(local_len * world, dist.get_rank(group), world)
 
 
-def mean_over_group(local_mean: torch.Tensor, local_count: int, group) -> torch.Tensor:
-    """The mean over every rank's counted tokens, from this rank's mean over its ``local_count``.
+def mean_over_group(local_mean: torch.Tensor, local_count: int | torch.Tensor, group) -> torch.Tensor:
+    """The mean over every rank's counted tokens, from this rank's mean over its ``local_count`` (an
+    int, or a 0-dim integer tensor on local_mean's device: then nothing is read on the host).
 
     The value is the group's mean (all-reduced, identical on every rank); the gradient is this
     rank's share only (local_mean x local_count / total), so that summing the parameter gradients
     over the group, as data-parallel gradient reduction does, gives the gradient of the group's mean
-    once, not once per rank."""
-    total = torch.tensor(float(local_count), dtype=torch.float64, device=local_mean.device)
+    once, not once per rank. The share's factor is rounded to local_mean's dtype before the product,
+    as a Python number's would be; with no counted token anywhere it is 0."""
+    count = torch.as_tensor(local_count, dtype=torch.float64, device=local_mean.device)
+    total = count.clone()
     dist.all_reduce(total, group=group)
-    share = local_mean * (local_count / total.item()) if total.item() else local_mean * 0.0
+    factor = torch.where(total > 0, count / total, 0.0).to(local_mean.dtype)
+    share = local_mean * factor
     value = share.detach().clone()
     dist.all_reduce(value, group=group)
     return share + (value - share.detach())

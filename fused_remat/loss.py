@@ -98,10 +98,11 @@ def _chunked_loss_and_grads(hidden_rows: torch.Tensor, weight: torch.Tensor, tar
     """Per-row losses (fp32, 0 on rows that do not count), and when wanted the gradients of the summed
     loss times ``gradient_scale``: dhidden in hidden's dtype, dweight in fp32.
 
-    ``targets``: int64 class per row (``_count_targets``' ids for the chunk step); ``counted``: bool
-    per row; ``gradient_scale``: a float or 0-dim fp32 tensor (a tensor for PyTorch's step).
+    ``targets``: int64 class per row (the kernel's step: as given; PyTorch's: ``_count_targets``'
+    ids); ``counted``: bool per row (PyTorch's step; None for the kernel's); ``gradient_scale``: a
+    0-dim fp32 tensor, or for the kernel's step one holding it first (``target_statistics_``'s).
     ``kernel_ignore_index``: each chunk's softmax step by the Triton kernel, which skips the rows of
-    this id; None: by PyTorch's operations.
+    this id and those outside the vocabulary; None: by PyTorch's operations.
     """
     tokens, dim = hidden_rows.shape
     # One cast per call (a no-op without autocast when dtypes agree); dropped on return, never saved.

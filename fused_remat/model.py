@@ -240,7 +240,7 @@ class LanguageModel(nn.Module):
         tokens, poison = self._in_vocabulary(tokens)
         x = self.embed(tokens)
         if poison is not None:
-            x = x + poison
+            x.add_(poison)  # in place: no second activation (the embedding's backward keeps only the ids)
         for block in self.blocks:
             x = block(x, **sequences)
         x = self._final_norm(x)
@@ -249,7 +249,7 @@ class LanguageModel(nn.Module):
         loss = linear_cross_entropy(x, self.head_weight, targets, ignore_index=IGNORE_INDEX)
         if self.context_parallel is None:
             return loss
-        return cp.mean_over_group(loss, int((targets != IGNORE_INDEX).sum()), self.context_parallel)
+        return cp.mean_over_group(loss, (targets != IGNORE_INDEX).sum(), self.context_parallel)
 
     def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
         if self.block_impl == "reference":
