@@ -272,7 +272,7 @@ class LanguageModel(nn.Module):
         (``fused_remat.value_checks``: on a CPU tensor at once, on CUDA once the flag is on the host).
         Unchecked, the embedding would fail with a bare IndexError on CPU or a device-side assert on
         CUDA that leaves the CUDA context unusable; the NaN keeps the step loud until the error comes
-        (and dropped by a trainer that skips non-finite steps). A captured graph gets the clamp and
+        (a trainer that skips non-finite steps drops it). A captured graph gets the clamp and
         the NaN only (a replay cannot raise). Under torch.compile and on the meta device (no values)
         the tokens go to the embedding as they are, and its own check remains."""
         if torch.compiler.is_compiling() or tokens.device.type == "meta":
