@@ -183,17 +183,13 @@ def _loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     vocab = weight.shape[0]
     if use_triton(_OP, hidden.device):
         # The targets' count, check and the mean's scales by one kernel, read on the device
-        capturing = backend.graph_capturing()
-        if value_checks.PENDING and not capturing:
-            value_checks.raise_arrived()  # an earlier call's, where its check has reached the host
         step, targets = kernels.cross_entropy, targets.contiguous()
         # zeros: the out-of-range flag is read on the host (launches stubbed, it reads no garbage)
         stats = torch.zeros(step.STATISTICS, dtype=torch.float32, device=hidden.device)
         backward_scale = torch.empty((), dtype=torch.float32, device=hidden.device)
         step.target_statistics_(targets, vocab, ignore_index, stats, backward_scale)
-        if not capturing:
-            value_checks.check_later(stats[step.OUT_OF_RANGE:], lambda later: _out_of_range(
-                targets, vocab, ignore_index, _FOUND_LATER if later else ""))
+        value_checks.check_later(stats[step.OUT_OF_RANGE:], lambda later: _out_of_range(
+            targets, vocab, ignore_index, value_checks.found_later("call") if later else ""))
         args = (hidden, weight, targets, None, chunk_tokens, compute_dtype, want_dhidden, want_dweight, stats,
                 ignore_index)
         divisor, poison = stats[step.DIVISOR], None
@@ -248,7 +244,7 @@ def _setup_loss_context(ctx, inputs, output):
 
 
 def _loss_backward(ctx, grad_loss, *_):
-    if value_checks.PENDING and not backend.graph_capturing():
+    if value_checks.PENDING:
         value_checks.raise_arrived()  # before any weight sees a step's NaN gradients
     backward_scale, *kept = ctx.saved_tensors
     scale = grad_loss * backward_scale  # exact (a power of two), and a 0-dim device tensor: no host sync
@@ -340,11 +336,6 @@ def _count_targets(targets: torch.Tensor, vocab: int,
     if low < 0 or high >= vocab:
         raise _out_of_range(targets, vocab, ignore_index)
     return counted, safe_targets, n_valid, None
-
-
-# How an error found after its call returned says so (fused_remat.value_checks)
-_FOUND_LATER = (" (given to an earlier call, whose loss and gradients came out NaN: on a GPU the check is read once "
-                "the GPU has made it, never waited for)")
 
 
 def _out_of_range(targets: torch.Tensor, vocab: int, ignore_index: int, when: str = "") -> ValueError:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import backend, reference, value_checks
+from . import reference, value_checks
 from . import context_parallel as cp
 from .block import TransformerBlock
 from .kernels.limits import check_documents, check_eps, check_softcap, check_window
@@ -37,8 +37,7 @@ IGNORE_INDEX = -100  # targets that do not count (padding), as in F.cross_entrop
 def _out_of_vocabulary(tokens: torch.Tensor, vocab: int, later: bool) -> ValueError:
     """The error for token ids outside 0..vocab-1 (``later``: found after the forward returned)."""
     low, high = torch.stack(torch.aminmax(tokens)).tolist()
-    when = (" (given to an earlier forward, whose loss and gradients came out NaN: on a GPU the check is read once "
-            "the GPU has made it, never waited for)") if later else ""
+    when = value_checks.found_later("forward") if later else ""
     return ValueError(f"tokens must hold ids in 0..{vocab - 1}, got {low if low < 0 else high}{when}")
 
 
@@ -279,8 +278,5 @@ class LanguageModel(nn.Module):
             return tokens, None
         vocab = self.config.vocab_size
         outside = ((tokens < 0) | (tokens >= vocab)).any()
-        if not backend.graph_capturing():
-            if value_checks.PENDING:
-                value_checks.raise_arrived()  # an earlier step's, where its check has reached the host
-            value_checks.check_later(outside, lambda later: _out_of_vocabulary(tokens, vocab, later))
+        value_checks.check_later(outside, lambda later: _out_of_vocabulary(tokens, vocab, later))
         return tokens.clamp(0, vocab - 1), torch.where(outside, torch.nan, 0.0)

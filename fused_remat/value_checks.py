@@ -8,12 +8,12 @@ ids clamped, the step's values made NaN); the flag is read on the host where tha
 
 - on a CPU tensor (the interpreter, a stand-in launch) at once: the call itself raises;
 - on CUDA, ``check_later`` copies it into pinned host memory behind the queued work with an event
-  after the copy, and ``raise_arrived`` (which the checking calls, and backward passes, run first)
+  after the copy, and ``raise_arrived`` (which ``check_later`` runs first, and backward passes call)
   raises for it once the event has passed: at the latest a step later, before that step's
   gradients reach a weight.
 
-While a CUDA graph is captured nothing is read (a replay cannot raise): callers skip the check and
-keep the NaN.
+While a CUDA graph is captured nothing is sent or read (a replay cannot raise): the caller's NaN
+stays the only sign.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import threading
 from collections.abc import Callable
 
 import torch
+
+from . import backend
 
 # Checks on their way to the host, oldest first: (the flag in host memory, whether it has arrived,
 # the error to raise where it is set, given True: found after its call returned)
@@ -44,11 +46,22 @@ def _on_host(flag: torch.Tensor) -> tuple[torch.Tensor, Callable[[], bool]]:
     return copy, copied.query
 
 
+def found_later(call: str) -> str:
+    """What an error raised by ``raise_arrived`` adds to its message: the ``call`` it was found in."""
+    return (f" (given to an earlier {call}, whose loss and gradients came out NaN: on a GPU the check is read once "
+            "the GPU has made it, never waited for)")
+
+
 def check_later(flag: torch.Tensor, error: Callable[[bool], Exception]) -> None:
-    """Raises ``error(False)`` now where the one-element ``flag`` is set and reading it waits for
-    nothing; on a device where it would wait (``READ_LATER_ON``), sends it to the host for
-    ``raise_arrived`` to raise ``error(True)`` once there. ``error`` builds the exception when it is
-    raised (it may read values then: the step is over)."""
+    """First ``raise_arrived``; then raises ``error(False)`` now where the one-element ``flag`` is
+    set and reading it waits for nothing; on a device where it would wait (``READ_LATER_ON``), sends
+    it to the host for ``raise_arrived`` to raise ``error(True)`` once there. ``error`` builds the
+    exception when it is raised (it may read values then: the step is over). Nothing while a CUDA
+    graph is captured."""
+    if PENDING:
+        raise_arrived()
+    if backend.graph_capturing():
+        return
     if flag.device.type not in READ_LATER_ON:
         if flag.item():
             raise error(False)
@@ -61,8 +74,10 @@ def check_later(flag: torch.Tensor, error: Callable[[bool], Exception]) -> None:
 def raise_arrived() -> None:
     """Drops every pending check that has reached the host, oldest first, and raises for the first
     that was set (dropping every other pending check with it: they are about the same or later
-    steps, whose values are NaN already). Callers ask ``if PENDING`` first: an empty queue costs no
-    call."""
+    steps, whose values are NaN already); nothing while a CUDA graph is captured. Callers may ask
+    ``if PENDING`` first: an empty queue then costs no call."""
+    if backend.graph_capturing():
+        return
     while True:
         with _PENDING_LOCK:
             if not PENDING or not PENDING[0][1]():
