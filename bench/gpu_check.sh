@@ -8,7 +8,7 @@
 #   block     first, what users feel: the block's forward+backward (cheap, none, full) against eager,
 #             checkpoint and torch.compile (default and reduce-overhead), eager and as CUDA graphs,
 #             with host_ms, at GPT-2-small N2048 and N8192 and Llama N4096
-#   train     the README's main job without documents, 30 steps eager then 30 with --cuda-graphs
+#   train     the README's main job (packed documents), 30 steps eager then 30 with --cuda-graphs
 #             (tokens per second of each; metrics and plots kept, not the checkpoints)
 #   tests     the gpu-marked tests (long sequences, bf16), then the kernels' own tests on the GPU
 #   bench     attention (against SDPA's flash, cuDNN and efficient backends), norms, memory and the
@@ -126,10 +126,10 @@ bench() {
 }
 
 train() {
-  # Without documents (a graph replays one batch layout), so that the two runs train the same job.
+  # The same job twice: a graph holds the documents in one padded form (training/graphs.py).
   if [ "$dry" -eq 1 ]; then
     "$python" -m fused_remat.train --backend reference --steps 2 --eval-interval 2 --seq-len 32 --batch-size 2 \
-      --eval-batches 2 --document-boundary none --out "$out/train_main"
+      --eval-batches 2 --out "$out/train_main"
     return
   fi
   local name run_dir  # each run's checkpoint (GBs) stays out of the results: its metrics and plot are copied over
@@ -137,7 +137,7 @@ train() {
     run_dir=$(mktemp -d)
     local graphs=()
     [ "$name" = train_main ] || graphs=(--cuda-graphs)
-    "$python" -m fused_remat.train --steps 30 --eval-interval 30 --document-boundary none "${graphs[@]}" \
+    "$python" -m fused_remat.train --steps 30 --eval-interval 30 "${graphs[@]}" \
       --out "$run_dir" || return 1
     mkdir -p "$out/$name" && cp "$run_dir/metrics.jsonl" "$run_dir"/*.png "$out/$name/"
     "$python" -c "import json, sys, statistics as s; r = [json.loads(l) for l in open(sys.argv[1])][5:]; \

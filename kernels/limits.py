@@ -277,11 +277,14 @@ def _check_offsets(op: str, name: str, offsets: list[int], packed: str, total: i
         raise ValueError(f"{op}: {name} must end at the number of rows of {packed} ({total}), got {offsets[-1]}")
 
 
-def check_documents(op: str, cu_seqlens, tokens: int, device: torch.device, max_seqlen=None) -> int:
+def check_documents(op: str, cu_seqlens, tokens: int, device: torch.device, max_seqlen=None,
+                    offsets: list[int] | None = None) -> int:
     """The longest document of ``cu_seqlens``, the documents packed in a block's or a model's
     ``tokens`` = B N tokens (int32 offsets on ``device``, as check_varlen_args's). ``max_seqlen``
     None reads it from the offsets (one sync on a GPU; under torch.compile, pass it); given, it is
-    checked like the varlen op's. Errors name the argument."""
+    checked like the varlen op's. ``offsets``: the values of ``cu_seqlens`` as the caller holds
+    them on the host (what it put there, or read), checked instead of reading the tensor. Errors
+    name the argument."""
     check_offsets_tensor(op, "cu_seqlens", cu_seqlens)
     if cu_seqlens.device != device:
         raise ValueError(f"{op}: cu_seqlens is on {cu_seqlens.device} but x is on {device}")
@@ -295,9 +298,13 @@ def check_documents(op: str, cu_seqlens, tokens: int, device: torch.device, max_
     # A model hands the same offsets to every layer: they are read once, and the result is kept on
     # the tensor with its version counter, which any in-place change of the offsets moves.
     checked = getattr(cu_seqlens, "_fused_remat_checked", None)
-    if checked is not None and checked[:2] == (cu_seqlens._version, tokens) and max_seqlen in (None, checked[2]):
+    if offsets is None and checked is not None and checked[:2] == (cu_seqlens._version, tokens) and \
+            max_seqlen in (None, checked[2]):
         return checked[2]
-    offsets = cu_seqlens.tolist()
+    if offsets is None:
+        offsets = cu_seqlens.tolist()
+    elif len(offsets) != cu_seqlens.numel():
+        raise ValueError(f"{op}: offsets has {len(offsets)} entries for cu_seqlens of {cu_seqlens.numel()}")
     _check_offsets(op, "cu_seqlens", offsets, "x (B N tokens)", tokens, "max_seqlen", max_seqlen)
     longest = max(end - start for start, end in zip(offsets, offsets[1:]))
     longest = longest if max_seqlen is None else int(max_seqlen)

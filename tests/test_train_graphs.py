@@ -114,6 +114,78 @@ def test_an_id_out_of_range_drops_the_replayed_step_on_the_device(cpu_graphs, wh
     assert all(torch.equal(optimizer.state[p]["exp_avg"], m) for p, m in zip(model.parameters(), moments))
 
 
+def _document_batches(counts, micro=2, seq=12, seed=2):
+    """Steps of micro-batches (2 rows of ``seq`` tokens) with packed documents: ``counts[step]``
+    documents in each micro-batch, cut at random inside the rows (every row starts one)."""
+    generator = torch.Generator().manual_seed(seed)
+    steps = []
+    for (tokens_in, tokens_out), count in zip((pair for step in _batches(len(counts), micro, seq) for pair in step[:1]),
+                                              counts):
+        micro_batches = []
+        for index in range(micro):
+            extra = torch.randperm(2 * seq - 2, generator=generator)[:count - 2] + 1
+            cuts = sorted({0, seq, 2 * seq, *(c + (c >= seq) for c in extra.tolist())})
+            inputs = torch.randint(0, CONFIG.vocab_size, (2, seq), generator=generator)
+            targets = torch.randint(0, CONFIG.vocab_size, (2, seq), generator=generator)
+            offsets = torch.tensor(cuts, dtype=torch.int32)
+            micro_batches.append(Batch(inputs, targets, offsets, int(offsets.diff().max())))
+        steps.append(micro_batches)
+    return steps
+
+
+def _with_bound(steps, bound):
+    """The same batches with max_seqlen ``bound`` (a bound, not the longest: the graphed step's form)."""
+    return [[Batch(b.inputs, b.targets, b.cu_seqlens, bound) for b in micro] for micro in steps]
+
+
+def test_packed_documents_are_graphed_in_one_fixed_form_with_the_eager_steps_values(cpu_graphs):
+    """Every step's documents padded to one count with empty documents and bounded by the row length:
+    the values of eager steps on the batches as given (with that bound), and a replay reads nothing
+    on the host; a batch with more documents than the graph holds runs eagerly, and the next
+    step captures a graph with room for it."""
+    steps = _document_batches([3, 4, 2, 7, 3, 12, 5, 2])
+    eager, eager_optimizer = _model_and_optimizer()
+    expected = _run(lambda micro: train_step(eager, eager_optimizer, micro, grad_clip=0.5, finite_only=True),
+                    eager_optimizer, _with_bound(steps, 12))
+    graphed, optimizer = _model_and_optimizer()
+    step = graphs.GraphedTrainStep(graphed, optimizer, grad_clip=0.5, finite_only=True, warmup=2)
+    got = []
+    for index, micro in enumerate(steps):
+        set_learning_rate(optimizer, 1e-2 / (index + 1))
+        got.append(step(micro))
+        if index == 4:  # twice the first step's 3 documents, as a power of two, held the next 4, 2, 7 and 3
+            assert (step.documents.count, step.documents.longest, cpu_graphs.captures) == (8, 12, 1)
+    assert (step.documents.count, cpu_graphs.captures) == (32, 2)  # the step with 12 ran eagerly
+    for (loss, norm), (want_loss, want_norm) in zip(got, expected):
+        assert torch.equal(loss, want_loss) and torch.equal(norm, want_norm)
+    for (name, ours), theirs in zip(graphed.named_parameters(), eager.parameters()):
+        assert torch.equal(ours, theirs), name
+
+
+def test_graphed_documents_are_checked_on_the_host_and_a_longer_document_widens_the_bound(cpu_graphs):
+    (first, second), = _document_batches([3])
+    across_rows = [Batch(first.inputs, first.targets, torch.tensor([0, 3, 21, 24], dtype=torch.int32)), second]
+    steps = [[first, second], [first, second], across_rows, [first, second]]
+    bounds = [12, 12, 18, 18]  # the longest document or the row length, whichever is longer, since the first step
+    eager, eager_optimizer = _model_and_optimizer()
+    expected = [train_step(eager, eager_optimizer, _with_bound([micro], bound)[0]) for micro, bound in zip(steps, bounds)]
+
+    model, optimizer = _model_and_optimizer()
+    step = graphs.GraphedTrainStep(model, optimizer, warmup=1, max_documents=4)
+    bad = Batch(first.inputs, first.targets, torch.tensor([0, 5, 30], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"^GraphedTrainStep: cu_seqlens must end at the number of rows of x .*\(24\)"):
+        step([bad, second])
+    assert step.steps == 0
+    got = []
+    for index, micro in enumerate(steps):
+        got.append(step(micro))
+        if index == 1:
+            assert (step.documents.count, step.documents.longest, cpu_graphs.captures) == (4, 12, 1)
+    assert (step.documents.count, step.documents.longest, cpu_graphs.captures) == (4, 18, 2)
+    for (loss, norm), (want_loss, want_norm) in zip(got, expected):
+        assert torch.equal(loss, want_loss) and torch.equal(norm, want_norm)
+
+
 def _captured(seq=12):
     model, optimizer = _model_and_optimizer()
     step = graphs.GraphedTrainStep(model, optimizer, warmup=1)
@@ -144,11 +216,7 @@ def test_a_replay_refuses_what_it_would_ignore(cpu_graphs):
 
 
 def test_steps_a_graph_cannot_hold_are_refused_before_any_step(cpu_graphs):
-    inputs, targets = _batches(1)[0][0]
-    documents = Batch(inputs, targets, torch.tensor([0, 5, 12, 24], dtype=torch.int32), 12)
     model, optimizer = _model_and_optimizer()
-    with pytest.raises(ValueError, match=r"^GraphedTrainStep: packed documents \(cu_seqlens\) change"):
-        graphs.GraphedTrainStep(model, optimizer)([documents])
     with pytest.raises(ValueError, match=r"the optimizer must be capturable .*make_optimizer\(\.\.\., capturable=True\)"):
         graphs.GraphedTrainStep(model, make_optimizer(model, lr=1e-3, weight_decay=0.0))
     foreach = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True, capturable=True)
@@ -159,11 +227,12 @@ def test_steps_a_graph_cannot_hold_are_refused_before_any_step(cpu_graphs):
         graphs.GraphedTrainStep(offloaded, optimizer)
     with pytest.raises(ValueError, match=r"warmup must be an int >= 1"):
         graphs.GraphedTrainStep(model, optimizer, warmup=0)
+    with pytest.raises(ValueError, match=r"max_documents must be an int >= 1 or None, got 0"):
+        graphs.GraphedTrainStep(model, optimizer, max_documents=0)
 
 
 @pytest.mark.parametrize("device_type, options, message", [
     ("cpu", dict(document_boundary="none"), "needs a CUDA device"),
-    ("cuda", dict(), "replays one batch layout, and documents change theirs .*--document-boundary none"),
     ("cuda", dict(document_boundary="none", remat="cheap,offload"), "cannot hold --remat offload's copies"),
     ("cuda", dict(document_boundary="none", context_parallel=2, seq_len=64), "cannot capture --context-parallel"),
     ("cuda", dict(document_boundary="none", distributed="ddp"), "captures one process.s step: leave out --distributed"),
@@ -173,16 +242,18 @@ def test_the_trainer_refuses_cuda_graphs_where_a_graph_cannot_hold_the_step(devi
     with pytest.raises(ValueError, match=f"^--cuda-graphs {message}"):
         TrainConfig.build(device_type, cuda_graphs=True, **options)
     assert TrainConfig.build("cuda", cuda_graphs=True, document_boundary="none").cuda_graphs
+    assert TrainConfig.build("cuda", cuda_graphs=True).cuda_graphs  # the default corpus's documents
 
 
-def test_the_trainer_replays_one_graph_after_its_warm_up(cpu_graphs, monkeypatch, tmp_path):
+@pytest.mark.parametrize("documents", [[], ["--document-boundary", "none"]], ids=["documents", "rows"])
+def test_the_trainer_replays_one_graph_after_its_warm_up(cpu_graphs, monkeypatch, tmp_path, documents):
     from fused_remat.training import cli, config
 
     monkeypatch.setattr(config, "_check_cuda_graphs", lambda *args: None)  # the stand-in graphs run on CPU
     assert cli.main(["--preset", "tiny", "--steps", "5", "--seq-len", "16", "--batch-size", "2", "--grad-accum", "2",
-                     "--document-boundary", "none", "--cuda-graphs", "--out", str(tmp_path)]) == 0
+                     *documents, "--cuda-graphs", "--out", str(tmp_path)]) == 0
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(5)) and cpu_graphs.captures == 1
+    assert [r["step"] for r in records] == list(range(5)) and cpu_graphs.captures >= 1
     assert all(math.isfinite(r["loss"]) for r in records) and records[-1]["loss"] < records[0]["loss"]
 
 
@@ -233,8 +304,12 @@ def test_rope_frequencies_are_kept_for_eager_calls_but_never_from_a_capture(monk
 
 
 @pytest.mark.gpu
-def test_cuda_graph_steps_give_the_eager_steps_losses_and_weights():
-    batches = _batches(6, device=DEVICE)
+@pytest.mark.parametrize("documents", [False, True], ids=["rows", "documents"])
+def test_cuda_graph_steps_give_the_eager_steps_losses_and_weights(documents):
+    if documents:  # the eager steps given the graph's bound (its padding adds empty documents only)
+        batches = [[b.to(DEVICE) for b in micro] for micro in _with_bound(_document_batches([3, 4, 2, 7, 5, 2]), 12)]
+    else:
+        batches = _batches(6, device=DEVICE)
     eager, eager_optimizer = _model_and_optimizer(device=DEVICE)
     expected = _run(lambda micro: train_step(eager, eager_optimizer, micro, compute_dtype=torch.bfloat16, grad_clip=1.0,
                                              finite_only=True), eager_optimizer, batches)

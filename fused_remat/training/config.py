@@ -171,9 +171,8 @@ class TrainConfig:
                                  "leave out --block reference and --backend reference")
         if "document_boundary" in values:
             values["document_boundary"] = _parse_document_boundary(values["document_boundary"])
-        masking = _document_masking(values.get("document_boundary"), values.get("data"))
         if values.get("cuda_graphs"):
-            _check_cuda_graphs(device_type, values, masking)
+            _check_cuda_graphs(device_type, values)
         if values["preset"] not in PRESETS:
             raise ValueError(f"--preset must be one of {', '.join(PRESETS)}, got {values['preset']!r}")
         values.setdefault("lr", PEAK_LR[values["preset"]])
@@ -280,7 +279,7 @@ def _document_masking(document_boundary: int | str | None, data: str | None) -> 
     return document_boundary != NO_DOCUMENTS
 
 
-def _check_cuda_graphs(device_type: str, values: dict, masking: bool) -> None:
+def _check_cuda_graphs(device_type: str, values: dict) -> None:
     """Refuse, naming the flag, what one captured step cannot hold (graphs.check_capturable says why)."""
     why = None
     if device_type != "cuda":
@@ -291,9 +290,6 @@ def _check_cuda_graphs(device_type: str, values: dict, masking: bool) -> None:
         why = "cannot capture --context-parallel's ring communication"
     elif values.get("distributed") is not None:
         why = "captures one process's step: leave out --distributed (and torchrun)"
-    elif masking:
-        why = (f"replays one batch layout, and documents change theirs with every batch: pass --document-boundary "
-               f"{NO_DOCUMENTS} to attend over whole rows")
     elif "offload" in str(values.get("remat", "")).split(","):
         why = "cannot hold --remat offload's copies to host memory"
     if why is not None:

@@ -19,9 +19,19 @@ A replay reads, in place, the static batches, the parameters, the optimizer's st
 learning rates (0-dim device tensors, set with ``set_learning_rate``). Whatever else the step
 depended on when it was captured is frozen into the graph, so a change that a replay would ignore
 is refused instead (silently training with stale settings is the failure this module exists to
-prevent): batches of another count, shape or dtype; packed documents (their offsets and lengths
-change per batch); a learning rate replaced rather than set in place; another hyperparameter
-changed; the optimizer's state loaded anew. So are steps a graph cannot hold: remat ``offload``
+prevent): batches of another count, shape or dtype; a learning rate replaced rather than set in
+place; another hyperparameter changed; the optimizer's state loaded anew.
+
+Packed documents (a batch's ``cu_seqlens``) change their count and lengths with every batch, so
+every step, the warm-up's included, runs on them in one fixed form: the offsets padded with empty
+documents to a fixed count (twice the first batch's, rounded up to a power of two, or
+``max_documents``) and the longest document bounded by the row length (or the first batch's
+longest document, if longer). Empty documents add nothing and a bound is only a bound, so the
+step's values are those of the batch as given; what the fixed form fixes is the grid, and the
+kernels' tiles, which follow the bound's length bucket. The offsets are read and checked on the
+host before each step (free where they are on the CPU, one wait for the GPU where they are on it)
+and copied into the graph's buffer. A batch that does not fit (more documents, or a longer one)
+drops the graph: its step runs eagerly in a form that fits it, and the next step captures again. So are steps a graph cannot hold: remat ``offload``
 (host copies on a side stream), context parallelism (the ring's communication) and data-parallel
 gradient communication; they stay on ``train_step``. With ``finite_only`` a non-finite step is
 dropped on the device (the optimizer's ``found_inf``, as under a GradScaler): the optimizer must
@@ -36,6 +46,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from ..kernels.launch import next_power_of_2
+from ..kernels.limits import check_documents
 from .data import Batch
 from .step import train_step
 
@@ -85,10 +97,13 @@ class GraphedTrainStep:
     ``train_step`` returns (fresh tensors each call, never the graph's own buffers)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, compute_dtype: torch.dtype | None = None,
-                 grad_clip: float = 0.0, finite_only: bool = False, warmup: int = 3):
+                 grad_clip: float = 0.0, finite_only: bool = False, warmup: int = 3, max_documents: int | None = None):
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"{_WHAT}: warmup must be an int >= 1 (Triton compiles and the optimizer makes its "
                              f"state in eager steps before the capture), got {warmup!r}")
+        if max_documents is not None and (isinstance(max_documents, bool) or not isinstance(max_documents, int)
+                                          or max_documents < 1):
+            raise ValueError(f"{_WHAT}: max_documents must be an int >= 1 or None, got {max_documents!r}")
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
         if not parameters:
             raise ValueError(f"{_WHAT}: the optimizer has no parameters")
@@ -106,24 +121,29 @@ class GraphedTrainStep:
         self.replay: Callable[[], tuple[torch.Tensor, ...]] | None = None
         self.static: list[Batch] = []
         self.layout, self.settings = (), ()  # as captured
+        # packed documents' fixed form (module docstring): the offsets' count and the longest document
+        self.documents = _DocumentForm(max_documents)
 
     def __call__(self, micro_batches: Sequence[Batch | tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         batches = [batch if isinstance(batch, Batch) else Batch(*batch) for batch in micro_batches]
-        for batch in batches:
-            if batch.cu_seqlens is not None:
-                raise ValueError(f"{_WHAT}: packed documents (cu_seqlens) change their offsets and lengths with every "
-                                 "batch, which a graph cannot follow; call train_step for them")
+        offsets = [self.documents.read(batch) for batch in batches]
         self.steps += 1
-        if self.steps <= self.warmup:
+        fits = self.documents.holds(offsets)
+        if not fits:  # this step runs eagerly, the next captures again
+            self.replay, self.static = None, []  # the graph's memory goes back before the step runs
+            self.documents.widen(offsets)
+        if self.steps <= self.warmup or not fits:
             with GRAPHS.side_stream(self.device):
-                return train_step(self.model, self.optimizer, batches, **self.options)
+                return train_step(self.model, self.optimizer, self.documents.fixed(batches, offsets), **self.options)
         if self.replay is None:
             self._capture(batches)
         else:
             self._check_unchanged(batches)
-        for static, batch in zip(self.static, batches):
+        for static, batch, read in zip(self.static, batches, offsets):
             static.inputs.copy_(batch.inputs, non_blocking=True)
             static.targets.copy_(batch.targets, non_blocking=True)
+            if read is not None:
+                self.documents.copy_into(static, read)
         loss, grad_norm = self.replay()
         return loss.clone(), grad_norm.clone()
 
@@ -132,7 +152,8 @@ class GraphedTrainStep:
             if batch.inputs.device != self.device or batch.targets.device != self.device:
                 raise ValueError(f"{_WHAT}: the batches must be on the model's device {self.device}, got inputs on "
                                  f"{batch.inputs.device} and targets on {batch.targets.device}")
-        self.static = [Batch(torch.empty_like(batch.inputs), torch.empty_like(batch.targets)) for batch in batches]
+        self.static = [self.documents.static(Batch(torch.empty_like(batch.inputs), torch.empty_like(batch.targets)),
+                                             batch) for batch in batches]
         self.layout, self.settings = _layout(batches), _settings(self.optimizer)
         self.replay = GRAPHS.capture(lambda: train_step(self.model, self.optimizer, self.static, **self.options))
 
@@ -168,7 +189,79 @@ def _settings(optimizer: torch.optim.Optimizer) -> tuple:
 
 def _layout(batches: list[Batch]) -> tuple:
     return len(batches), tuple((tuple(b.inputs.shape), b.inputs.dtype, b.inputs.device, tuple(b.targets.shape),
-                                b.targets.dtype, b.targets.device) for b in batches)
+                                b.targets.dtype, b.targets.device, b.cu_seqlens is not None) for b in batches)
+
+
+class _DocumentForm:
+    """The fixed form a graphed step gives packed documents (module docstring): offsets padded with
+    empty documents to ``count`` + 1 entries, and ``longest`` the step's max_seqlen. Both are set by
+    the first batch with documents (``widen``) and grow only when a batch does not fit."""
+
+    def __init__(self, count: int | None):
+        self.count, self.longest = count, 0
+
+    @staticmethod
+    def read(batch: Batch) -> list[int] | None:
+        """The batch's offsets on the host, checked as the model checks them (None without documents)."""
+        if batch.documents is not None:
+            raise ValueError(f"{_WHAT}: a batch with context-parallel document shards; context parallelism is not "
+                             "captured (train_step)")
+        if batch.cu_seqlens is None:
+            return None
+        offsets = batch.cu_seqlens.tolist()
+        check_documents(_WHAT, batch.cu_seqlens, batch.inputs.numel(), batch.inputs.device, batch.max_seqlen,
+                        offsets=offsets)
+        return offsets
+
+    def holds(self, offsets: list[list[int] | None]) -> bool:
+        return all(read is None or (self.count is not None and len(read) - 1 <= self.count
+                                    and _longest(read) <= self.longest) for read in offsets)
+
+    def widen(self, offsets: list[list[int] | None]) -> None:
+        """Room for these batches' documents: twice the most documents, rounded up to a power of two
+        (a count given by the user stays unless a batch holds more), and the longest document or
+        the row length, whichever is longer."""
+        reads = [read for read in offsets if read is not None]
+        most = max(len(read) - 1 for read in reads)
+        if self.count is None or most > self.count:
+            self.count = next_power_of_2(2 * most)
+        self.longest = max(self.longest, *map(_longest, reads))
+
+    def fixed(self, batches: list[Batch], offsets: list[list[int] | None]) -> list[Batch]:
+        """The batches with their documents in the fixed form, as the eager steps run them."""
+        return [batch if read is None else Batch(batch.inputs, batch.targets, self._offsets(batch, read), self.longest)
+                for batch, read in zip(batches, offsets)]
+
+    def static(self, static: Batch, batch: Batch) -> Batch:
+        """The graph's buffers for ``batch``: ``static`` with room for the offsets where it has documents."""
+        if batch.cu_seqlens is None:
+            return static
+        buffer = torch.empty(self.count + 1, dtype=torch.int32, device=batch.inputs.device)
+        return Batch(static.inputs, static.targets, buffer, self.longest)
+
+    def copy_into(self, static: Batch, offsets: list[int]) -> None:
+        padded = self._padded(static, offsets)
+        static.cu_seqlens.copy_(torch.tensor(padded, dtype=torch.int32), non_blocking=True)
+        self._checked(static, static.cu_seqlens, padded)
+
+    def _offsets(self, batch: Batch, offsets: list[int]) -> torch.Tensor:
+        padded = self._padded(batch, offsets)
+        tensor = torch.tensor(padded, dtype=torch.int32, device=batch.inputs.device)
+        self._checked(batch, tensor, padded)
+        return tensor
+
+    def _padded(self, batch: Batch, offsets: list[int]) -> list[int]:
+        return offsets + [batch.inputs.numel()] * (self.count + 1 - len(offsets))
+
+    def _checked(self, batch: Batch, cu_seqlens: torch.Tensor, padded: list[int]) -> None:
+        """Checks ``cu_seqlens`` from ``padded``, the values just put in it, which marks it checked: the
+        model, which checks offsets once per tensor version, does not read it again (a capture
+        cannot read it, and a replay runs no Python)."""
+        check_documents(_WHAT, cu_seqlens, batch.inputs.numel(), batch.inputs.device, self.longest, offsets=padded)
+
+
+def _longest(offsets: list[int]) -> int:
+    return max(end - start for start, end in zip(offsets, offsets[1:]))
 
 
 def check_capturable(model: nn.Module, optimizer: torch.optim.Optimizer, finite_only: bool) -> None:
