@@ -531,11 +531,14 @@ def _launch_summary(launcher_args: tuple) -> tuple:
     integer arguments), as where that address lies: its dtype, its offset in its storage, its
     number of elements and whether it is 16-byte aligned. (A planned launch may hand the tensor a
     view was made of: the same address, the same elements.) The launch metadata (a profiler's
-    description, rebuilt at every launch) is left out."""
+    description, rebuilt at every launch) is left out, and a hook that calls nothing is None
+    (Triton's path hands an empty chain of hooks, a kept launch None)."""
     import torch
 
+    from fused_remat.kernels.launch import no_launch_hook
+
     grid_stream_function = launcher_args[:6]
-    hooks = launcher_args[7:9]
+    hooks = tuple(None if no_launch_hook(hook) else hook for hook in launcher_args[7:9])
     arguments = tuple((t.dtype, t.storage_offset(), t.numel(), t.data_ptr() % 16 == 0) if isinstance(t, torch.Tensor)
                       else t for t in launcher_args[9:])
     return (*grid_stream_function, *hooks, arguments)
@@ -545,26 +548,56 @@ def kept_launch_check(cases: list[HostCase], driver) -> dict[str, str]:
     """Per case, "" where the launches of a second call (each through its kept compiled kernel,
     ``launch.KeptKernel``) hand the driver exactly what the first call's launches did (each the
     first of its signature, through Triton's own path: every kept kernel is forgotten before it),
-    else the first difference."""
-    from fused_remat.kernels.launch import KeptKernel
+    and a third call, with a launch hook set, hands every launch the hook and its metadata; else
+    the first difference."""
+    from fused_remat.kernels.launch import KeptKernel, no_launch_hook
+
+    def recorded(call) -> list[tuple]:
+        driver.recorded = []
+        try:
+            call()
+            return driver.recorded
+        finally:
+            driver.recorded = None
 
     results = {}
     for case in cases:
         call = case.ours()
-        summaries = []
-        for forget in (True, False):
-            if forget:
-                KeptKernel.forget_all()
-            driver.recorded = []
-            call()
-            summaries.append([_launch_summary(args) for args in driver.recorded])
-            driver.recorded = None
-        first, kept = summaries
+        KeptKernel.forget_all()
+        first = [_launch_summary(args) for args in recorded(call)]
+        kept = [_launch_summary(args) for args in recorded(call)]
+        with _launch_hook_set():  # asked within: the chain a launch hands is emptied again after it
+            unhooked = [i for i, args in enumerate(recorded(call)) if args[6] is None or no_launch_hook(args[7])]
         if len(first) != len(kept):
             results[case.name] = f"{len(first)} launches through Triton's path, {len(kept)} kept"
             continue
         results[case.name] = next((_difference(i, a, b) for i, (a, b) in enumerate(zip(first, kept)) if a != b), "")
+        if unhooked and not results[case.name]:
+            results[case.name] = f"launch {unhooked[0]}: a launch hook is set, and the launch hands none"
     return results
+
+
+@contextlib.contextmanager
+def _launch_hook_set():
+    """Within: a launch hook that does nothing is set (Triton 3.7 and later: added to the chain)."""
+    from triton import knobs
+
+    def hook(metadata):
+        return None
+
+    runtime = knobs.runtime
+    before = runtime.launch_enter_hook
+    if hasattr(before, "add"):
+        before.add(hook)
+    else:
+        runtime.launch_enter_hook = hook
+    try:
+        yield
+    finally:
+        if hasattr(before, "remove"):
+            before.remove(hook)
+        else:
+            runtime.launch_enter_hook = before
 
 
 def _difference(launch: int, first: tuple, kept: tuple) -> str:

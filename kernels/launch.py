@@ -80,6 +80,16 @@ def ensure_scratch_allocator() -> None:
 SCRATCH_ALLOCATOR, NO_SCRATCH_ALLOCATOR = _allocation._allocator, _allocation.NullAllocator
 
 
+# Triton 3.7 and later keep each launch hook as a chain of hooks, never None (empty when none is
+# set); Triton 3.6 keeps None or one hook.
+HOOK_CHAIN = getattr(knobs, "HookChain", None)
+
+
+def no_launch_hook(hook) -> bool:
+    """Whether a launch hook of Triton's knobs calls nothing: None, or an empty chain."""
+    return hook is None or hook.__class__ is HOOK_CHAIN and not hook.calls
+
+
 # A kernel keeps at most this many argument signatures; past it the oldest half is dropped (a
 # long run whose sizes vary from batch to batch would otherwise grow it without bound).
 KEPT_SIGNATURES = 256
@@ -248,12 +258,7 @@ class _Compiled:
     def __call__(self, grid, active, device, args):
         if callable(grid):
             grid = grid(self.meta)
-        grid_0, grid_1, grid_2 = (*grid, 1, 1)[:3]
-        stream = active.get_current_stream(device)
-        kernel, full = self.kernel, (*args, *self.tail)
-        kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata,
-                   kernel.launch_metadata(grid, stream, *full), knobs.runtime.launch_enter_hook,
-                   knobs.runtime.launch_exit_hook, *full)
+        self.bound(grid, active, device, ())(*args)
 
     def bound(self, grid, active, device, tail: tuple):
         """The launch with ``tail`` after the given arguments, as one function of the tensors: the
@@ -264,13 +269,20 @@ class _Compiled:
         kernel, tail = self.kernel, (*tail, *self.tail)
         run, launch_metadata, function, packed = (kernel.run, kernel.launch_metadata, kernel.function,
                                                   kernel.packed_metadata)
-        hooks = knobs.runtime
+        hooks, chain = knobs.runtime, HOOK_CHAIN
 
         def launch(*given):
             stream = active.get_current_stream(device)
             full = (*given, *tail)
-            run(grid_0, grid_1, grid_2, stream, function, packed, launch_metadata(grid, stream, *full),
-                hooks.launch_enter_hook, hooks.launch_exit_hook, *full)
+            enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+            # Where no hook is set, as Triton 3.6's None does: no launch metadata to build (Triton
+            # 3.9 builds it for an empty chain) and no chain for the driver to call, twice a launch.
+            if ((enter is None or enter.__class__ is chain and not enter.calls)
+                    and (leave is None or leave.__class__ is chain and not leave.calls)):
+                run(grid_0, grid_1, grid_2, stream, function, packed, None, None, None, *full)
+            else:
+                run(grid_0, grid_1, grid_2, stream, function, packed, launch_metadata(grid, stream, *full), enter,
+                    leave, *full)
 
         return launch
 
