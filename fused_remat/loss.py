@@ -105,8 +105,9 @@ def _chunked_loss_and_grads(hidden_rows: torch.Tensor, weight: torch.Tensor, tar
     this id and those outside the vocabulary; None: by PyTorch's operations.
     """
     tokens, dim = hidden_rows.shape
-    # One cast per call (a no-op without autocast when dtypes agree); dropped on return, never saved.
-    weight_c = weight.to(compute_dtype)
+    # One cast per call (none without autocast when dtypes agree); dropped on return, never saved.
+    weight_c = weight if weight.dtype == compute_dtype else weight.to(compute_dtype)
+    weight_t = weight_c.t()
     # Per-row losses summed once at the end (pairwise inside torch.sum), as PyTorch's mean does: a
     # running fp32 scalar over thousands of one-row chunks would lose digits.
     row_losses = torch.empty(tokens, dtype=torch.float32, device=hidden_rows.device)
@@ -115,22 +116,27 @@ def _chunked_loss_and_grads(hidden_rows: torch.Tensor, weight: torch.Tensor, tar
     dweight = (torch.empty if tokens else torch.zeros)(weight.shape, dtype=torch.float32, device=weight.device) \
         if want_dweight else None
     want_grads = want_dhidden or want_dweight
+    whole = chunk_tokens >= tokens  # one chunk: the tensors themselves, no views of rows
     for start in range(0, tokens, chunk_tokens):
         rows = slice(start, start + chunk_tokens)
-        hidden_c = hidden_rows[rows].to(compute_dtype)
-        logits_c = hidden_c @ weight_c.t()
+        hidden_c = hidden_rows if whole else hidden_rows[rows]
+        if hidden_c.dtype != compute_dtype:
+            hidden_c = hidden_c.to(compute_dtype)
+        logits_c = torch.mm(hidden_c, weight_t)
+        losses_c = row_losses if whole else row_losses[rows]
         if kernel_ignore_index is not None:
-            kernels.cross_entropy.cross_entropy_rows_(logits_c, targets[rows], row_losses[rows], kernel_ignore_index,
-                                                      gradient_scale if want_grads else None)
+            kernels.cross_entropy.cross_entropy_rows_(logits_c, targets if whole else targets[rows], losses_c,
+                                                      kernel_ignore_index, gradient_scale if want_grads else None)
             dlogits = logits_c if want_grads else None
         else:
-            row_losses[rows], dlogits = _chunk_loss_and_dlogits(logits_c, targets[rows], counted[rows], want_grads,
-                                                                gradient_scale)
+            losses_c[:], dlogits = _chunk_loss_and_dlogits(logits_c, targets[rows], counted[rows], want_grads,
+                                                           gradient_scale)
         if dhidden is not None:
+            dhidden_c = dhidden if whole else dhidden[rows]
             if dhidden.dtype == dlogits.dtype:
-                torch.mm(dlogits, weight_c, out=dhidden[rows])
+                torch.mm(dlogits, weight_c, out=dhidden_c)
             else:
-                dhidden[rows] = dlogits @ weight_c
+                dhidden_c[:] = dlogits @ weight_c
         if dweight is not None:
             if dlogits.dtype == torch.float32:
                 if start == 0:
