@@ -164,6 +164,8 @@ def test_packed_documents_are_graphed_in_one_fixed_form_with_the_eager_steps_val
 
 def test_graphed_documents_are_checked_on_the_host_and_a_longer_document_widens_the_bound(cpu_graphs):
     (first, second), = _document_batches([3])
+    first, second = (Batch(b.inputs, b.targets, torch.tensor(offsets, dtype=torch.int32))
+                     for b, offsets in ((first, [0, 5, 12, 18, 24]), (second, [0, 3, 12, 20, 24])))
     across_rows = [Batch(first.inputs, first.targets, torch.tensor([0, 3, 21, 24], dtype=torch.int32)), second]
     steps = [[first, second], [first, second], across_rows, [first, second]]
     bounds = [12, 12, 18, 18]  # the longest document or the row length, whichever is longer, since the first step
@@ -322,3 +324,27 @@ def test_cuda_graph_steps_give_the_eager_steps_losses_and_weights(documents):
         assert torch.equal(loss, want_loss) and torch.equal(norm, want_norm)
     for ours, theirs in zip(graphed.parameters(), eager.parameters()):
         assert torch.equal(ours, theirs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("remat", ["cheap", "full"])
+def test_a_block_graphed_by_make_graphed_callables_gives_the_eager_output_and_gradients(remat):
+    """A user's own loop may graph each layer (torch.cuda.make_graphed_callables, as
+    TransformerEngine and Megatron do) where it cannot graph the whole step."""
+    import copy
+
+    from fused_remat import TransformerBlock, reference
+
+    torch.manual_seed(0)
+    eager = TransformerBlock.from_reference(
+        reference.TransformerBlock(dim=128, n_heads=4, n_kv_heads=2, norm="rmsnorm", activation="swiglu",
+                                   rope_theta=10000.0, bias=False, device=DEVICE), remat=remat)
+    graphed_block = copy.deepcopy(eager)
+    x = torch.randn(2, 256, 128, device=DEVICE, requires_grad=True)
+    dy = torch.randn(2, 256, 128, device=DEVICE)
+    graphed = torch.cuda.make_graphed_callables(graphed_block, (x.detach().clone().requires_grad_(),),
+                                                num_warmup_iters=3)
+    for _ in range(2):  # the second replay reads the static buffers again
+        want = torch.autograd.grad(eager(x), [x, *eager.parameters()], dy)
+        got = torch.autograd.grad(graphed(x), [x, *graphed_block.parameters()], dy)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))

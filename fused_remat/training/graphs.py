@@ -20,22 +20,22 @@ learning rates (0-dim device tensors, set with ``set_learning_rate``). Whatever 
 depended on when it was captured is frozen into the graph, so a change that a replay would ignore
 is refused instead (silently training with stale settings is the failure this module exists to
 prevent): batches of another count, shape or dtype; a learning rate replaced rather than set in
-place; another hyperparameter changed; the optimizer's state loaded anew.
+place; another hyperparameter changed; the optimizer's state loaded anew. So are steps a graph
+cannot hold: remat ``offload`` (host copies on a side stream), context parallelism (the ring's
+communication) and data-parallel gradient communication; they stay on ``train_step``. With
+``finite_only`` a non-finite step is dropped on the device (the optimizer's ``found_inf``, as under
+a GradScaler): the optimizer must support it, as fused AdamW does.
 
 Packed documents (a batch's ``cu_seqlens``) change their count and lengths with every batch, so
 every step, the warm-up's included, runs on them in one fixed form: the offsets padded with empty
 documents to a fixed count (twice the first batch's, rounded up to a power of two, or
 ``max_documents``) and the longest document bounded by the row length (or the first batch's
-longest document, if longer). Empty documents add nothing and a bound is only a bound, so the
-step's values are those of the batch as given; what the fixed form fixes is the grid, and the
-kernels' tiles, which follow the bound's length bucket. The offsets are read and checked on the
+longest document, if longer). Empty documents add nothing and a bound is only a bound: the step
+computes what it computes on the batch as given, the attention's tiles chosen by the bound's length
+bucket (bit for bit an eager step given the same bound). The offsets are read and checked on the
 host before each step (free where they are on the CPU, one wait for the GPU where they are on it)
 and copied into the graph's buffer. A batch that does not fit (more documents, or a longer one)
-drops the graph: its step runs eagerly in a form that fits it, and the next step captures again. So are steps a graph cannot hold: remat ``offload``
-(host copies on a side stream), context parallelism (the ring's communication) and data-parallel
-gradient communication; they stay on ``train_step``. With ``finite_only`` a non-finite step is
-dropped on the device (the optimizer's ``found_inf``, as under a GradScaler): the optimizer must
-support it, as fused AdamW does.
+drops the graph: its step runs eagerly in a form that fits it, and the next step captures again.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class GraphedTrainStep:
         fits = self.documents.holds(offsets)
         if not fits:  # this step runs eagerly, the next captures again
             self.replay, self.static = None, []  # the graph's memory goes back before the step runs
-            self.documents.widen(offsets)
+            self.documents.widen(batches, offsets)
         if self.steps <= self.warmup or not fits:
             with GRAPHS.side_stream(self.device):
                 return train_step(self.model, self.optimizer, self.documents.fixed(batches, offsets), **self.options)
@@ -217,15 +217,15 @@ class _DocumentForm:
         return all(read is None or (self.count is not None and len(read) - 1 <= self.count
                                     and _longest(read) <= self.longest) for read in offsets)
 
-    def widen(self, offsets: list[list[int] | None]) -> None:
+    def widen(self, batches: list[Batch], offsets: list[list[int] | None]) -> None:
         """Room for these batches' documents: twice the most documents, rounded up to a power of two
         (a count given by the user stays unless a batch holds more), and the longest document or
         the row length, whichever is longer."""
-        reads = [read for read in offsets if read is not None]
-        most = max(len(read) - 1 for read in reads)
+        reads = [(batch, read) for batch, read in zip(batches, offsets) if read is not None]
+        most = max(len(read) - 1 for _, read in reads)
         if self.count is None or most > self.count:
             self.count = next_power_of_2(2 * most)
-        self.longest = max(self.longest, *map(_longest, reads))
+        self.longest = max(self.longest, *[max(batch.inputs.shape[-1], _longest(read)) for batch, read in reads])
 
     def fixed(self, batches: list[Batch], offsets: list[list[int] | None]) -> list[Batch]:
         """The batches with their documents in the fixed form, as the eager steps run them."""
