@@ -188,6 +188,24 @@ def test_graphed_documents_are_checked_on_the_host_and_a_longer_document_widens_
         assert torch.equal(loss, want_loss) and torch.equal(norm, want_norm)
 
 
+def test_a_capture_with_documents_reads_nothing_on_the_host(monkeypatch):
+    """A CUDA capture runs the step's Python once (no kernel): the model's check of the graph's
+    offsets must find them checked already, as a replay runs no Python at all."""
+
+    class CapturingCpuGraphs(CpuGraphs):
+        def capture(self, step):
+            with host_read_guard():
+                step()  # what capture runs; here its kernels run too, which the test does not mind
+            return super().capture(step)
+
+    monkeypatch.setattr(graphs, "GRAPHS", CapturingCpuGraphs())
+    model, optimizer = _model_and_optimizer()
+    step = graphs.GraphedTrainStep(model, optimizer, warmup=1)
+    for micro in _document_batches([3, 4, 3]):
+        loss, _ = step(micro)
+    assert step.replay is not None and torch.isfinite(loss)
+
+
 def _captured(seq=12):
     model, optimizer = _model_and_optimizer()
     step = graphs.GraphedTrainStep(model, optimizer, warmup=1)

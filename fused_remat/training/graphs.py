@@ -136,7 +136,7 @@ class GraphedTrainStep:
             with GRAPHS.side_stream(self.device):
                 return train_step(self.model, self.optimizer, self.documents.fixed(batches, offsets), **self.options)
         if self.replay is None:
-            self._capture(batches)
+            self._make_static(batches)
         else:
             self._check_unchanged(batches)
         for static, batch, read in zip(self.static, batches, offsets):
@@ -144,10 +144,12 @@ class GraphedTrainStep:
             static.targets.copy_(batch.targets, non_blocking=True)
             if read is not None:
                 self.documents.copy_into(static, read)
+        if self.replay is None:  # captured once the buffers hold a batch: the offsets' check has read it
+            self.replay = GRAPHS.capture(lambda: train_step(self.model, self.optimizer, self.static, **self.options))
         loss, grad_norm = self.replay()
         return loss.clone(), grad_norm.clone()
 
-    def _capture(self, batches: list[Batch]) -> None:
+    def _make_static(self, batches: list[Batch]) -> None:
         for batch in batches:
             if batch.inputs.device != self.device or batch.targets.device != self.device:
                 raise ValueError(f"{_WHAT}: the batches must be on the model's device {self.device}, got inputs on "
@@ -155,7 +157,6 @@ class GraphedTrainStep:
         self.static = [self.documents.static(Batch(torch.empty_like(batch.inputs), torch.empty_like(batch.targets)),
                                              batch) for batch in batches]
         self.layout, self.settings = _layout(batches), _settings(self.optimizer)
-        self.replay = GRAPHS.capture(lambda: train_step(self.model, self.optimizer, self.static, **self.options))
 
     def _check_unchanged(self, batches: list[Batch]) -> None:
         layout = _layout(batches)
