@@ -46,7 +46,6 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from ..kernels.launch import next_power_of_2
 from ..kernels.limits import check_documents
 from .data import Batch
 from .step import train_step
@@ -225,7 +224,7 @@ class _DocumentForm:
         reads = [(batch, read) for batch, read in zip(batches, offsets) if read is not None]
         most = max(len(read) - 1 for _, read in reads)
         if self.count is None or most > self.count:
-            self.count = next_power_of_2(2 * most)
+            self.count = 1 << (2 * most - 1).bit_length()  # a power of two (kernels.launch imports triton)
         self.longest = max(self.longest, *[max(batch.inputs.shape[-1], _longest(read)) for batch, read in reads])
 
     def fixed(self, batches: list[Batch], offsets: list[list[int] | None]) -> list[Batch]:
