@@ -275,8 +275,9 @@ class _Compiled:
             stream = active.get_current_stream(device)
             full = (*given, *tail)
             enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
-            # Where no hook is set, as Triton 3.6's None does: no launch metadata to build (Triton
-            # 3.9 builds it for an empty chain) and no chain for the driver to call, twice a launch.
+            # no_launch_hook of both, inline (two frames a launch): where no hook is set, no launch
+            # metadata to build (Triton 3.9 builds it for an empty chain) and no empty chain for the
+            # driver to call, as with Triton 3.6's None.
             if ((enter is None or enter.__class__ is chain and not enter.calls)
                     and (leave is None or leave.__class__ is chain and not leave.calls)):
                 run(grid_0, grid_1, grid_2, stream, function, packed, None, None, None, *full)

@@ -119,8 +119,7 @@ def _document_batches(counts, micro=2, seq=12, seed=2):
     documents in each micro-batch, cut at random inside the rows (every row starts one)."""
     generator = torch.Generator().manual_seed(seed)
     steps = []
-    for (tokens_in, tokens_out), count in zip((pair for step in _batches(len(counts), micro, seq) for pair in step[:1]),
-                                              counts):
+    for count in counts:
         micro_batches = []
         for index in range(micro):
             extra = torch.randperm(2 * seq - 2, generator=generator)[:count - 2] + 1
@@ -186,6 +185,20 @@ def test_graphed_documents_are_checked_on_the_host_and_a_longer_document_widens_
     assert (step.documents.count, step.documents.longest, cpu_graphs.captures) == (4, 18, 2)
     for (loss, norm), (want_loss, want_norm) in zip(got, expected):
         assert torch.equal(loss, want_loss) and torch.equal(norm, want_norm)
+
+
+def test_a_graph_over_documents_refuses_rows_and_document_shards_are_refused(cpu_graphs):
+    model, optimizer = _model_and_optimizer()
+    step = graphs.GraphedTrainStep(model, optimizer, warmup=1)
+    for micro in _document_batches([3, 3]):
+        step(micro)
+    assert step.replay is not None
+    inputs, targets = _batches(1)[0][0]
+    with pytest.raises(ValueError, match=r"captured for micro-batches .*and whether it has documents"):
+        step([(inputs, targets), (inputs, targets)])
+    shards = Batch(inputs, targets, documents=object())  # refused before anything reads it
+    with pytest.raises(ValueError, match=r"^GraphedTrainStep: a batch with context-parallel document shards"):
+        step([shards, shards])
 
 
 def test_a_capture_with_documents_reads_nothing_on_the_host(monkeypatch):

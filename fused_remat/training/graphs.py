@@ -34,8 +34,9 @@ longest document, if longer). Empty documents add nothing and a bound is only a 
 computes what it computes on the batch as given, the attention's tiles chosen by the bound's length
 bucket (bit for bit an eager step given the same bound). The offsets are read and checked on the
 host before each step (free where they are on the CPU, one wait for the GPU where they are on it)
-and copied into the graph's buffer. A batch that does not fit (more documents, or a longer one)
-drops the graph: its step runs eagerly in a form that fits it, and the next step captures again.
+and copied into the graph's buffer. A batch that does not fit (documents where the graph had none,
+more documents, or a longer one) drops the graph: its step runs eagerly in a form that fits it,
+and the next step captures again.
 """
 
 from __future__ import annotations
@@ -161,8 +162,9 @@ class GraphedTrainStep:
         layout = _layout(batches)
         if layout != self.layout:
             raise ValueError(f"{_WHAT}: the graph was captured for micro-batches {self.layout} (count, then the "
-                             f"inputs' and targets' shape, dtype and device of each) and got {layout}; a graph "
-                             "replays one layout: keep the batch shape fixed, or call train_step")
+                             "inputs' and targets' shape, dtype and device of each, and whether it has documents) "
+                             f"and got {layout}; a graph replays one layout: keep the batch shape fixed, or call "
+                             "train_step")
         state, param_groups, groups = self.settings
         if self.optimizer.state is not state or self.optimizer.param_groups is not param_groups:
             raise RuntimeError(f"{_WHAT}: the optimizer's state or parameter groups were replaced after the capture "
