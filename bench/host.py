@@ -529,8 +529,8 @@ def _launch_summary(launcher_args: tuple) -> tuple:
     the kernel's function handle and metadata, the hooks, then each argument: anything but a tensor
     as itself; a tensor, of which the launcher reads only the address (its strides travel as the
     integer arguments), as where that address lies: its dtype, its offset in its storage, its
-    number of elements and whether it is 16-byte aligned. (A planned launch may hand the tensor a
-    view was made of: the same address, the same elements.) The launch metadata (a profiler's
+    storage's size and whether it is 16-byte aligned. (A planned launch may hand the buffer a view
+    was made of, or a slice of it, at the view's address.) The launch metadata (a profiler's
     description, rebuilt at every launch) is left out, and a hook that calls nothing is None
     (Triton's path hands an empty chain of hooks, a kept launch None)."""
     import torch
@@ -539,7 +539,8 @@ def _launch_summary(launcher_args: tuple) -> tuple:
 
     grid_stream_function = launcher_args[:6]
     hooks = tuple(None if no_launch_hook(hook) else hook for hook in launcher_args[7:9])
-    arguments = tuple((t.dtype, t.storage_offset(), t.numel(), t.data_ptr() % 16 == 0) if isinstance(t, torch.Tensor)
+    arguments = tuple((t.dtype, t.storage_offset(), t.untyped_storage().nbytes(), t.data_ptr() % 16 == 0)
+                      if isinstance(t, torch.Tensor)
                       else t for t in launcher_args[9:])
     return (*grid_stream_function, *hooks, arguments)
 

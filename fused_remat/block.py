@@ -709,27 +709,8 @@ class _BlockFunction(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, g, *rest, _ = inputs
-        sequences, params, lora = _split_inputs(rest)
-        # Everything kept for backward, in one place: x (or, offloaded, its host copy), the policy's
-        # activations (``remat.kept()``), the parameters as themselves (no copies; under autocast
-        # backward casts them again), the adapters' factors likewise, and the documents' offsets and
-        # positions where given (the model's inputs, shared by every layer), and RoPE's frequencies
-        # where given.
-        ctx.host_copy = offload.HostCopy(x) if g.remat.host_resident else None
-        ctx.sequences = [t is not None for t in sequences]
-        ctx.save_for_backward(x if ctx.host_copy is None else ctx.host_copy.host,
-                              *[t for t in sequences if t is not None],
-                              *[t for t, keeps in zip(output[1:], g.remat.keeps_each) if keeps],
-                              *[p for p in params if p is not None], *lora)
-        ctx.call, ctx.has_param = g, [p is not None for p in params]
-        # Where autograd alone will hold the kept activations (no saved-tensor hook, which may keep
-        # or pool what it packs), their addresses, so that backward can tell they are still these
-        # and free each at its last use
-        ctx.kept_addresses = None
-        if not custom_ops.traced(x.device) and _SAVED_TENSOR_HOOKS is not None and _SAVED_TENSOR_HOOKS(True) is None:
-            ctx.kept_addresses = [t.data_ptr() for t in output[1:] if t is not None]
+        _keep_for_backward(ctx, x, g, *_split_inputs(rest), output[1:])
         ctx.mark_non_differentiable(*[t for t in output[1:] if t is not None])
-        ctx.set_materialize_grads(False)  # the kept activations' gradients come as None, not zeros
 
     @staticmethod
     def backward(ctx, dy, *_):
@@ -737,6 +718,9 @@ class _BlockFunction(torch.autograd.Function):
         x, *saved = ctx.saved_tensors
         if ctx.host_copy is not None:
             x = ctx.host_copy.fetch()
+        shape = x.shape  # (B, N, dim) where _EagerBlockFunction took x as given, else (T, dim)
+        if len(shape) == 3:
+            x, dy = x.view(g.tokens, g.dim), dy.reshape(g.tokens, g.dim)
         saved = iter(saved)
         sequences = [next(saved) if given else None for given in ctx.sequences]
         saved = list(saved)
@@ -757,8 +741,54 @@ class _BlockFunction(torch.autograd.Function):
                                          _owned_kept(ctx.kept_addresses, kept))
         dparams = iter([d if need else None for d, need in zip(grads[:len(needs)], needs)])
         dlora = [d if need else None for d, need in zip(grads[len(needs):], ctx.needs_input_grad[first_param + len(_PARAMETERS):])]
-        return custom_ops.first_order_only(_OP, dx, None, *[None] * _SEQUENCE_FIELDS,
+        return custom_ops.first_order_only(_OP, dx.view(shape), None, *[None] * _SEQUENCE_FIELDS,
                                            *[next(dparams) if has else None for has in ctx.has_param], *dlora, None)
+
+
+
+def _keep_for_backward(ctx, x, g: _BlockCall, sequences: list, params: list, lora: list, kept: list) -> None:
+    """Everything kept for backward, in one place: x (or, offloaded, its host copy), the policy's
+    activations (``remat.kept()``; ``kept`` holds one per _SLOTS entry), the parameters as themselves
+    (no copies; under autocast backward casts them again), the adapters' factors likewise, and the
+    documents' offsets and positions where given (the model's inputs, shared by every layer), and
+    RoPE's frequencies where given."""
+    ctx.host_copy = offload.HostCopy(x) if g.remat.host_resident else None
+    ctx.sequences = [t is not None for t in sequences]
+    ctx.save_for_backward(x if ctx.host_copy is None else ctx.host_copy.host,
+                          *[t for t in sequences if t is not None],
+                          *[t for t, keeps in zip(kept, g.remat.keeps_each) if keeps],
+                          *[p for p in params if p is not None], *lora)
+    ctx.call, ctx.has_param = g, [p is not None for p in params]
+    # Where autograd alone will hold the kept activations (no saved-tensor hook, which may keep or
+    # pool what it packs), their addresses, so that backward can tell they are still these and free
+    # each at its last use
+    ctx.kept_addresses = None
+    if not custom_ops.traced(x.device) and _SAVED_TENSOR_HOOKS is not None and _SAVED_TENSOR_HOOKS(True) is None:
+        ctx.kept_addresses = [t.data_ptr() for t in kept if t is not None]
+    ctx.set_materialize_grads(False)  # the kept activations' gradients come as None, not zeros
+
+
+@custom_ops.cached_forward_signature
+class _EagerBlockFunction(torch.autograd.Function):
+    """The block's Function where nothing traces the call (``custom_ops.traced`` False): the same
+    forward, keeps and backward as _BlockFunction, with x (B, N, dim) and y as the module's, and the
+    kept activations held as the forward's own tensors instead of returned as outputs. Autograd
+    wraps, marks and routes each output of a Function, and its views into and out of (T, dim) are
+    nodes of their own: this way the call makes one node with one output. Its forward takes a ctx
+    (there is no output to set up from), which functorch transforms refuse; they are traced, so
+    they take _BlockFunction."""
+
+    @staticmethod
+    def forward(ctx, x, g: _BlockCall, *inputs):
+        """``inputs`` as _BlockFunction.forward's; x contiguous."""
+        sequences, params, lora = _split_inputs(inputs[:-1])
+        y, *kept = _block_forward(x.view(g.tokens, g.dim), g, _Sequences(*sequences), list(params), lora)
+        _keep_for_backward(ctx, x, g, sequences, params, lora, kept)
+        # y is the product's own (T, dim) tensor, reshaped in place: a view returned from a Function
+        # would forbid in-place ops on the block's output
+        return y.resize_(x.shape)
+
+    backward = staticmethod(_BlockFunction.backward)
 
 
 # Whether saved-tensor hooks are active, and whether this backward may run again (None where this
@@ -1112,17 +1142,20 @@ class TransformerBlock(reference.TransformerBlock):
                              float(a.dropout)) for a in adapters]),
         )
         key_layout = (None, None) if keys is None else (keys.cu_seqlens_k, keys.key_rows)
-        inputs = (x.reshape(call.tokens, self.dim).contiguous(), call, cu_seqlens, position_ids, rope_inv_freq,
-                  *key_layout, *params,
+        inputs = (call, cu_seqlens, position_ids, rope_inv_freq, *key_layout, *params,
                   *[t for a in adapters for t in (a.a, a.b)])
+        if not x.is_contiguous():
+            x = x.contiguous()
         if call.remat.host_resident:
             if backend.graph_capturing():
                 raise RuntimeError(f"{_OP}: remat 'offload' copies x to host memory and back on a side stream, which "
                                    "a CUDA graph cannot hold; choose a policy that keeps x on the device (or a "
                                    "memory_budget above x's share of 'none')")
-            y, *_ = _eager_block_function()(*inputs, False)
+            y, *_ = _eager_block_function()(x.view(call.tokens, self.dim), *inputs, False)
+        elif custom_ops.traced(x.device):
+            y, *_ = _BlockFunction.apply(x.view(call.tokens, self.dim), *inputs, False)
         else:
-            y, *_ = custom_ops.apply(_BlockFunction, x.device, *inputs)
+            return _EagerBlockFunction.apply_untraced(x, *inputs, True)
         return y.view(x.shape)
 
     def _document_keys(self, x, documents, cu_seqlens, max_seqlen, position_ids) -> cp_documents.DocumentKeys:

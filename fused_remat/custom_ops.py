@@ -125,6 +125,39 @@ def apply(function: type[torch.autograd.Function], device: torch.device, *args):
     return function.apply_untraced(*args, True)
 
 
+def apply_first(function: type[torch.autograd.Function], device: torch.device, *args):
+    """``apply(function, device, *args)[0]``, for a caller that wants the first output only: an
+    untraced call runs ``first_output_twin(function)``, which makes one output where ``function``
+    makes several."""
+    if traced(device):
+        return function.apply(*args, False)[0]
+    return first_output_twin(function).apply_untraced(*args, True)
+
+
+@functools.cache
+def first_output_twin(function: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
+    """A Function that runs ``function``'s forward, setup_context and backward (a Function with
+    ``setup_context`` whose forward returns a tuple, and whose backward takes the first output's
+    gradient alone: ``backward(ctx, grad, *_)``) but gives only the first output.
+
+    Autograd wraps and routes every output of a Function, differentiable or not; the rest here
+    (statistics, gradients made in the forward) are kept for backward as the forward's own tensors.
+    Its forward takes a ctx (it has no output to set up from), which functorch transforms refuse:
+    untraced calls only (``apply_first``)."""
+
+    def forward(ctx, *args):
+        output = function.forward(*args)
+        function.setup_context(ctx, args, output)
+        return output[0]
+
+    twin = type(f"{function.__name__}FirstOutput", (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(function.backward),
+                 "__module__": function.__module__,
+                 "__doc__": f"{function.__name__}'s first output (custom_ops.first_output_twin)."})
+    twin.apply_untraced = super(torch.autograd.Function, twin).apply
+    return twin
+
+
 def _absent(like: Tensor) -> Tensor:
     return like.new_empty(0)
 
@@ -369,13 +402,11 @@ def attention_packed_fwd(qkv: Tensor, batch: int, n_heads: int, n_kv_heads: int,
     """Attention of a packed qkv: (o (T, Hq D) token-major, ready for the output projection, lse).
     ``batch`` equal sequences (lse (B, Hq, N)), or the documents ``cu_seqlens`` marks in the T
     tokens (lse (Hq, T))."""
-    launch = kernels.attention.attention_fwd
+    launch = kernels.attention.attention_packed_fwd
 
-    heads, token_major, documents = _packed_layout(batch, n_heads, n_kv_heads, cu_seqlens, max_seqlen)
-    q, k, v = heads(qkv)
-    o = qkv.new_empty(qkv.shape[0], n_heads * q.shape[-1])
-    _, lse = launch(q, k, v, causal, scale, window=tuple(window), softcap=softcap, documents=documents,
-                    out=token_major(o))
+    o = qkv.new_empty(qkv.shape[0], n_heads * (qkv.shape[1] // (n_heads + 2 * n_kv_heads)))
+    lse = launch(qkv, o, (batch, n_heads, n_kv_heads, max_seqlen), _packed_layout, causal, scale, window, softcap,
+                 cu_seqlens)
     return o, lse
 
 
@@ -397,12 +428,11 @@ def attention_packed_bwd(do: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, batch:
                          n_kv_heads: int, causal: bool, scale: float, window: list[int], softcap: float,
                          cu_seqlens: Tensor | None, max_seqlen: int) -> Tensor:
     """dqkv (T, (Hq + 2 Hkv) D), packed like qkv, from do and o (T, Hq D) token-major."""
-    launch = kernels.attention.attention_bwd
+    launch = kernels.attention.attention_packed_bwd
 
-    heads, token_major, documents = _packed_layout(batch, n_heads, n_kv_heads, cu_seqlens, max_seqlen)
     dqkv = torch.empty_like(qkv)
-    launch(token_major(do), *heads(qkv), token_major(o), lse, causal, scale, window=tuple(window), softcap=softcap,
-           documents=documents, out=heads(dqkv))
+    launch(do, qkv, o, lse, dqkv, (batch, n_heads, n_kv_heads, max_seqlen), _packed_layout, causal, scale, window,
+           softcap, cu_seqlens)
     return dqkv
 
 

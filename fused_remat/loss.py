@@ -47,7 +47,7 @@ import torch
 
 from . import backend, value_checks
 from .backend import autocast_dtype, use_triton
-from .custom_ops import cached_forward_signature, first_order_only, kernels, traced
+from .custom_ops import first_order_only, first_output_twin, kernels, traced
 from .flops import flop_formula, matmul_flops
 from .kernels.limits import check_same_device, check_tensor
 
@@ -273,10 +273,10 @@ def _loss_backward(ctx, grad_loss, *_):
 _loss_and_grads_op.register_autograd(_loss_backward, setup_context=_setup_loss_context)
 
 
-@cached_forward_signature
 class _Loss(torch.autograd.Function):
     """The operator and its autograd as an eager call runs them, without the dispatcher: the same
-    forward, setup and backward (``custom_ops.traced`` calls take the operator)."""
+    forward, setup and backward, through ``first_output_twin`` (the loss alone is an output;
+    ``custom_ops.traced`` calls take the operator)."""
 
     forward = staticmethod(_loss_and_grads)
     setup_context = staticmethod(_setup_loss_context)
@@ -384,5 +384,6 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     grad = torch.is_grad_enabled()
     args = (hidden_rows, weight, targets.reshape(-1).long(), ignore_index, chunk_tokens, compute_dtype,
             grad and hidden.requires_grad, grad and weight.requires_grad)
-    loss, *_ = _loss_and_grads_op(*args) if traced(hidden.device) else _Loss.apply_untraced(*args)
-    return loss
+    if traced(hidden.device):
+        return _loss_and_grads_op(*args)[0]
+    return first_output_twin(_Loss).apply_untraced(*args)

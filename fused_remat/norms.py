@@ -90,7 +90,7 @@ class _NormFunction(torch.autograd.Function):
         ctx.mark_non_differentiable(mean, rstd)
 
     @staticmethod
-    def backward(ctx, dy, _dmean, _drstd):
+    def backward(ctx, dy, *_):  # mean's and rstd's gradients (never any), where they are outputs
         # The kernel rebuilds x_hat = (x - mean) * rstd in registers; it is never stored.
         x, weight, mean, rstd = ctx.saved_tensors
         dx, dweight, dbias, _ = custom_ops.ops(dy.device).norm_bwd(_rows(dy), _rows(x), weight.contiguous(), None, mean,
@@ -109,7 +109,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     _checked("layer_norm", x, weight, bias, eps)
     if not use_triton("layer_norm", x.device):
         return reference.layer_norm(x, weight, bias, eps)
-    return custom_ops.apply(_NormFunction, x.device, x, weight, bias, float(eps), False)[0]
+    return custom_ops.apply_first(_NormFunction, x.device, x, weight, bias, float(eps), False)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -120,4 +120,4 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     _checked("rms_norm", x, weight, None, eps)
     if not use_triton("rms_norm", x.device):
         return reference.rms_norm(x, weight, eps)
-    return custom_ops.apply(_NormFunction, x.device, x, weight, None, float(eps), True)[0]
+    return custom_ops.apply_first(_NormFunction, x.device, x, weight, None, float(eps), True)

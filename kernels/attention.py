@@ -328,9 +328,10 @@ class _ForwardPlan:
     tma: bool
 
 
-def _attention_fwd_planned(key, q, k, v, causal, scale, window, softcap, documents, out, config, tma):
+def _attention_fwd_planned(key, q, k, v, causal, scale, window, softcap, documents, out, config, tma,
+                           keep=_FWD_PLANS.keep):
     """attention_fwd's first call of a signature: every check, the launch through Triton's path, and
-    the plan its next calls take (not kept where a launch cannot be bound)."""
+    the plan its next calls take, ``keep(key, plan)`` (not kept where a launch cannot be bound)."""
     _require_contiguous_last_dim({"q": q, "k": k, "v": v})
     o = _output("out", out, q)
     if documents is not None:
@@ -340,7 +341,7 @@ def _attention_fwd_planned(key, q, k, v, causal, scale, window, softcap, documen
     p = _Problem.of(q, k, causal, scale, window, softcap, documents)
     lse = torch.empty((p.batch, p.q_heads, p.q_len), device=q.device, dtype=torch.float32)
     if o.numel() == 0 or p.grid_batch == 0:
-        _FWD_PLANS.keep(key, _ForwardPlan(tuple(lse.shape), None, False))
+        keep(key, _ForwardPlan(tuple(lse.shape), None, False))
         return o, lse[0] if documents is not None else lse
     _check_warp_specialization("config", config, kernel_has_it=True)
     use_tma = _use_tma(tma, {"k": k, "v": v})
@@ -351,7 +352,7 @@ def _attention_fwd_planned(key, q, k, v, causal, scale, window, softcap, documen
          *p.length_buckets), **p.constexprs(use_tma), NEGATIVE_SCALE=p.sm_scale < 0 and not p.softcap, **cfg,
     )
     if launch is not None:
-        _FWD_PLANS.keep(key, _ForwardPlan(tuple(lse.shape), launch, use_tma))
+        keep(key, _ForwardPlan(tuple(lse.shape), launch, use_tma))
     return o, lse[0] if documents is not None else lse
 
 
@@ -407,9 +408,9 @@ class _BackwardPlan:
 
 
 def _attention_bwd_planned(key, do, q, k, v, o, lse, causal, scale, window, softcap, documents, dlse, out, config,
-                           dkdv_config, tma):
+                           dkdv_config, tma, keep=_BWD_PLANS.keep):
     """attention_bwd's first call of a signature: every check, the launches through Triton's path,
-    and the plan its next calls take (not kept where a launch cannot be bound)."""
+    and the plan its next calls take, ``keep(key, plan)`` (not kept where a launch cannot be bound)."""
     _require_contiguous_last_dim({"q": q, "k": k, "v": v, "o": o})
     _check_warp_specialization("config", config, kernel_has_it=True)
     _check_warp_specialization("dkdv_config", dkdv_config, kernel_has_it=False)
@@ -423,7 +424,7 @@ def _attention_bwd_planned(key, do, q, k, v, o, lse, causal, scale, window, soft
         dq, dk, dv = grads
     p = _Problem.of(q, k, causal, scale, window, softcap, documents)
     if dq.numel() == 0 or p.grid_batch == 0:
-        _BWD_PLANS.keep(key, _BackwardPlan((), None, False))
+        keep(key, _BackwardPlan((), None, False))
         return grads[0], grads[1].zero_(), grads[2].zero_()
     # delta and the exponent biases, padded to a multiple of every BLOCK_M (see _attn_bwd_preprocess)
     row_multiple = max([128] + [c["BLOCK_M"] for c in (config, dkdv_config) if c])
@@ -455,8 +456,118 @@ def _attention_bwd_planned(key, do, q, k, v, o, lse, causal, scale, window, soft
         (*streamed, *dq.stride()[:3], *scalars), **constexprs, **cfg,
     )
     if None not in (preprocess, dkdv, dq_launch):
-        _BWD_PLANS.keep(key, _BackwardPlan((2, p.batch, p.q_heads, nq_rounded), (preprocess, dkdv, dq_launch), use_tma))
+        keep(key, _BackwardPlan((2, p.batch, p.q_heads, nq_rounded), (preprocess, dkdv, dq_launch), use_tma))
     return tuple(grads)
+
+
+# --------------------------------------------------------------------------------------------
+# Heads packed in one buffer (the block's qkv): plans keyed on the buffers
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _PackedPlan:
+    """attention_fwd's or attention_bwd's plan for the views of one packed layout, and the columns
+    of the packed buffer where k's and v's heads start."""
+
+    plan: object
+    k_column: int
+    v_column: int
+
+
+_PACKED_FWD_PLANS, _PACKED_BWD_PLANS = LaunchPlans(), LaunchPlans()
+
+
+def _column(view: torch.Tensor, buffer: torch.Tensor) -> int:
+    return view.storage_offset() - buffer.storage_offset()
+
+
+def attention_packed_fwd(qkv, o, layout: tuple, views, causal: bool, scale: float, window, softcap: float,
+                         cu_seqlens) -> torch.Tensor:
+    """attention_fwd of the heads of a packed qkv (T, (Hq + 2 Hkv) D) into o (T, Hq D), both
+    token-major; returns lse. ``layout`` = (batch, n_heads, n_kv_heads, max_seqlen) with
+    ``cu_seqlens`` (None: ``batch`` equal sequences) gives ``views(batch, n_heads, n_kv_heads,
+    cu_seqlens, max_seqlen)``: (a packed buffer's q, k, v views, a token-major buffer's view,
+    Documents or None), the views attention_fwd takes.
+
+    The views are made at a signature's first call only. Later calls key their plan on qkv, o and
+    the offsets themselves, and hand the launch qkv and o where it takes q and o (the same
+    addresses) and column slices of qkv for k and v: a bound launch reads only each tensor's
+    address (the views' strides are bound with it), and a view's address and alignment follow from
+    its buffer's."""
+    offsets = () if cu_seqlens is None else (cu_seqlens,)
+    key = (launch_key(_ATTN_FWD.compiled, (qkv, o, *offsets)), layout, causal, scale, tuple(window), softcap)
+    packed = _PACKED_FWD_PLANS.get(key)
+    if packed is None:
+        return _attention_packed_fwd_planned(key, qkv, o, layout, views, causal, scale, window, softcap, cu_seqlens)
+    plan = packed.plan
+    lse = torch.empty(*plan.lse_shape, device=qkv.device, dtype=torch.float32)
+    if plan.tma and isinstance(SCRATCH_ALLOCATOR.get(), NO_SCRATCH_ALLOCATOR):
+        ensure_scratch_allocator()
+    plan.launch(qkv, qkv[:, packed.k_column:packed.v_column], qkv[:, packed.v_column:], o, lse,
+                *(offsets * 2 or (lse, lse)))
+    return lse if cu_seqlens is None else lse[0]
+
+
+def _attention_packed_fwd_planned(key, qkv, o, layout, views, causal, scale, window, softcap, cu_seqlens):
+    """attention_packed_fwd's first call of a signature: attention_fwd's first call on the views,
+    its plan kept under the buffers' key (where it launches)."""
+    batch, n_heads, n_kv_heads, max_seqlen = layout
+    heads, token_major, documents = views(batch, n_heads, n_kv_heads, cu_seqlens, max_seqlen)
+    q, k, v = heads(qkv)
+
+    def keep(_, plan):
+        if plan.launch is not None:
+            _PACKED_FWD_PLANS.keep(key, _PackedPlan(plan, _column(k, qkv), _column(v, qkv)))
+
+    _, lse = _attention_fwd_planned(None, q, k, v, causal, scale, tuple(window), softcap, documents, token_major(o),
+                                    None, None, keep)
+    return lse
+
+
+def attention_packed_bwd(do, qkv, o, lse, dqkv, layout: tuple, views, causal: bool, scale: float, window,
+                         softcap: float, cu_seqlens) -> None:
+    """attention_bwd into dqkv (packed like qkv) from do and o (T, Hq D) token-major; the rest as
+    attention_packed_fwd's, and its plans likewise keyed on the buffers."""
+    offsets = () if cu_seqlens is None else (cu_seqlens,)
+    key = (launch_key(_ATTN_DQ.compiled, (do, qkv, o, lse, dqkv, *offsets)), layout, causal, scale, tuple(window),
+           softcap)
+    packed = _PACKED_BWD_PLANS.get(key)
+    if packed is None:
+        return _attention_packed_bwd_planned(key, do, qkv, o, lse, dqkv, layout, views, causal, scale, window,
+                                             softcap, cu_seqlens)
+    plan = packed.plan
+    if plan.tma and isinstance(SCRATCH_ALLOCATOR.get(), NO_SCRATCH_ALLOCATOR):
+        ensure_scratch_allocator()
+    k_column, v_column = packed.k_column, packed.v_column
+    k, v, dk, dv = qkv[:, k_column:v_column], qkv[:, v_column:], dqkv[:, k_column:v_column], dqkv[:, v_column:]
+    delta, bias = torch.empty(*plan.delta_shape, device=qkv.device, dtype=torch.float32).unbind(0)
+    sequences = offsets * 2 or (lse, lse)
+    preprocess, dkdv, dq_launch = plan.launches
+    preprocess(o, do, lse, lse, delta, bias)
+    dkdv(qkv, k, v, do, bias, delta, dk, dv, *sequences)
+    dq_launch(qkv, k, v, do, bias, delta, dqkv, *sequences)
+
+
+def _attention_packed_bwd_planned(key, do, qkv, o, lse, dqkv, layout, views, causal, scale, window, softcap,
+                                  cu_seqlens) -> None:
+    """attention_packed_bwd's first call of a signature, as _attention_packed_fwd_planned's: kept
+    where attention_bwd would take lse and do as given (contiguous, and with a contiguous last
+    dim), else attention_bwd as usual."""
+    batch, n_heads, n_kv_heads, max_seqlen = layout
+    heads, token_major, documents = views(batch, n_heads, n_kv_heads, cu_seqlens, max_seqlen)
+    q, k, v = heads(qkv)
+    args = (token_major(do), q, k, v, token_major(o), lse, causal, scale)
+    if not lse.is_contiguous() or do.stride(-1) != 1:
+        attention_bwd(*args, window=window, softcap=softcap, documents=documents, out=tuple(heads(dqkv)))
+        return
+
+    def keep(_, plan):
+        if plan.launches is not None:
+            _PACKED_BWD_PLANS.keep(key, _PackedPlan(plan, _column(k, qkv), _column(v, qkv)))
+
+    _attention_bwd_planned(None, *args, tuple(window), softcap, documents, None, tuple(heads(dqkv)), None, None, None,
+                           keep)
 
 
 def _check_warp_specialization(name: str, config: dict | None, kernel_has_it: bool) -> None:
