@@ -389,6 +389,48 @@ def test_preallocated_outputs_in_token_major_layout(device):
         attention_fwd(q, k, v, True, 0.25, out=torch.empty(b, hq, n, d + 1, device=device))
 
 
+@pytest.mark.parametrize("documents", [False, True], ids=["rows", "documents"])
+def test_packed_buffers_after_the_first_call_give_the_views_bits(documents, device):
+    """The block's attention of a packed qkv (custom_ops.direct.attention_packed_fwd and _bwd): after
+    a signature's first call, a call keys its plan on the buffers (qkv, o, dO, lse, dqkv) and hands
+    the launches buffers and column slices, not head views. Calls on fresh buffers, two at one
+    alignment and two at another (one element in: not 16-byte aligned, its own plan), each give
+    bitwise what the launchers give on the head views."""
+    from fused_remat import custom_ops
+    from fused_remat.kernels import attention as launchers
+
+    batch, n, hq, hkv, d = (1, 45, 4, 2, 16) if documents else (2, 37, 4, 2, 16)
+    cu = torch.tensor([0, 20, 20, 45], dtype=torch.int32, device=device) if documents else None
+    longest, tokens, width = (25 if documents else 0), batch * n, (hq + 2 * hkv) * d
+    layout = launchers.Documents((cu, cu, longest, longest)) if documents else None
+
+    def heads(buffer):
+        if documents:
+            return custom_ops.split_token_heads(buffer, hq, hkv)
+        return custom_ops.split_heads(buffer, batch, hq, hkv)
+
+    def token_major(buffer):
+        return custom_ops.token_heads(buffer, hq) if documents else custom_ops.token_major_heads(buffer, batch, hq)
+
+    plans = (launchers._PACKED_FWD_PLANS, launchers._PACKED_BWD_PLANS)
+    for packed in plans:
+        packed.clear()
+    for call, offset in enumerate((0, 0, 1, 1)):
+        qkv = torch.randn(tokens * width + offset, device=device)[offset:].view(tokens, width)
+        do = torch.randn(tokens, hq * d, device=device)
+        o, lse = custom_ops.direct.attention_packed_fwd(qkv, batch, hq, hkv, True, 0.25, [-1, -1], 0.0, cu, longest)
+        dqkv = custom_ops.direct.attention_packed_bwd(do, qkv, o, lse, batch, hq, hkv, True, 0.25, [-1, -1], 0.0, cu,
+                                                      longest)
+        o_views, lse_views = launchers.attention_fwd(*heads(qkv), True, 0.25, documents=layout)
+        assert torch.equal(token_major(o), o_views) and torch.equal(lse, lse_views)
+        grads = launchers.attention_bwd(token_major(do), *heads(qkv), o_views, lse_views, True, 0.25,
+                                        documents=layout)
+        for name, got, expected in zip("qkv", heads(dqkv), grads):
+            assert torch.equal(got, expected), f"d{name}, call {call}"
+        # a plan for each alignment, made at its first call
+        assert [len(packed._plans) for packed in plans] == [call // 2 + 1] * 2, call
+
+
 def test_gradients_are_bitwise_deterministic(device, triton_backend):
     q, k, v = _inputs(1, 8, 2, 150, 97, 48, F16, device)
     o = fused_remat.attention(q, k, v, causal=True)

@@ -251,6 +251,34 @@ def test_frozen_parameters_get_no_gradient_and_the_rest_still_match(device, trit
     torch.testing.assert_close(x.grad, expected[1], rtol=1e-4, atol=1e-5)
 
 
+def test_the_output_is_its_own_tensor_and_takes_in_place_ops(device, triton_backend):
+    """y is a (B, N, dim) tensor of its own, not a view of the block's (T, dim) product (a view
+    returned by an autograd Function refuses in-place ops): an op in place on it differentiates as on
+    any tensor. A non-contiguous x gives what its contiguous copy gives."""
+    config = _config()
+    block = _fused_block(_reference_block(config, device), config, "cheap")
+    x = torch.randn(2, 5, DIM, device=device, requires_grad=True)
+    dy = torch.randn_like(x)
+    y = block(x)
+    assert y._base is None and y.shape == x.shape and y.is_contiguous()
+    (dx,) = torch.autograd.grad(y, x, 3.0 * dy)
+    scaled = block(x)
+    scaled.mul_(3.0)
+    assert torch.equal(scaled, 3.0 * y)
+    (dx_scaled,) = torch.autograd.grad(scaled, x, dy)
+    assert torch.equal(dx_scaled, dx)
+
+    rows_first = torch.randn(5, 2, DIM, device=device, requires_grad=True)
+    transposed = rows_first.transpose(0, 1)
+    assert not transposed.is_contiguous()
+    copied = rows_first.detach().transpose(0, 1).contiguous().requires_grad_()
+    y_transposed, y_copied = block(transposed), block(copied)
+    assert torch.equal(y_transposed, y_copied)
+    (d_rows_first,) = torch.autograd.grad(y_transposed, rows_first, dy)
+    (d_copied,) = torch.autograd.grad(y_copied, copied, dy)
+    assert torch.equal(d_rows_first.transpose(0, 1), d_copied)
+
+
 def test_state_dicts_move_both_ways(device):
     config = _config(norm="rmsnorm", activation="swiglu", kv_heads=1, rope=True, bias=False)
     ref = _reference_block(config, device)
