@@ -33,7 +33,8 @@ def _assert_is_layer_norm(x, y):
 def test_auto_runs_triton_where_it_can(device, monkeypatch):
     monkeypatch.setenv("FUSED_REMAT_BACKEND", "auto")
     x, y = _norm_output(device)
-    assert type(y.grad_fn).__name__ == "_NormFunctionBackward"
+    # the Function itself, or its one-output twin where nothing traces the call
+    assert type(y.grad_fn).__name__ in ("_NormFunctionBackward", "_NormFunctionFirstOutputBackward")
     _assert_is_layer_norm(x, y)
 
 
