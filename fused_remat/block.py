@@ -745,7 +745,6 @@ class _BlockFunction(torch.autograd.Function):
                                            *[next(dparams) if has else None for has in ctx.has_param], *dlora, None)
 
 
-
 def _keep_for_backward(ctx, x, g: _BlockCall, sequences: list, params: list, lora: list, kept: list) -> None:
     """Everything kept for backward, in one place: x (or, offloaded, its host copy), the policy's
     activations (``remat.kept()``; ``kept`` holds one per _SLOTS entry), the parameters as themselves
