@@ -110,7 +110,7 @@ def test_kept_launches_hand_the_driver_what_tritons_launch_path_does(kept_result
     """Every op's and block case's second call, each launch through the compiled kernel kept for its
     signature (launch.KeptKernel), gives the driver's launcher the same grid, stream, function,
     metadata, hooks and arguments (a tensor, of which the launcher reads the address, by dtype,
-    storage offset, size and alignment) as the first call's, each launch the first of its signature
+    storage offset, storage size and alignment) as the first call's, each launch the first of its signature
     and so through Triton's own path; a hook that calls nothing may be handed as None, and a third
     call with a launch hook set hands each launch the hook and its metadata."""
     from bench.host import all_cases
