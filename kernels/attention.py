@@ -8,8 +8,10 @@ by ``limits.check_attention_args`` in the ops that call these launchers. With ``
 ``Documents``), FlashAttention 2's packed variable-length layout instead.
 
 ``attention_fwd`` launches ``_attn_fwd``; ``attention_bwd`` launches ``_attn_bwd_preprocess``,
-``_attn_bwd_dkdv`` and ``_attn_bwd_dq``. A row that sees no key (causal, Nq > Nk) gets o = 0,
-lse = -inf, and zero gradients; any Nq, Nk >= 1 and head dims 1..256.
+``_attn_bwd_dkdv`` and ``_attn_bwd_dq``; ``attention_packed_fwd`` and ``attention_packed_bwd`` launch
+them on the heads of one packed buffer (the block's qkv), their plans keyed on the buffers. A row
+that sees no key (causal, Nq > Nk) gets o = 0, lse = -inf, and zero gradients; any Nq, Nk >= 1 and
+head dims 1..256.
 
 The streamed tiles (K and V in the forward and dQ, Q and dO in dK/dV) are read through device-side
 tensor descriptors (``tl.make_tensor_descriptor``; TMA on Hopper and newer, and Triton's interpreter
