@@ -150,12 +150,10 @@ def first_output_twin(function: type[torch.autograd.Function]) -> type[torch.aut
         function.setup_context(ctx, args, output)
         return output[0]
 
-    twin = type(f"{function.__name__}FirstOutput", (torch.autograd.Function,),
-                {"forward": staticmethod(forward), "backward": staticmethod(function.backward),
-                 "__module__": function.__module__,
-                 "__doc__": f"{function.__name__}'s first output (custom_ops.first_output_twin)."})
-    twin.apply_untraced = super(torch.autograd.Function, twin).apply
-    return twin
+    return cached_forward_signature(type(
+        f"{function.__name__}FirstOutput", (torch.autograd.Function,),
+        {"forward": staticmethod(forward), "backward": staticmethod(function.backward), "__module__": function.__module__,
+         "__doc__": f"{function.__name__}'s first output (custom_ops.first_output_twin)."}))
 
 
 def _absent(like: Tensor) -> Tensor:
@@ -172,10 +170,11 @@ def _like(t: Tensor) -> Tensor:
 
 
 def cached_forward_signature(function: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
-    """Class decorator for a Function with ``setup_context``: ``Function.apply`` binds each call's
-    arguments to ``forward``'s signature (for its defaults), and ``inspect.signature`` rebuilds that
-    on every call unless the function carries one; it is built once here. ``apply_untraced``:
-    autograd's own apply beneath that layer, for ``apply``."""
+    """Class decorator for a Function: ``apply_untraced``, autograd's own apply beneath
+    ``Function.apply``'s Python layer, for ``apply``. For a Function with ``setup_context``,
+    ``Function.apply`` binds each call's arguments to ``forward``'s signature (for its defaults), and
+    ``inspect.signature`` rebuilds that on every call unless the function carries one; it is built
+    once here (a forward that takes a ctx is never bound: there it goes unused)."""
     function.forward.__signature__ = inspect.signature(function.forward)
     function.apply_untraced = super(torch.autograd.Function, function).apply
     return function
