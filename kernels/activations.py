@@ -152,9 +152,10 @@ class _Call:
         self.launch, self.outputs, self.pick, self.rows = launch, outputs, operator.itemgetter(*order), rows
 
     def __call__(self, inputs: tuple) -> tuple:
-        outputs = (*map(new_like, itertools.repeat(inputs[0], self.outputs)),)
+        first = inputs[0]
+        outputs = (new_like(first),) if self.outputs == 1 else tuple([new_like(first) for _ in range(self.outputs)])
         tensors = self.pick((*inputs, *outputs))
-        if inputs[0].dim() != 2:  # views only where the shape changes: each costs host time
+        if first.dim() != 2:  # views only where the shape changes: each costs host time
             tensors = map(torch.Tensor.view, tensors, itertools.repeat(self.rows))
         self.launch(*tensors)
         return outputs
@@ -168,7 +169,7 @@ def _keep_call(key: tuple, launch, inputs: tuple, rows: list[torch.Tensor], outp
         _CALLS.keep(key, _Call(launch, outputs, order, rows[0].shape))
 
 
-def _output_slots(given: int, written: list[bool]) -> list[int]:
+def _output_slots(given: int, written: tuple[bool, ...]) -> list[int]:
     """Where each output of a call comes from among ``_Call``'s tensors (its inputs, the outputs
     given to it, then the new ones): ``written[i]`` says whether output i was given (written in
     place) or is new. ``given``: how many tensors the call was given, inputs and outputs."""
@@ -263,8 +264,8 @@ def gelu_bwd(
     any tensor of x's shape and dtype writable as rows with unit column stride)."""
     if not rebuild_output:
         y = None
-    written = [dx is not None, *([y is not None] if rebuild_output else [])]  # each output: given or new
-    given = (x, dy, *[out for out in (dx, y) if out is not None])
+    written = (dx is not None, y is not None) if rebuild_output else (dx is not None,)  # each output: given or new
+    given = (x, dy) if dx is None and y is None else (x, dy, *[out for out in (dx, y) if out is not None])
     key = (("gelu_bwd", approximate, *written), launch_key(_GELU.compiled, given))
     call = _CALLS.get(key)
     if call is not None:
@@ -320,8 +321,9 @@ def swiglu_bwd(
     """
     if not rebuild_output:
         y = None
-    written = [dgate is not None, dup is not None, *([y is not None] if rebuild_output else [])]
-    given = (gate, up, dy, *[out for out in (dgate, dup, y) if out is not None])
+    written = (dgate is not None, dup is not None, *((y is not None,) if rebuild_output else ()))
+    given = (gate, up, dy) if dgate is None and dup is None and y is None else (
+        gate, up, dy, *[out for out in (dgate, dup, y) if out is not None])
     key = (("swiglu_bwd", *written), launch_key(_SWIGLU.compiled, given))
     call = _CALLS.get(key)
     if call is not None:

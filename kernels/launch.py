@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import itertools
-import operator
 import weakref
 
 import torch
@@ -206,19 +204,18 @@ def launch_context(compiled: bool) -> tuple:
 # goes through Python's slower argument parsing)
 new_like = functools.partial(torch.empty_like, memory_format=torch.contiguous_format)
 
-_SHAPE_DTYPE_DEVICE = operator.attrgetter("shape", "dtype", "device")
-_STRIDES, _ADDRESS = operator.methodcaller("stride"), operator.methodcaller("data_ptr")
-
 
 def launch_key(compiled: bool, tensors) -> tuple:
-    """What a launch plan's key holds of the tensors and the launch: each tensor's shape, dtype,
-    device, strides and address modulo 16 (Triton specializes a pointer on 16-byte alignment;
-    tensor descriptors need it), then ``launch_context(compiled)``. Built by C callables over the
-    tensors and in one Python frame: it runs at every launch."""
+    """What a launch plan's key holds of the launch and the tensors: ``launch_context(compiled)``,
+    then per tensor its shape, dtype, device, strides and address modulo 16 (Triton specializes a
+    pointer on 16-byte alignment; tensor descriptors need it). In one Python frame, a tuple per
+    tensor appended in a loop: it runs at every launch, and this form costs less than building it
+    from maps of C callables."""
     active = driver.active if compiled else None
-    return (*map(_SHAPE_DTYPE_DEVICE, tensors), *map(_STRIDES, tensors),
-            *map(operator.and_, map(_ADDRESS, tensors), itertools.repeat(15)),
-            active, None if active is None else active.get_current_device())
+    key = [active, None if active is None else active.get_current_device()]
+    for t in tensors:
+        key.append((t.shape, t.dtype, t.device, t.stride(), t.data_ptr() & 15))
+    return tuple(key)
 
 
 class LaunchPlans:

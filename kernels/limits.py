@@ -296,20 +296,30 @@ def check_documents(op: str, cu_seqlens, tokens: int, device: torch.device, max_
                              "(reading it from the offsets needs their values)")
         return int(max_seqlen)
     # A model hands the same offsets to every layer: they are read once, and the result is kept on
-    # the tensor with its version counter, which any in-place change of the offsets moves.
-    checked = getattr(cu_seqlens, "_fused_remat_checked", None)
-    if offsets is None and checked is not None and checked[:2] == (cu_seqlens._version, tokens) and \
-            max_seqlen in (None, checked[2]):
-        return checked[2]
+    # the tensor with its version counter, which any in-place change of the offsets moves, with the
+    # values read (or given), so that a check against other tokens or max_seqlen reads none again.
     if offsets is None:
-        offsets = cu_seqlens.tolist()
+        checked = getattr(cu_seqlens, "_fused_remat_checked", None)
+        if checked is None or checked[0] != cu_seqlens._version:
+            offsets = cu_seqlens.tolist()
+        elif checked[1] == tokens and max_seqlen in (None, checked[2]):
+            return checked[2]
+        else:
+            offsets = checked[3]
     elif len(offsets) != cu_seqlens.numel():
         raise ValueError(f"{op}: offsets has {len(offsets)} entries for cu_seqlens of {cu_seqlens.numel()}")
     _check_offsets(op, "cu_seqlens", offsets, "x (B N tokens)", tokens, "max_seqlen", max_seqlen)
     longest = max(end - start for start, end in zip(offsets, offsets[1:]))
     longest = longest if max_seqlen is None else int(max_seqlen)
-    cu_seqlens._fused_remat_checked = (cu_seqlens._version, tokens, longest)
+    cu_seqlens._fused_remat_checked = (cu_seqlens._version, tokens, longest, tuple(offsets))
     return longest
+
+
+def known_offsets(cu_seqlens: torch.Tensor) -> list[int] | None:
+    """The values of ``cu_seqlens`` as ``check_documents`` last checked them, where the tensor has
+    not changed since (its version counter), else None: the caller reads them from the tensor."""
+    checked = getattr(cu_seqlens, "_fused_remat_checked", None)
+    return list(checked[3]) if checked is not None and checked[0] == cu_seqlens._version else None
 
 
 def check_position_ids(op: str, position_ids, shape: tuple[int, int], device: torch.device) -> None:

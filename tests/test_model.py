@@ -396,6 +396,31 @@ def test_on_a_gpu_a_training_step_reads_no_value_on_the_host(device, triton_back
     assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters())
 
 
+def test_documents_moved_by_batch_to_are_not_read_back(device, triton_backend, checked_later):
+    """Offsets that ``Batch.to`` brings from host memory are checked there, from their values: a
+    step on them reads no value on the host, where the same offsets made on the device are read
+    once (each read a wait for the GPU). Bad offsets are refused by ``Batch.to``, naming them."""
+    from bench.host import HostRead, host_read_guard
+    from fused_remat.kernels.limits import known_offsets
+    from fused_remat.training.data import Batch
+
+    model = LanguageModel(CONFIG, "cheap", device=device)
+    tokens = torch.randint(0, 200, (2, 7))
+    offsets = [0, 3, 10, 14]
+    moved = Batch(tokens, tokens, torch.tensor(offsets, dtype=torch.int32)).to(device)
+    assert known_offsets(moved.cu_seqlens) == offsets
+    with host_read_guard(capturing=False):
+        loss = model(moved.inputs, moved.targets, cu_seqlens=moved.cu_seqlens, max_seqlen=moved.max_seqlen)
+        loss.backward()
+    made_there = torch.tensor(offsets, dtype=torch.int32, device=device)
+    with host_read_guard(capturing=False), pytest.raises(HostRead):
+        model(moved.inputs, moved.targets, cu_seqlens=made_there)
+    moved.cu_seqlens.add_(0)  # an in-place change: the values kept are no longer the tensor's
+    assert known_offsets(moved.cu_seqlens) is None
+    with pytest.raises(ValueError, match=r"^Batch: cu_seqlens must end at the number of rows of x \(B N tokens\) \(14\)"):
+        Batch(tokens, tokens, torch.tensor([0, 3, 10], dtype=torch.int32)).to(device)
+
+
 @pytest.mark.gpu
 def test_cuda_training_step_never_waits_for_the_gpu():
     """torch.cuda's sync debug mode raises on any call that waits for the GPU: a LanguageModel's

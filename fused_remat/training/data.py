@@ -61,6 +61,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..kernels.limits import check_documents
+
 if TYPE_CHECKING:
     from ..context_parallel_documents import DocumentShards
 
@@ -160,9 +162,16 @@ class Batch:
     documents: DocumentShards | None = None
 
     def to(self, device: torch.device | str) -> Batch:
+        """The batch on ``device``. Offsets in host memory are checked here, from their values, and
+        their copy is marked checked with them (``check_documents``): the model, and a graphed step
+        that pads them, then need not read them back from the device, a wait for the GPU each step."""
+        inputs = self.inputs.to(device)
         cu_seqlens = None if self.cu_seqlens is None else self.cu_seqlens.to(device)
+        if cu_seqlens is not None and self.cu_seqlens.device.type == "cpu":
+            check_documents("Batch", cu_seqlens, inputs.numel(), inputs.device, self.max_seqlen,
+                            offsets=self.cu_seqlens.tolist())
         documents = None if self.documents is None else self.documents.to(device)
-        return Batch(self.inputs.to(device), self.targets.to(device), cu_seqlens, self.max_seqlen, documents)
+        return Batch(inputs, self.targets.to(device), cu_seqlens, self.max_seqlen, documents)
 
     def causal_attention_pairs(self) -> int:
         """The (query, key) pairs causal attention scores: n (n + 1) / 2 summed over the segments

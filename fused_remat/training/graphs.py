@@ -33,10 +33,10 @@ documents to a fixed count (twice the first batch's, rounded up to a power of tw
 longest document, if longer). Empty documents add nothing and a bound is only a bound: the step
 computes what it computes on the batch as given, the attention's tiles chosen by the bound's length
 bucket (bit for bit an eager step given the same bound). The offsets are read and checked on the
-host before each step (free where they are on the CPU, one wait for the GPU where they are on it)
-and copied into the graph's buffer. A batch that does not fit (documents where the graph had none,
-more documents, or a longer one) drops the graph: its step runs eagerly in a form that fits it,
-and the next step captures again.
+host before each step (free where they are on the CPU or ``Batch.to`` brought them from there, one
+wait for the GPU where they were made on it) and copied into the graph's buffer. A batch that does
+not fit (documents where the graph had none, more documents, or a longer one) drops the graph: its
+step runs eagerly in a form that fits it, and the next step captures again.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from ..kernels.limits import check_documents
+from ..kernels.limits import check_documents, known_offsets
 from .data import Batch
 from .step import train_step
 
@@ -210,7 +210,7 @@ class _DocumentForm:
                              "captured (train_step)")
         if batch.cu_seqlens is None:
             return None
-        offsets = batch.cu_seqlens.tolist()
+        offsets = known_offsets(batch.cu_seqlens) or batch.cu_seqlens.tolist()  # Batch.to keeps them
         check_documents(_WHAT, batch.cu_seqlens, batch.inputs.numel(), batch.inputs.device, batch.max_seqlen,
                         offsets=offsets)
         return offsets
