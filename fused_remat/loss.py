@@ -182,11 +182,14 @@ def _loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
                     chunk_tokens: int, compute_dtype: torch.dtype, want_dhidden: bool,
                     want_dweight: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mean loss, dhidden and dweight short of the factor backward_scale (empty unless wanted),
-    backward_scale) for hidden (T, dim) and targets (T,) int64.
+    backward_scale) for hidden (..., dim) and targets (T,) int64, T the rows of hidden; dhidden in
+    hidden's shape.
 
     A custom operator, so that torch.compile treats the loss as one node: the target check and the
-    chunk loop stay inside it instead of breaking the graph."""
+    chunk loop stay inside it instead of breaking the graph. hidden comes as the caller has it and
+    is seen as rows here: a reshape outside would be a view node of its own in autograd."""
     vocab = weight.shape[0]
+    hidden_rows = hidden if hidden.dim() == 2 else hidden.reshape(-1, hidden.shape[-1])
     if use_triton(_OP, hidden.device):
         # The targets' count, check and the mean's scales by one kernel, read on the device
         step, targets = kernels.cross_entropy, targets.contiguous()
@@ -196,7 +199,7 @@ def _loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
         step.target_statistics_(targets, vocab, ignore_index, stats, backward_scale)
         value_checks.check_later(stats[step.OUT_OF_RANGE:], lambda later: _out_of_range(
             targets, vocab, ignore_index, value_checks.found_later("call") if later else ""))
-        args = (hidden, weight, targets, None, chunk_tokens, compute_dtype, want_dhidden, want_dweight, stats,
+        args = (hidden_rows, weight, targets, None, chunk_tokens, compute_dtype, want_dhidden, want_dweight, stats,
                 ignore_index)
         divisor, poison = stats[step.DIVISOR], None
     else:
@@ -204,7 +207,7 @@ def _loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
         forward_scale, backward_scale = _split_mean_scale(n_valid, hidden.device)
         if not isinstance(forward_scale, torch.Tensor):
             forward_scale = torch.full((), forward_scale, dtype=torch.float32, device=hidden.device)
-        args = (hidden, weight, step_targets, counted, chunk_tokens, compute_dtype, want_dhidden, want_dweight,
+        args = (hidden_rows, weight, step_targets, counted, chunk_tokens, compute_dtype, want_dhidden, want_dweight,
                 forward_scale, None)
         divisor = max(n_valid, 1) if isinstance(n_valid, int) else n_valid.clamp(min=1)
     if torch.is_autocast_enabled(hidden.device.type):
@@ -215,7 +218,7 @@ def _loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     loss = row_losses.sum() / divisor
     if poison is not None:
         loss, backward_scale = loss + poison, backward_scale + poison
-    return (loss, hidden.new_empty(0) if dhidden is None else dhidden,
+    return (loss, hidden.new_empty(0) if dhidden is None else dhidden.view(hidden.shape),
             hidden.new_empty(0, dtype=torch.float32) if dweight is None else dweight, backward_scale)
 
 
@@ -235,7 +238,7 @@ def _(hidden_shape, weight_shape, targets_shape, ignore_index, chunk_tokens, com
       want_dweight, **_) -> int:
     """The logits, and the two gradient products the forward makes while it has them (the backward
     only scales what the forward made)."""
-    logits = matmul_flops(hidden_shape[0], hidden_shape[1], weight_shape[0])
+    logits = matmul_flops(math.prod(hidden_shape[:-1]), hidden_shape[-1], weight_shape[0])
     return logits * (1 + want_dhidden + want_dweight)
 
 
@@ -377,12 +380,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     """
     _validate(hidden, weight, targets, ignore_index, chunk_tokens)
     vocab, dim = weight.shape
-    hidden_rows = hidden.reshape(-1, dim)
     if chunk_tokens is None:
-        chunk_tokens = default_chunk_tokens(hidden_rows.shape[0], vocab, dim)
+        chunk_tokens = default_chunk_tokens(targets.numel(), vocab, dim)  # targets: hidden's leading shape
     compute_dtype = autocast_dtype(hidden.device.type) or hidden.dtype
     grad = torch.is_grad_enabled()
-    args = (hidden_rows, weight, targets.reshape(-1).long(), ignore_index, chunk_tokens, compute_dtype,
+    args = (hidden, weight, targets.reshape(-1).long(), ignore_index, chunk_tokens, compute_dtype,
             grad and hidden.requires_grad, grad and weight.requires_grad)
     if traced(hidden.device):
         return _loss_and_grads_op(*args)[0]
