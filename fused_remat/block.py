@@ -708,8 +708,8 @@ class _BlockFunction(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, g, *rest, _ = inputs
-        _keep_for_backward(ctx, x, g, *_split_inputs(rest), output[1:])
+        x, g, *rest, untraced = inputs
+        _keep_for_backward(ctx, x, g, *_split_inputs(rest), output[1:], untraced)
         ctx.mark_non_differentiable(*[t for t in output[1:] if t is not None])
 
     @staticmethod
@@ -745,12 +745,13 @@ class _BlockFunction(torch.autograd.Function):
                                            *[next(dparams) if has else None for has in ctx.has_param], *dlora, None)
 
 
-def _keep_for_backward(ctx, x, g: _BlockCall, sequences: list, params: list, lora: list, kept: list) -> None:
+def _keep_for_backward(ctx, x, g: _BlockCall, sequences: list, params: list, lora: list, kept: list,
+                       untraced: bool) -> None:
     """Everything kept for backward, in one place: x (or, offloaded, its host copy), the policy's
     activations (``remat.kept()``; ``kept`` holds one per _SLOTS entry), the parameters as themselves
     (no copies; under autocast backward casts them again), the adapters' factors likewise, and the
     documents' offsets and positions where given (the model's inputs, shared by every layer), and
-    RoPE's frequencies where given."""
+    RoPE's frequencies where given. ``untraced``: the call is known not to be traced (else asked)."""
     ctx.host_copy = offload.HostCopy(x) if g.remat.host_resident else None
     ctx.sequences = [t is not None for t in sequences]
     ctx.save_for_backward(x if ctx.host_copy is None else ctx.host_copy.host,
@@ -762,7 +763,8 @@ def _keep_for_backward(ctx, x, g: _BlockCall, sequences: list, params: list, lor
     # pool what it packs), their addresses, so that backward can tell they are still these and free
     # each at its last use
     ctx.kept_addresses = None
-    if not custom_ops.traced(x.device) and _SAVED_TENSOR_HOOKS is not None and _SAVED_TENSOR_HOOKS(True) is None:
+    if (untraced or not custom_ops.traced(x.device)) and _SAVED_TENSOR_HOOKS is not None \
+            and _SAVED_TENSOR_HOOKS(True) is None:
         ctx.kept_addresses = [t.data_ptr() for t in kept if t is not None]
     ctx.set_materialize_grads(False)  # the kept activations' gradients come as None, not zeros
 
@@ -782,7 +784,7 @@ class _EagerBlockFunction(torch.autograd.Function):
         """``inputs`` as _BlockFunction.forward's; x contiguous."""
         sequences, params, lora = _split_inputs(inputs[:-1])
         y, *kept = _block_forward(x.view(g.tokens, g.dim), g, _Sequences(*sequences), list(params), lora)
-        _keep_for_backward(ctx, x, g, sequences, params, lora, kept)
+        _keep_for_backward(ctx, x, g, sequences, params, lora, kept, True)
         # y is the product's own (T, dim) tensor, reshaped in place: a view returned from a Function
         # would forbid in-place ops on the block's output
         return y.resize_(x.shape)
