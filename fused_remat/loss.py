@@ -218,7 +218,9 @@ def _loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     loss = row_losses.sum() / divisor
     if poison is not None:
         loss, backward_scale = loss + poison, backward_scale + poison
-    return (loss, hidden.new_empty(0) if dhidden is None else dhidden.view(hidden.shape),
+    if dhidden is not None and hidden.dim() != 2:
+        dhidden = dhidden.view(hidden.shape)
+    return (loss, hidden.new_empty(0) if dhidden is None else dhidden,
             hidden.new_empty(0, dtype=torch.float32) if dweight is None else dweight, backward_scale)
 
 
