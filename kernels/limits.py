@@ -299,8 +299,8 @@ def check_documents(op: str, cu_seqlens, tokens: int, device: torch.device, max_
     # the tensor with its version counter, which any in-place change of the offsets moves, with the
     # values read (or given), so that a check against other tokens or max_seqlen reads none again.
     if offsets is None:
-        checked = getattr(cu_seqlens, "_fused_remat_checked", None)
-        if checked is None or checked[0] != cu_seqlens._version:
+        checked = _current_check(cu_seqlens)
+        if checked is None:
             offsets = cu_seqlens.tolist()
         elif checked[1] == tokens and max_seqlen in (None, checked[2]):
             return checked[2]
@@ -315,11 +315,18 @@ def check_documents(op: str, cu_seqlens, tokens: int, device: torch.device, max_
     return longest
 
 
+def _current_check(cu_seqlens: torch.Tensor) -> tuple | None:
+    """What ``check_documents`` last kept on ``cu_seqlens`` (version, tokens, longest, offsets), where
+    the tensor has not changed since (its version counter), else None."""
+    checked = getattr(cu_seqlens, "_fused_remat_checked", None)
+    return checked if checked is not None and checked[0] == cu_seqlens._version else None
+
+
 def known_offsets(cu_seqlens: torch.Tensor) -> list[int] | None:
     """The values of ``cu_seqlens`` as ``check_documents`` last checked them, where the tensor has
-    not changed since (its version counter), else None: the caller reads them from the tensor."""
-    checked = getattr(cu_seqlens, "_fused_remat_checked", None)
-    return list(checked[3]) if checked is not None and checked[0] == cu_seqlens._version else None
+    not changed since, else None: the caller reads them from the tensor."""
+    checked = _current_check(cu_seqlens)
+    return None if checked is None else list(checked[3])
 
 
 def check_position_ids(op: str, position_ids, shape: tuple[int, int], device: torch.device) -> None:
