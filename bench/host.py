@@ -45,6 +45,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -84,7 +85,8 @@ class HostCase:
     ours: Callable[[], Callable[[], object]]
     eager: Callable[[], Callable[[], object]]
     eager_note: str = ""
-    function: bool = True  # ours runs through a torch.autograd.Function (an op's is timed beside ``function_floor``)
+    # ``function_floor`` of ours' inputs, timed beside both: where ours runs a torch.autograd.Function
+    floor: Callable[[], Callable[[], object]] | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -214,12 +216,14 @@ def counts(call: Callable[[], object], driver) -> dict:
             "triton_calls": tally["triton_calls"], "dispatches": tally["dispatches"]}
 
 
-def function_floor() -> Callable[[], object]:
-    """forward + backward of the least an op can be as a Python ``torch.autograd.Function``: one that
-    allocates its output and its input's gradient and launches nothing, applied as every op applies
-    its Function (``custom_ops.apply``) and differentiated as every case is (``_step``). What an op
-    costs above it is its checks, its launches and its allocations; what it costs below eager's
-    figure is what no trimming of those can reach while the op is a Python Function."""
+def function_floor(inputs: list) -> Callable[[], object]:
+    """forward + backward of the least a call on ``inputs`` can be as a Python
+    ``torch.autograd.Function``: one that takes the call's inputs, keeps its tensors for backward,
+    allocates an output like the first and a gradient for each input that needs one, and launches
+    nothing, applied as every op applies its Function (``custom_ops.apply``) and differentiated as
+    every case is (``_step``). What a call costs above it is its checks, launches, products and
+    allocations; what the floor costs is what no trimming of those can reach while the call is a
+    Python Function."""
     import torch
 
     from fused_remat import custom_ops
@@ -227,26 +231,28 @@ def function_floor() -> Callable[[], object]:
     @custom_ops.cached_forward_signature
     class Floor(torch.autograd.Function):
         @staticmethod
-        def forward(x, untraced: bool):
+        def forward(x, *rest):
             return torch.empty_like(x)
 
         @staticmethod
         def setup_context(ctx, inputs, output):
-            ctx.save_for_backward(inputs[0])  # as an op keeps its input
+            # as a call keeps its inputs: None for those that are not tensors (and ``untraced``)
+            ctx.save_for_backward(*(t if isinstance(t, torch.Tensor) else None for t in inputs[:-1]))
 
         @staticmethod
         def backward(ctx, dy):
-            return torch.empty_like(dy), None
+            return (*(torch.empty_like(t) if need else None for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad)),
+                    None)
 
-    return _step(lambda x: custom_ops.apply(Floor, x.device, x), [_tensor(TOKENS, WIDTH)])
+    return _step(lambda *given: custom_ops.apply(Floor, given[0].device, *given), inputs)
 
 
 def measure(case: HostCase, driver, repeats: int, warmup: int = 3) -> dict:
-    """One case's row: ours and eager's host time and counts, and for an op the Function floor's
-    time (``function_floor``), the three timed in turns."""
+    """One case's row: ours and eager's host time and counts, and where ours runs a Function the
+    floor's (``function_floor``), the three timed in turns."""
     calls = {side: getattr(case, side)() for side in ("ours", "eager")}
-    if case.kind == "op" and case.function:
-        calls["floor"] = function_floor()
+    if case.floor is not None:
+        calls["floor"] = case.floor()
     for call in calls.values():
         for _ in range(warmup):
             call()
@@ -305,19 +311,23 @@ def op_cases() -> list[HostCase]:
     cases.append(HostCase(
         "layer_norm", "op",
         ours=lambda: _step(lambda x, w, b: fused_remat.layer_norm(x, w, b), norm_inputs(True)),
-        eager=lambda: _step(lambda x, w, b: F.layer_norm(x, (dim,), w.to(x.dtype), b.to(x.dtype)), norm_inputs(True))))
+        eager=lambda: _step(lambda x, w, b: F.layer_norm(x, (dim,), w.to(x.dtype), b.to(x.dtype)), norm_inputs(True)),
+        floor=lambda: function_floor(norm_inputs(True))))
     cases.append(HostCase(
         "rms_norm", "op",
         ours=lambda: _step(lambda x, w: fused_remat.rms_norm(x, w), norm_inputs(False)[:2]),
-        eager=lambda: _step(lambda x, w: F.rms_norm(x, (dim,), w.to(x.dtype), 1e-6), norm_inputs(False)[:2])))
+        eager=lambda: _step(lambda x, w: F.rms_norm(x, (dim,), w.to(x.dtype), 1e-6), norm_inputs(False)[:2]),
+        floor=lambda: function_floor(norm_inputs(False)[:2])))
     cases.append(HostCase(
         "gelu", "op",
         ours=lambda: _step(lambda x: fused_remat.gelu(x, "tanh"), [_tensor(rows, 4 * dim)]),
-        eager=lambda: _step(lambda x: F.gelu(x, approximate="tanh"), [_tensor(rows, 4 * dim)])))
+        eager=lambda: _step(lambda x: F.gelu(x, approximate="tanh"), [_tensor(rows, 4 * dim)]),
+        floor=lambda: function_floor([_tensor(rows, 4 * dim)])))
     cases.append(HostCase(
         "swiglu", "op",
         ours=lambda: _step(fused_remat.swiglu, [_tensor(rows, 4 * dim), _tensor(rows, 4 * dim)]),
-        eager=lambda: _step(lambda g, u: F.silu(g) * u, [_tensor(rows, 4 * dim), _tensor(rows, 4 * dim)])))
+        eager=lambda: _step(lambda g, u: F.silu(g) * u, [_tensor(rows, 4 * dim), _tensor(rows, 4 * dim)]),
+        floor=lambda: function_floor([_tensor(rows, 4 * dim), _tensor(rows, 4 * dim)])))
 
     heads, seq, head_dim = 2, TOKENS, 16
 
@@ -327,7 +337,8 @@ def op_cases() -> list[HostCase]:
     cases.append(HostCase(
         "attention", "op",
         ours=lambda: _step(lambda q, k, v: fused_remat.attention(q, k, v, causal=True), qkv()),
-        eager=lambda: _step(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), qkv())))
+        eager=lambda: _step(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), qkv()),
+        floor=lambda: function_floor(qkv())))
 
     def packed():
         return [_tensor(seq, heads, head_dim) for _ in range(3)] + [_offsets()]
@@ -339,7 +350,8 @@ def op_cases() -> list[HostCase]:
         eager=lambda: _step(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
                             [t.view(1, DOCUMENTS * heads, seq // DOCUMENTS, head_dim).detach().requires_grad_()
                              for t in packed()[:3]]),
-        eager_note=f"SDPA over the {DOCUMENTS} documents as one batch of equal lengths"))
+        eager_note=f"SDPA over the {DOCUMENTS} documents as one batch of equal lengths",
+        floor=lambda: function_floor(packed())))
 
     def rope_case():
         theta = 10000.0
@@ -364,7 +376,7 @@ def op_cases() -> list[HostCase]:
         return call
 
     cases.append(HostCase("rope (forward and inverse)", "op", ours=rope_case, eager=eager_rope,
-                          eager_note="the reference's rotate-half RoPE of q and k", function=False))
+                          eager_note="the reference's rotate-half RoPE of q and k"))
 
     vocab = 256
 
@@ -374,18 +386,21 @@ def op_cases() -> list[HostCase]:
     cases.append(HostCase(
         "linear_cross_entropy", "op",
         ours=lambda: _step(fused_remat.linear_cross_entropy, loss_inputs()),
-        eager=lambda: _step(lambda h, w, t: F.cross_entropy(F.linear(h, w).float(), t), loss_inputs())))
+        eager=lambda: _step(lambda h, w, t: F.cross_entropy(F.linear(h, w).float(), t), loss_inputs()),
+        floor=lambda: function_floor(loss_inputs())))
     return cases
 
 
 def _block_pair(config: dict, seq: int, policy: str | None, budget: float | None = None, documents: bool = False,
                 lora: bool = False):
-    """(ours, eager) builders for one block step."""
+    """(ours, eager, floor) builders for one block step: the floor (``function_floor``) takes the
+    tensors ours' Function takes."""
     import torch
 
     from fused_remat import TransformerBlock, reference
 
-    def build(fused: bool):
+    def build(side: str):
+        fused = side != "eager"
         dtype = getattr(torch, DTYPE)
         block = reference.TransformerBlock(**config, device=DEVICE, dtype=dtype)
         if fused:
@@ -405,9 +420,11 @@ def _block_pair(config: dict, seq: int, policy: str | None, budget: float | None
                 p.requires_grad_(False)
             kwargs["adapters"] = adapters
         inputs = [x, *(t for a in adapters for t in (a.a, a.b)), *(p for p in block.parameters() if p.requires_grad)]
+        if side == "floor":
+            return function_floor([*inputs, *(t for t in kwargs.values() if isinstance(t, torch.Tensor))])
         return _step(lambda x, *_: block(x, **kwargs), inputs)
 
-    return (lambda: build(True)), (lambda: build(False))
+    return tuple(functools.partial(build, side) for side in ("ours", "eager", "floor"))
 
 
 def block_cases() -> list[HostCase]:
@@ -415,16 +432,17 @@ def block_cases() -> list[HostCase]:
     seq = TOKENS
     for shape, config in BLOCKS.items():
         for policy in POLICIES:
-            ours, eager = _block_pair(config, seq, policy)
-            cases.append(HostCase(f"block {shape} {policy}", "block", ours, eager))
-        ours, eager = _block_pair(config, seq, None, budget=MEMORY_BUDGET)
-        cases.append(HostCase(f"block {shape} memory_budget={MEMORY_BUDGET}", "block", ours, eager))
-        ours, eager = _block_pair(config, seq, "cheap", lora=True)
+            ours, eager, floor = _block_pair(config, seq, policy)
+            cases.append(HostCase(f"block {shape} {policy}", "block", ours, eager, floor=floor))
+        ours, eager, floor = _block_pair(config, seq, None, budget=MEMORY_BUDGET)
+        cases.append(HostCase(f"block {shape} memory_budget={MEMORY_BUDGET}", "block", ours, eager, floor=floor))
+        ours, eager, floor = _block_pair(config, seq, "cheap", lora=True)
         cases.append(HostCase(f"block {shape} cheap, LoRA r{LORA_RANK} on qkv and out_proj", "block", ours,
-                              eager))
-        ours, eager = _block_pair(config, seq, "cheap", documents=True)
+                              eager, floor=floor))
+        ours, eager, floor = _block_pair(config, seq, "cheap", documents=True)
         cases.append(HostCase(f"block {shape} cheap, {DOCUMENTS} packed documents", "block", ours, eager,
-                              eager_note="eager has no packed-document attention: its dense causal step"))
+                              eager_note="eager has no packed-document attention: its dense causal step",
+                              floor=floor))
     return cases
 
 
@@ -644,10 +662,12 @@ def markdown(rows: list[dict], env: dict) -> str:
         "(`python -m bench host`, bench/host.py): what a call costs the host before a GPU sees it, never GPU time. "
         "Python calls: the op's own, then in brackets those of the case's `torch.autograd.grad` outside the "
         "Functions it runs (the same for any op) and Triton's launch path (its driver's stand-in included). "
-        "Function floor (timed in turns with each op that runs one): a Python `torch.autograd.Function` that "
-        "allocates its output and its input's gradient and launches nothing, applied and differentiated as the "
-        "ops are; in brackets over eager's time. An op cannot cost less than its floor while it is a Python "
-        "Function: its checks, launches and allocations come on top.",
+        "Function floor (timed in turns with each op and block, all but RoPE's in-place calls): a Python "
+        "`torch.autograd.Function` that takes the call's tensors (a block's: x, its parameters, adapters and "
+        "offsets), keeps them for backward, allocates an output like the first and each input's gradient, and "
+        "launches nothing, applied and differentiated as ours are; in brackets over eager's time. A call cannot "
+        "cost less than its floor while it is a Python Function: its checks, launches, products and "
+        "allocations come on top.",
         "",
         "| case | ours us | eager us | ours / eager | Function floor us (/ eager) | launches "
         "| Python calls (autograd.grad, Triton) | dispatches | eager Python calls (autograd.grad) |",
