@@ -420,8 +420,9 @@ def _block_pair(config: dict, seq: int, policy: str | None, budget: float | None
                 p.requires_grad_(False)
             kwargs["adapters"] = adapters
         inputs = [x, *(t for a in adapters for t in (a.a, a.b)), *(p for p in block.parameters() if p.requires_grad)]
-        if side == "floor":
-            return function_floor([*inputs, *(t for t in kwargs.values() if isinstance(t, torch.Tensor))])
+        if side == "floor":  # the frozen parameters too: the block's Function keeps every one
+            return function_floor([*inputs, *(p for p in block.parameters() if not p.requires_grad),
+                                   *(t for t in kwargs.values() if isinstance(t, torch.Tensor))])
         return _step(lambda x, *_: block(x, **kwargs), inputs)
 
     return tuple(functools.partial(build, side) for side in ("ours", "eager", "floor"))
