@@ -1,6 +1,6 @@
 """The training step as one CUDA graph (training/graphs.py): graphed steps give the eager steps'
-losses and weights, nothing in a step reads values on the host, and every change a replay would
-ignore is refused.
+losses and weights, nothing in a step reads values on the host (nor in an eager step with a fused
+optimizer), and every change a replay would ignore is refused.
 
 Without a GPU the graph itself is stood in for: ``CpuGraphs.capture`` returns a replay that runs
 the captured step again under ``bench.host.host_read_guard`` (which fails on any host read, as
@@ -16,9 +16,10 @@ import math
 import pytest
 import torch
 
-from bench.host import host_read_guard
+from bench.host import HostRead, host_read_guard
 from fused_remat.model import LanguageModel, ModelConfig
 from fused_remat.training import graphs
+from fused_remat.training import step as step_module
 from fused_remat.training.config import TrainConfig
 from fused_remat.training.data import Batch
 from fused_remat.training.step import make_optimizer, set_learning_rate, train_step
@@ -112,6 +113,43 @@ def test_an_id_out_of_range_drops_the_replayed_step_on_the_device(cpu_graphs, wh
     assert torch.isnan(loss)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     assert all(torch.equal(optimizer.state[p]["exp_avg"], m) for p, m in zip(model.parameters(), moments))
+
+
+def test_an_eager_step_with_a_fused_optimizer_drops_a_nonfinite_step_on_the_device(monkeypatch, checked_later):
+    """Without a graph too, train_step(finite_only=True) with a fused optimizer (make_optimizer's on
+    CUDA) leaves its check on the device: a step reads nothing on the host, and a step with NaN
+    gradients (``gradient_scale`` NaN) changes the weights and AdamW's state as the host check's skip
+    does, not at all. An optimizer without found_inf reads the check on the host."""
+    batches = _batches(3)
+
+    def run(on_device: bool):
+        model = LanguageModel(CONFIG, "cheap", device="cpu")
+        model.load_state_dict(start)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        if not on_device:
+            monkeypatch.setattr(step_module, "_drops_on_device", lambda optimizer, grad_norm: False)
+        results, weights = [], []
+        for index, micro_batches in enumerate(batches):
+            with host_read_guard(capturing=False) if on_device else contextlib.nullcontext():
+                results.append(train_step(model, optimizer, micro_batches, grad_clip=0.5, finite_only=True,
+                                          gradient_scale=math.nan if index == 1 else 1.0))
+            weights.append([p.detach().clone() for p in model.parameters()])
+        monkeypatch.undo()
+        return results, weights, [optimizer.state[p] for p in model.parameters()]
+
+    start = LanguageModel(CONFIG, "cheap", device="cpu").state_dict()
+    got, got_weights, got_state = run(on_device=True)
+    want, want_weights, want_state = run(on_device=False)
+    for (loss, norm), (want_loss, want_norm) in zip(got, want):
+        torch.testing.assert_close((loss, norm), (want_loss, want_norm), rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(got[1][1]) and all(map(torch.equal, got_weights[1], got_weights[0]))
+    assert all(torch.equal(a, b) for after, expected in zip(got_weights, want_weights) for a, b in zip(after, expected))
+    assert all(torch.equal(ours[key], theirs[key]) for ours, theirs in zip(got_state, want_state) for key in theirs)
+
+    model = LanguageModel(CONFIG, "cheap", device="cpu")
+    foreach = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    with host_read_guard(capturing=False), pytest.raises(HostRead):
+        train_step(model, foreach, batches[0], finite_only=True)
 
 
 def _document_batches(counts, micro=2, seq=12, seed=2):
@@ -357,6 +395,26 @@ def test_cuda_graph_steps_give_the_eager_steps_losses_and_weights(documents):
         assert torch.equal(loss, want_loss) and torch.equal(norm, want_norm)
     for ours, theirs in zip(graphed.parameters(), eager.parameters()):
         assert torch.equal(ours, theirs)
+
+
+@pytest.mark.gpu
+def test_an_eager_cuda_step_with_make_optimizers_optimizer_never_waits_for_the_gpu():
+    """torch.cuda's sync debug mode raises on any call that waits for the GPU: train_step with
+    finite_only and make_optimizer's fused AdamW makes none, a step with NaN gradients included."""
+    model = LanguageModel(CONFIG, "cheap", device=DEVICE)
+    optimizer = make_optimizer(model, lr=1e-2, weight_decay=0.1)
+    batches = _batches(3, device=DEVICE)
+    train_step(model, optimizer, batches[0], finite_only=True)  # compiles, and makes AdamW's state, outside the check
+    torch.cuda.synchronize()
+    before = [p.detach().clone() for p in model.parameters()]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        train_step(model, optimizer, batches[1], grad_clip=1.0, finite_only=True, gradient_scale=math.nan)
+        after_nan = [p.detach().clone() for p in model.parameters()]
+        train_step(model, optimizer, batches[2], grad_clip=1.0, finite_only=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(map(torch.equal, after_nan, before)) and not torch.equal(next(model.parameters()), before[0])
 
 
 @pytest.mark.gpu

@@ -58,8 +58,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     gradient communication only on the last; then the gradient norm clipped to ``grad_clip`` (0:
     measured, not clipped), the optimizer's step and ``zero_grad(set_to_none=True)``.
     With ``finite_only`` a step whose loss or gradient norm is NaN or infinite changes nothing (its
-    gradients are dropped, the weights and AdamW moments stay as they were), at the cost of one
-    host sync (none while a CUDA graph captures the step: ``graphs.GraphedTrainStep``).
+    gradients are dropped, the weights and AdamW moments stay as they were): a fused torch optimizer
+    (``make_optimizer``'s on CUDA) drops it on the device through its ``found_inf``, as under a
+    GradScaler, and the step reads nothing on the host; any other optimizer costs one host sync
+    before its step (and cannot be captured: ``graphs.GraphedTrainStep``).
     ``gradient_scale`` multiplies every backward (context parallelism: see ``training/distributed.py``).
     Returns the mean loss (detached) and the gradient norm before clipping (a DTensor under FSDP2)."""
     count = len(micro_batches)
@@ -70,9 +72,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
             (loss * (gradient_scale / count)).backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
-    if finite_only and backend.graph_capturing():
-        # A graph cannot read the check on the host: the optimizer drops the step on the device
-        # where found_inf is 1, as under a GradScaler (graphs.check_capturable asks for such an optimizer).
+    if finite_only and (_drops_on_device(optimizer, grad_norm) or backend.graph_capturing()):
+        # The check stays on the device, where the optimizer drops the step if found_inf is 1: a
+        # read on the host would wait for the whole backward before the optimizer's launches, and
+        # a graph cannot read at all (graphs.check_capturable asks for such an optimizer).
         optimizer.found_inf = (~torch.isfinite(loss_sum) | ~torch.isfinite(grad_norm)).float()
         try:
             optimizer.step()
@@ -82,6 +85,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss_sum / count, grad_norm
+
+
+def _drops_on_device(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> bool:
+    """Whether ``optimizer`` takes ``found_inf`` (torch's fused optimizers: what a GradScaler asks)
+    and the gradient norm is a plain tensor (FSDP2's is a DTensor, checked whole on the host)."""
+    return getattr(optimizer, "_step_supports_amp_scaling", False) and type(grad_norm) is torch.Tensor
 
 
 def make_optimizer(model: nn.Module, *, lr: float, weight_decay: float, capturable: bool = False) -> torch.optim.AdamW:
