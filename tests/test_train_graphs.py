@@ -115,7 +115,7 @@ def test_an_id_out_of_range_drops_the_replayed_step_on_the_device(cpu_graphs, wh
     assert all(torch.equal(optimizer.state[p]["exp_avg"], m) for p, m in zip(model.parameters(), moments))
 
 
-def test_an_eager_step_with_a_fused_optimizer_drops_a_nonfinite_step_on_the_device(monkeypatch, checked_later):
+def test_an_eager_step_with_a_fused_optimizer_drops_a_nonfinite_step_on_the_device(checked_later):
     """Without a graph too, train_step(finite_only=True) with a fused optimizer (make_optimizer's on
     CUDA) leaves its check on the device: a step reads nothing on the host, and a step with NaN
     gradients (``gradient_scale`` NaN) changes the weights and AdamW's state as the host check's skip
@@ -126,15 +126,15 @@ def test_an_eager_step_with_a_fused_optimizer_drops_a_nonfinite_step_on_the_devi
         model = LanguageModel(CONFIG, "cheap", device="cpu")
         model.load_state_dict(start)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-        if not on_device:
-            monkeypatch.setattr(step_module, "_drops_on_device", lambda optimizer, grad_norm: False)
         results, weights = [], []
-        for index, micro_batches in enumerate(batches):
-            with host_read_guard(capturing=False) if on_device else contextlib.nullcontext():
-                results.append(train_step(model, optimizer, micro_batches, grad_clip=0.5, finite_only=True,
-                                          gradient_scale=math.nan if index == 1 else 1.0))
-            weights.append([p.detach().clone() for p in model.parameters()])
-        monkeypatch.undo()
+        with pytest.MonkeyPatch.context() as patch:
+            if not on_device:
+                patch.setattr(step_module, "_drops_on_device", lambda optimizer, grad_norm: False)
+            for index, micro_batches in enumerate(batches):
+                with host_read_guard(capturing=False) if on_device else contextlib.nullcontext():
+                    results.append(train_step(model, optimizer, micro_batches, grad_clip=0.5, finite_only=True,
+                                              gradient_scale=math.nan if index == 1 else 1.0))
+                weights.append([p.detach().clone() for p in model.parameters()])
         return results, weights, [optimizer.state[p] for p in model.parameters()]
 
     start = LanguageModel(CONFIG, "cheap", device="cpu").state_dict()
@@ -148,8 +148,9 @@ def test_an_eager_step_with_a_fused_optimizer_drops_a_nonfinite_step_on_the_devi
 
     model = LanguageModel(CONFIG, "cheap", device="cpu")
     foreach = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
-    with host_read_guard(capturing=False), pytest.raises(HostRead):
+    with host_read_guard(capturing=False), pytest.raises(HostRead) as raised:
         train_step(model, foreach, batches[0], finite_only=True)
+    assert any(entry.name == "is_finite" for entry in raised.traceback)  # the check, not the step, read
 
 
 def _document_batches(counts, micro=2, seq=12, seed=2):
